@@ -1,0 +1,1 @@
+"""See reference.py (the numerics) and triton.py (the CUDA kernel)."""
