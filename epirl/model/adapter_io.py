@@ -1,0 +1,80 @@
+"""LoRA adapters in PEFT's on-disk format: `adapter_config.json` + `adapter_model.safetensors`.
+
+That is what `peft.PeftModel.from_pretrained` and vLLM's `LoRARequest` read as is. Tensor names are
+`base_model.model.<module path>.lora_{A,B}.weight` (PEFT drops the adapter name "default" when saving),
+A is [r, in], B is [out, r], unscaled: readers apply lora_alpha / r.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from epirl.model.policy import Policy
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_adapter_config(policy: Policy) -> dict:
+    """The adapter_config.json fields of a PEFT `LoraConfig` (peft ≥ 0.10 reads these keys)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": policy.model_path,
+        "r": policy.lora_rank,
+        "lora_alpha": policy.lora_alpha,
+        "target_modules": sorted(policy.targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
+    }
+
+
+def save_adapter(policy: Policy, out_dir: str | os.PathLike, cfg=None) -> Path:
+    """Write the adapter atomically enough for a reader: files are written then renamed into place.
+
+    `cfg` is accepted for the interface's sake (rank/alpha/targets are taken from the policy itself,
+    which is what the tensors were trained with).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # safetensors wants contiguous CPU tensors; bf16 is what vLLM and PEFT use for adapters of bf16 models,
+    # but the fp32 masters are kept exactly here (readers cast on load).
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in policy.lora_state_dict().items()}
+    tmp_weights, tmp_config = out_dir / f".{ADAPTER_WEIGHTS}.tmp", out_dir / f".{ADAPTER_CONFIG}.tmp"
+    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+    tmp_config.write_text(json.dumps(peft_adapter_config(policy), indent=2))
+    os.replace(tmp_weights, out_dir / ADAPTER_WEIGHTS)
+    os.replace(tmp_config, out_dir / ADAPTER_CONFIG)
+    return out_dir
+
+
+def load_adapter(policy: Policy, in_dir: str | os.PathLike) -> None:
+    """Load a PEFT adapter written by `save_adapter` (or by PEFT for the same targets and rank)."""
+    in_dir = Path(in_dir)
+    config = json.loads((in_dir / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{in_dir}: not a LoRA adapter (peft_type={config.get('peft_type')!r})")
+    if config["r"] != policy.lora_rank or float(config["lora_alpha"]) != float(policy.lora_alpha):
+        raise ValueError(f"{in_dir}: adapter r={config['r']}, alpha={config['lora_alpha']} but the policy has "
+                         f"lora.rank={policy.lora_rank}, lora.alpha={policy.lora_alpha}")
+    state = load_file(str(in_dir / ADAPTER_WEIGHTS), device="cpu")
+    # PEFT checkpoints saved with an explicit adapter name carry it in the key; drop it.
+    state = {k.replace(".lora_A.default.weight", ".lora_A.weight").replace(".lora_B.default.weight", ".lora_B.weight"): v
+             for k, v in state.items()}
+    policy.load_lora_state_dict({k: v.to(torch.float32) for k, v in state.items()})

@@ -1,0 +1,226 @@
+"""Build the trainer's policy from a Hugging Face checkpoint: bf16 base, streamed FP8, or shared FP8.
+
+Every path starts from a skeleton on the meta device (no memory) and materialises tensors one at a time:
+- embeddings, norms, LM head, Qwen3.5's conv1d / A_log / dt_bias: `model.dtype` (bf16 on GPU), always;
+- projections with `trainer.base: bf16`: the checkpoint weights in `model.dtype`, wrapped by `LoRALinear`;
+- with `fp8`: quantized exactly as vLLM's online `fp8_per_tensor` (DESIGN.md contract 1) with ONE scale per
+  fused module (vLLM's `packed_modules_mapping`, below): all members of a group are read into one packed
+  bf16 buffer, quantized together, and dropped. Peak memory = the FP8 model + one packed group in bf16.
+- with `shared`: zero-copy views of the rollout engine's FP8 codes and scales.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
+from epirl.model.policy import Policy
+from epirl.model.weights import RandomSource, SafetensorsSource
+
+log = logging.getLogger(__name__)
+
+# vLLM packs these checkpoint projections into one linear layer and quantizes the packed weight with one
+# scale (vllm/model_executor/models/{llama,qwen3,qwen3_5}.py `packed_modules_mapping`, vLLM 0.26-0.33).
+PACKED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),  # Qwen3.5 gated DeltaNet
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
+}
+_PACKED_NAME_OF = {member: packed for packed, members in PACKED_MODULES.items() for member in members}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` = bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and fp32 keeps CPU tests exact)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def local_model_dir(path: str) -> Path:
+    """A local checkpoint folder for `model.path` (aliases resolved; hub ids downloaded to the HF cache)."""
+    from epirl.config import resolve_model_path
+
+    resolved = resolve_model_path(path)
+    if Path(resolved).is_dir():
+        return Path(resolved)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(resolved, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                             "*.jinja", "*.tiktoken"]))
+
+
+def load_text_config(model_dir: str | Path) -> PretrainedConfig:
+    """The language model's config (Qwen3.5 checkpoints are vision-language: take their text config)."""
+    return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
+
+
+def build_skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+    """The causal LM with every parameter on the meta device; buffers (rotary inv_freq) are real."""
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def projection_groups(model: nn.Module) -> list[list[str]]:
+    """Qualified names of all projections, grouped as vLLM fuses them (q,k,v / gate,up / qkv,z / b,a)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, _ in projection_modules(model, ALL_PROJECTIONS):
+        parent, _, leaf = name.rpartition(".")
+        groups.setdefault((parent, _PACKED_NAME_OF.get(leaf, leaf)), []).append(name)
+    order = {member: i for members in PACKED_MODULES.values() for i, member in enumerate(members)}
+    return [sorted(names, key=lambda n: order.get(n.rpartition(".")[2], 0)) for names in groups.values()]
+
+
+def _set_tensor(model: nn.Module, qualified_name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = qualified_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[leaf] = tensor
+
+
+def materialize_params(model: nn.Module, source, device: torch.device, dtype: torch.dtype,
+                       skip_modules: set[str]) -> None:
+    """Load every meta parameter outside `skip_modules` from `source`; tie embeddings; move buffers."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if name.rpartition(".")[0] in skip_modules or not param.is_meta:
+            continue
+        if tied and name == "lm_head.weight":
+            continue  # tied below to the embedding (SmolLM2 / Llama checkpoints have no lm_head tensor)
+        if name not in source:
+            raise KeyError(f"checkpoint has no tensor for {name}")
+        _set_tensor(model, name, source.get(name, param.shape, dtype, device))
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+    for name, buffer in list(model.named_buffers()):
+        if buffer.device != device:
+            _set_tensor(model, name, buffer.to(device))
+
+
+def quantize_group(names: list[str], model: nn.Module, source, device: torch.device, dtype: torch.dtype
+                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Quantize one fused group as vLLM does: pack the members' weights, one amax, one scale.
+
+    Returns {member name: (codes view [N_i, K] into the packed codes, shared scale [1])}.
+    """
+    from epirl.kernels import quantize_weight_fp8
+
+    shapes = [model.get_submodule(n).weight.shape for n in names]
+    out_sizes = [s[0] for s in shapes]
+    packed_W = torch.empty(sum(out_sizes), shapes[0][1], dtype=dtype, device=device)
+    row = 0
+    for name, size, shape in zip(names, out_sizes, shapes):
+        # The engine quantizes the weight as it holds it, in the model dtype: read it in that dtype.
+        packed_W[row:row + size].copy_(source.get(f"{name}.weight", shape, dtype, device))
+        row += size
+    codes_N_K, scale = quantize_weight_fp8(packed_W, group_sizes=out_sizes if len(names) > 1 else None)
+    del packed_W
+    views, row = {}, 0
+    for name, size in zip(names, out_sizes):
+        views[name] = (codes_N_K[row:row + size], scale)
+        row += size
+    return views
+
+
+def _fp8_module(name: str, linear: nn.Module, codes_N_K: torch.Tensor, scale: torch.Tensor, trainable: bool,
+                rank: int, alpha: float, seed: int, bias: torch.Tensor | None) -> nn.Module:
+    from epirl.kernels import Fp8LoRALinear
+
+    out_features, in_features = codes_N_K.shape
+    if (out_features, in_features) != tuple(linear.weight.shape):
+        raise ValueError(f"{name}: FP8 codes {tuple(codes_N_K.shape)} != weight {tuple(linear.weight.shape)}")
+    if not trainable:  # a projection outside lora.targets: FP8 base only, no adapter
+        return Fp8LoRALinear(codes_N_K, scale, None, None, 0.0, bias=bias)
+    lora_a, lora_b = init_lora_weights(name, rank, in_features, out_features, seed)
+    device = codes_N_K.device
+    return Fp8LoRALinear(codes_N_K, scale, nn.Parameter(lora_a.to(device)), nn.Parameter(lora_b.to(device)),
+                         alpha / rank, bias=bias)
+
+
+def install_fp8_projections(model: nn.Module, source, device: torch.device, dtype: torch.dtype,
+                            targets: list[str], rank: int, alpha: float, seed: int,
+                            engine_views: dict | None = None) -> None:
+    """Replace every projection by an Fp8LoRALinear, one fused group at a time."""
+    for names in projection_groups(model):
+        views = ({n: engine_views[n] for n in names} if engine_views is not None
+                 else quantize_group(names, model, source, device, dtype))
+        for name in names:
+            linear = model.get_submodule(name)
+            bias = None if linear.bias is None else source.get(f"{name}.bias", linear.bias.shape, dtype, device)
+            codes_N_K, scale = views[name]
+            trainable = name.rpartition(".")[2] in targets
+            replace_module(model, name, _fp8_module(name, linear, codes_N_K, scale, trainable, rank, alpha,
+                                                    seed, bias))
+
+
+def build_policy(config: PretrainedConfig, source, base: str, device: torch.device, dtype: torch.dtype,
+                 rank: int, alpha: float, targets: list[str], seed: int, model_path: str,
+                 gradient_checkpointing: bool = False, engine_views: dict | None = None) -> Policy:
+    """Skeleton → materialised base (bf16 / fp8 / shared) → LoRA on `targets` → Policy."""
+    if base not in ("bf16", "fp8", "shared"):
+        raise ValueError(f"trainer.base must be bf16, fp8 or shared, got {base!r}")
+    unknown = set(targets) - set(ALL_PROJECTIONS)
+    if unknown:
+        raise ValueError(f"lora.targets: unknown projection(s) {sorted(unknown)}; known: {list(ALL_PROJECTIONS)}")
+    model = build_skeleton(config, dtype)
+    if base == "bf16":
+        materialize_params(model, source, device, dtype, skip_modules=set())
+        inject_lora(model, targets, rank, alpha, seed)
+    else:
+        projections = {name for name, _ in projection_modules(model)}
+        materialize_params(model, source, device, dtype, skip_modules=projections)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        install_fp8_projections(model, source, device, dtype, targets, rank, alpha, seed, engine_views)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise RuntimeError(f"parameters left on the meta device: {leftover[:4]}")
+    if gradient_checkpointing:
+        # Non-reentrant: works although the frozen embeddings' outputs do not require grad.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    _warn_if_slow_linear_attention(config, device)
+    return Policy(model, base, rank, alpha, targets, model_path)
+
+
+def _warn_if_slow_linear_attention(config: PretrainedConfig, device: torch.device) -> None:
+    """transformers picks flash-linear-attention's chunk_gated_delta_rule when `fla` imports, else torch."""
+    if "linear_attention" in (getattr(config, "layer_types", None) or []) and device.type == "cuda" \
+            and importlib.util.find_spec("fla") is None:
+        log.warning("Qwen3.5 linear attention on CUDA without flash-linear-attention: transformers' torch "
+                    "fallback is correct but >10x slower; pip install flash-linear-attention")
+
+
+def load_policy(cfg, device, engine=None) -> Policy:
+    """The trainer's policy for `cfg` (EpirlConfig): `trainer.base` bf16 | fp8 | shared (needs `engine`)."""
+    device = torch.device(device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    model_dir = local_model_dir(cfg.model.path)
+    engine_views = None
+    if cfg.trainer.base == "shared":
+        if engine is None:
+            raise ValueError("trainer.base=shared needs the rollout engine (its FP8 weights are the base)")
+        engine_views = engine.base_weight_views()
+    return build_policy(load_text_config(model_dir), SafetensorsSource(model_dir), cfg.trainer.base, device,
+                        dtype, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets), cfg.seed,
+                        model_path=str(cfg.model.path), gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+                        engine_views=engine_views)
+
+
+def random_policy(config: PretrainedConfig, base: str, device, rank: int, alpha: float, targets: list[str],
+                  seed: int = 0, dtype: torch.dtype = torch.bfloat16, gradient_checkpointing: bool = False
+                  ) -> Policy:
+    """A policy with seeded random base weights generated on `device` (benchmarks, GPU memory tests)."""
+    return build_policy(config, RandomSource(seed), base, torch.device(device), dtype, rank, alpha, targets, seed,
+                        model_path=f"random:{config.model_type}", gradient_checkpointing=gradient_checkpointing)

@@ -1,0 +1,157 @@
+"""Memory accounting of the trainer (what a policy holds) and a pre-flight estimate (will a recipe fit?).
+
+Base weights are counted by storage, so tied embeddings and the views of one packed FP8 buffer (q/k/v
+codes share the engine's qkv storage) are counted once. Embeddings, norms and the LM head stay in the
+model dtype (bf16) under every base: they are reported separately as `base_other_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
+
+GiB = 1024 ** 3
+# AdamW keeps two fp32 moments per trainable element; gradients are the parameters' dtype (fp32 masters).
+ADAM_STATE_BYTES_PER_ELEMENT = 8
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _is_projection(module_name: str, module: nn.Module) -> bool:
+    return module_name.rpartition(".")[2] in ALL_PROJECTIONS and not isinstance(module, nn.ModuleList)
+
+
+def policy_memory_report(policy) -> dict:
+    """Bytes held by the policy: base projections (and their dtype), other base tensors, LoRA, optimizer."""
+    seen: set[int] = set()
+    totals = {"base_projection_bytes": 0, "base_other_bytes": 0, "lora_param_bytes": 0}
+    projection_dtypes: set[str] = set()
+    lora_elements = 0
+    for module_name, module in policy.model.named_modules():
+        projection = _is_projection(module_name, module)
+        tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        for name, t in tensors:
+            if t.is_meta or _storage_key(t) in seen:
+                continue
+            seen.add(_storage_key(t))
+            nbytes = t.untyped_storage().nbytes()
+            if is_lora_module(module) and name in ("lora_A", "lora_B"):
+                totals["lora_param_bytes"] += nbytes
+                lora_elements += t.numel() if t.requires_grad else 0
+            elif projection:
+                totals["base_projection_bytes"] += nbytes
+                if t.ndim == 2:
+                    projection_dtypes.add(str(t.dtype).removeprefix("torch."))
+            else:
+                totals["base_other_bytes"] += nbytes
+    report = dict(totals)
+    report["base_weight_bytes"] = totals["base_projection_bytes"] + totals["base_other_bytes"]
+    report["base_projection_dtype"] = ",".join(sorted(projection_dtypes))
+    report["lora_grad_bytes"] = totals["lora_param_bytes"]
+    report["optimizer_bytes_est"] = lora_elements * ADAM_STATE_BYTES_PER_ELEMENT
+    static = report["base_weight_bytes"] + 2 * totals["lora_param_bytes"] + report["optimizer_bytes_est"]
+    report["static_bytes"] = static
+    device = policy.device
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        report["cuda_peak_allocated_bytes"] = peak
+        # Everything above the static footprint at the peak: activations, logits chunks, temporaries.
+        report["peak_activation_bytes_est"] = max(0, peak - static)
+    return report
+
+
+@dataclass
+class TrainerEstimate:
+    base_projection_bytes: int
+    base_other_bytes: int
+    lora_total_bytes: int  # parameters + gradients + AdamW moments
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.base_projection_bytes + self.base_other_bytes + self.lora_total_bytes + self.activation_bytes
+
+
+def count_parameters(config) -> tuple[dict[str, tuple[int, int]], int]:
+    """({projection name: (out, in)}, non-projection element count) from a meta-device skeleton."""
+    from epirl.model.loading import build_skeleton
+
+    model = build_skeleton(config, torch.bfloat16)
+    projections = {n: tuple(m.weight.shape) for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and _is_projection(n, m)}
+    projection_ids = {id(model.get_submodule(n).weight) for n in projections}
+    other = sum(p.numel() for p in model.parameters() if id(p) not in projection_ids)
+    return projections, other
+
+
+def activation_bytes_per_token(config, gradient_checkpointing: bool, dtype_bytes: int = 2) -> int:
+    """Saved activations per token for a LoRA backward (rough, errs high).
+
+    Without checkpointing each layer keeps the inputs of its projections (LoRA's dA needs x), attention
+    q/k/v/out, the MLP's gate/up/act, norms and residuals: ~(6H + 3q + 2kv + 4I) values. With
+    checkpointing only the layer input H per layer stays, plus one layer's worth during its recompute.
+    """
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_dim = 2 * config.num_attention_heads * head_dim  # Qwen3.5 gates attention output: q_proj is 2x wide
+    kv_dim = config.num_key_value_heads * head_dim
+    per_layer = 6 * hidden + 3 * q_dim + 2 * kv_dim + 4 * inter
+    layers = config.num_hidden_layers
+    values = layers * hidden + per_layer if gradient_checkpointing else layers * per_layer
+    return values * dtype_bytes
+
+
+def estimate_trainer_bytes(config, base: str, rank: int, targets: list[str], micro_batch_tokens: int,
+                           gradient_checkpointing: bool, logprob_chunk_tokens: int) -> TrainerEstimate:
+    projections, other_elements = count_parameters(config)
+    projection_elements = sum(o * i for o, i in projections.values())
+    bytes_per_code = {"bf16": 2, "fp8": 1, "shared": 0}[base]  # shared: the engine already holds them
+    lora_elements = sum(rank * (o + i) for n, (o, i) in projections.items() if n.rpartition(".")[2] in targets)
+    # fp32 param + fp32 grad + two fp32 AdamW moments
+    lora_total = lora_elements * (4 + 4 + ADAM_STATE_BYTES_PER_ELEMENT)
+    # One chunk of fp32 logits, its log-softmax and their gradient exist at once.
+    logits_bytes = 3 * 4 * logprob_chunk_tokens * config.vocab_size
+    activations = micro_batch_tokens * activation_bytes_per_token(config, gradient_checkpointing) + logits_bytes
+    return TrainerEstimate(projection_elements * bytes_per_code, other_elements * 2, lora_total, activations)
+
+
+class PreflightError(RuntimeError):
+    """The recipe cannot fit the device; the message names the setting to change."""
+
+
+def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safety: float = 0.9) -> TrainerEstimate:
+    """Raise PreflightError (one line) if the trainer's estimate exceeds `safety` × the bytes it may use.
+
+    `device_total_bytes - reserved_bytes` is the trainer's budget: the caller reserves what the engine
+    keeps during training (weights; the KV cache is released when `engine.kv_release`).
+    """
+    from transformers import AutoConfig
+
+    from epirl.config import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path)).get_text_config()
+    tokens = cfg.trainer.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rl.max_tokens)
+    estimate = estimate_trainer_bytes(config, cfg.trainer.base, cfg.lora.rank, list(cfg.lora.targets), tokens,
+                                      cfg.trainer.gradient_checkpointing, cfg.trainer.logprob_chunk_tokens)
+    budget = (device_total_bytes - reserved_bytes) * safety
+    if estimate.total_bytes <= budget:
+        return estimate
+    base = estimate.base_projection_bytes + estimate.base_other_bytes
+    if estimate.activation_bytes >= base and not cfg.trainer.gradient_checkpointing:
+        hint = "set trainer.gradient_checkpointing=true or lower trainer.micro_batch_size"
+    elif estimate.activation_bytes >= base:
+        hint = f"lower trainer.micro_batch_size (now {cfg.trainer.micro_batch_size})"
+    elif cfg.trainer.base == "bf16":
+        hint = "use trainer.base=fp8 (or shared)"
+    else:
+        hint = "lower engine.gpu_memory_utilization or lora.rank, or use a larger GPU"
+    raise PreflightError(
+        f"trainer needs ~{estimate.total_bytes / GiB:.1f} GiB (base {base / GiB:.1f}, LoRA+AdamW "
+        f"{estimate.lora_total_bytes / GiB:.2f}, activations {estimate.activation_bytes / GiB:.1f} for "
+        f"{tokens} tokens/micro-batch) but only {budget / GiB:.1f} GiB is available: {hint}")

@@ -1,0 +1,143 @@
+"""`Policy`: the trainer-side causal LM with LoRA linears, and log-probs computed in token chunks.
+
+The LM head runs over `chunk_tokens` tokens at a time with an fp32 log-softmax, so the
+[tokens, vocab] logits never exist at once (a 9B Qwen3.5 has a 248k vocabulary: 8×2048 tokens of fp32
+logits would be 16 GB). Each chunk is activation-checkpointed, so the backward recomputes one chunk's
+logits at a time instead of keeping all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from epirl.model.lora import lora_modules
+
+
+def peft_key(module_name: str, which: str) -> str:
+    """PEFT's saved tensor name: `base_model.model.<module path>.lora_{A,B}.weight`."""
+    return f"base_model.model.{module_name}.lora_{which}.weight"
+
+
+def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weight_V_H: torch.Tensor,
+                    head_bias_V: torch.Tensor | None, inv_temperature: float, with_entropy: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    # The head matmul stays in the model dtype (as vLLM's logits processor); the softmax is fp32
+    # on logits / T, which is what the engine's processed_logprobs are (contract 5).
+    logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() * inv_temperature
+    logprobs_N_V = torch.log_softmax(logits_N_V, dim=-1)
+    token_logprobs_N = logprobs_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return token_logprobs_N, token_logprobs_N.new_empty(0)
+    entropy_N = -(logprobs_N_V.exp() * logprobs_N_V).sum(-1)
+    return token_logprobs_N, entropy_N
+
+
+def chunked_token_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, lm_head: nn.Linear,
+                           temperature: float, chunk_tokens: int, with_entropy: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target | hidden) in fp32 for N tokens, computing at most `chunk_tokens` rows of logits at once."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    if chunk_tokens <= 0:
+        raise ValueError(f"trainer.logprob_chunk_tokens must be > 0, got {chunk_tokens}")
+    # Checkpoint only when a backward will come: otherwise there is nothing to save or recompute.
+    recompute = torch.is_grad_enabled() and hidden_N_H.requires_grad
+    logprobs, entropies = [], []
+    for start in range(0, hidden_N_H.shape[0], chunk_tokens):
+        args = (hidden_N_H[start:start + chunk_tokens], targets_N[start:start + chunk_tokens],
+                lm_head.weight, lm_head.bias, 1.0 / temperature, with_entropy)
+        logprobs_n, entropy_n = (checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute
+                                 else _chunk_logprobs(*args))
+        logprobs.append(logprobs_n)
+        entropies.append(entropy_n)
+    logprobs_N = torch.cat(logprobs)
+    return logprobs_N, (torch.cat(entropies) if with_entropy else None)
+
+
+class Policy:
+    """A transformers causal LM whose target projections are LoRA linears (bf16 or FP8 base)."""
+
+    def __init__(self, model: nn.Module, base: str, lora_rank: int, lora_alpha: float, targets: list[str],
+                 model_path: str):
+        self.model = model
+        self.base = base
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha
+        self.targets = list(targets)
+        self.model_path = model_path
+        self._lora_modules = lora_modules(model)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def lora_modules(self) -> dict[str, nn.Module]:
+        return dict(self._lora_modules)
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self._lora_modules.values() for p in (m.lora_A, m.lora_B)]
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """PEFT-named, unscaled, detached clones (vLLM scales B in place when it loads an adapter)."""
+        state = {}
+        for name, module in self._lora_modules.items():
+            state[peft_key(name, "A")] = module.lora_A.detach().clone()
+            state[peft_key(name, "B")] = module.lora_B.detach().clone()
+        return state
+
+    @torch.no_grad()
+    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of `lora_state_dict`; every LoRA tensor must be present with the right shape."""
+        expected = {peft_key(n, w) for n in self._lora_modules for w in "AB"}
+        missing, unexpected = expected - state.keys(), state.keys() - expected
+        if missing or unexpected:
+            raise KeyError(f"LoRA state dict mismatch: {len(missing)} missing (e.g. {sorted(missing)[:2]}), "
+                           f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})")
+        for name, module in self._lora_modules.items():
+            for which in "AB":
+                param = getattr(module, f"lora_{which}")
+                tensor = state[peft_key(name, which)]
+                if tensor.shape != param.shape:
+                    raise ValueError(f"{peft_key(name, which)}: shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                                     f" (adapter rank {tensor.shape} vs lora.rank={self.lora_rank}?)")
+                param.copy_(tensor)
+
+    def hidden_states(self, input_ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """The decoder body's final (normed) hidden states [B, T, H]; no logits."""
+        body = self.model.get_decoder()
+        out = body(input_ids=input_ids_B_T, attention_mask=attention_mask_B_T, use_cache=False)
+        return out.last_hidden_state
+
+    def token_logprobs(self, input_ids_B_T: torch.Tensor, targets_B_T: torch.Tensor, temperature: float,
+                       chunk_tokens: int, with_entropy: bool = False,
+                       attention_mask_B_T: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 log p(targets[b, t] | input_ids[b, :t+1]) / T-softmax, [B, T]; optional entropy [B, T].
+
+        Differentiable w.r.t. the LoRA parameters. With right padding no attention mask is needed
+        (causal attention never looks right); pass one for left padding.
+        """
+        hidden_B_T_H = self.hidden_states(input_ids_B_T, attention_mask_B_T)
+        batch, seq = targets_B_T.shape
+        hidden_N_H = hidden_B_T_H.reshape(batch * seq, -1)
+        logprobs_N, entropy_N = chunked_token_logprobs(
+            hidden_N_H, targets_B_T.reshape(-1), self.model.get_output_embeddings(), temperature,
+            chunk_tokens, with_entropy)
+        entropy_B_T = None if entropy_N is None else entropy_N.view(batch, seq)
+        return logprobs_N.view(batch, seq), entropy_B_T
+
+    def memory_report(self) -> dict:
+        from epirl.model.memory import policy_memory_report
+        return policy_memory_report(self)
+
+    def train(self) -> "Policy":
+        self.model.train()
+        return self
+
+    def eval(self) -> "Policy":
+        self.model.eval()
+        return self
