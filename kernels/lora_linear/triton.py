@@ -1,0 +1,42 @@
+"""Triton backward of the FP8 LoRA linear (see reference.py for the math and rounding points).
+
+dX reads the codes in place as `[N, K]` with N as the reduction dim (strides (1, K) in the shared GEMM)
+and widens them to bf16 in registers - no dequantized weight ever exists; the LoRA term σ(gB)A rides in
+the same kernel's epilogue. gB = g·B and the weight gradients dA = σ gBᵀx, dB = σ gᵀxa are skinny
+(rank-r) GEMMs reducing over tokens: they go to cuBLAS with bf16 inputs and fp32 accumulation.
+Backward need not be batch invariant, so its tile config may depend on M.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..w8a16_lora.triton import lora_down, scaled_gemm_lora
+
+DX_CONFIG_LARGE = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+DX_CONFIG_SMALL = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)
+
+
+def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx=True):
+    N, K = codes.shape
+    g = grad_y.reshape(-1, N).to(x.dtype)
+    if g.stride(1) != 1:
+        g = g.contiguous()
+    x2 = x.reshape(-1, K)
+    has_lora = lora_a is not None
+    a = lora_a.to(x.dtype).contiguous() if has_lora else None
+    b = lora_b.to(x.dtype) if has_lora else None
+    # gb = act(g · B): the shared GEMM with w = Bᵀ viewed `[r, N]`, no scale
+    gb = scaled_gemm_lora(g, b.t(), x.dtype, config=DX_CONFIG_SMALL) if has_lora else None
+    dx = None
+    if need_dx:
+        cfg = DX_CONFIG_LARGE if g.shape[0] >= 1024 else DX_CONFIG_SMALL
+        dx = scaled_gemm_lora(g, codes.t(), x.dtype, w_scale=scale.float().reshape(1),
+                              xa=gb, lora_b=a.t() if has_lora else None, lora_scale=lora_scale,
+                              config=cfg).reshape(x.shape)
+    if not has_lora:
+        return dx, None, None
+    d_a = torch.mm(gb.t(), x2).float() * lora_scale
+    xa = lora_down(x2.contiguous(), a)
+    d_b = torch.mm(g.t(), xa).float() * lora_scale
+    return dx, d_a, d_b

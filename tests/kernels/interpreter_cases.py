@@ -1,0 +1,107 @@
+"""Triton kernels on tiny shapes in Triton's CPU interpreter (run by test_triton_interpreter.py in a
+subprocess with TRITON_INTERPRET=1 set before triton is imported). Prints one JSON line per case.
+
+Interpreter limits seen with triton 3.9 (so the interpreter kernels widen dot operands to fp32, and
+fp8 down-conversion is checked on the GPU only): bf16 `tl.dot` returns garbage, and fp32 -> e4m3
+conversion rounds wrongly when rounding carries into the next binade (e.g. 31.85 -> 16 instead of 32).
+"""
+
+import json
+import os
+import sys
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from epirl.kernels import quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora  # noqa: E402
+from epirl.kernels.lora_linear.reference import lora_linear_backward as ref_backward  # noqa: E402
+from epirl.kernels.lora_linear.triton import lora_linear_backward as tri_backward  # noqa: E402
+from epirl.kernels.w8a16_lora.triton import lora_down, scaled_gemm_lora  # noqa: E402
+
+
+def problem(M, K, N, r, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g) * 0.05, backend="reference")
+    a = (torch.randn(r, K, generator=g) * 0.1).bfloat16()
+    b = (torch.randn(N, r, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(N, generator=g).bfloat16()
+    return x, codes, scale, a, b, bias
+
+
+def close_bf16(got, want, ulps=2.0):
+    """Within a few bf16 ulps of the reference, plus a floor of a few ulps of the typical magnitude:
+    fp32 (vs exact) accumulation can flip the bf16 rounding of the LoRA intermediate by one ulp, which
+    moves small outputs by a fraction of an ulp of the large ones."""
+    tol = (want.float().abs() + want.float().abs().mean()) * (ulps * 2 ** -8)
+    return bool(torch.all((got.float() - want.float()).abs() <= tol)) and not torch.isnan(got).any()
+
+
+def case_w8a16_masks_epilogue():
+    for M, K, N, r in [(5, 40, 70, 8), (67, 200, 130, 16)]:
+        x, codes, scale, a, b, bias = problem(M, K, N, r)
+        got = w8a16_lora(x, codes, scale, a, b, 0.5, bias, backend="triton")
+        want = w8a16_lora(x, codes, scale, a, b, 0.5, bias, backend="reference")
+        assert got.shape == want.shape and close_bf16(got, want), (M, K, N, r)
+        plain = w8a16_lora(x, codes, scale, backend="triton")
+        assert close_bf16(plain, w8a16_lora(x, codes, scale, backend="reference"))
+
+
+def case_w8a16_batch_invariant_rows():
+    x, codes, scale, a, b, bias = problem(67, 72, 33, 8, seed=1)
+    full = w8a16_lora(x, codes, scale, a, b, 1.0, bias, backend="triton")
+    for rows in (slice(0, 1), slice(3, 6), slice(60, 67)):
+        assert torch.equal(w8a16_lora(x[rows], codes, scale, a, b, 1.0, bias, backend="triton"), full[rows])
+
+
+def case_lora_down_split_chunks():
+    x, _, _, a, _, _ = problem(9, 300, 8, 24, seed=2)  # 300 = 16 splits of 64-aligned chunks, ragged end
+    got = lora_down(x, a)
+    want = (x.double() @ a.double().t()).bfloat16()
+    assert close_bf16(got, want)
+
+
+def case_w8a8_gemm_on_reference_codes():
+    # fp8 activation codes come from the reference (interpreter e4m3 rounding is broken), the GEMM,
+    # per-row scale and epilogue are the Triton kernel's
+    x, codes, scale, a, b, bias = problem(19, 96, 50, 8, seed=3)
+    q, s = quantize_activation_fp8(x, backend="reference")
+    got = scaled_gemm_lora(q, codes, torch.bfloat16, w_scale=scale, x_scale=s.reshape(-1))
+    want = w8a8_lora(x, codes, scale, backend="reference")
+    assert close_bf16(got, want)
+
+
+def case_quant_scales():
+    x = torch.randn(7, 300).bfloat16() * 3
+    x[2] = 0
+    x[3, 5] = float("nan")
+    _, s = quantize_activation_fp8(x, backend="triton")
+    _, s_ref = quantize_activation_fp8(x, backend="reference")
+    assert torch.equal(s, s_ref)
+    w = torch.randn(40, 33)
+    _, sw = quantize_weight_fp8(w, backend="triton")
+    assert torch.equal(sw, quantize_weight_fp8(w, backend="reference")[1])
+
+
+def case_backward():
+    for M, K, N, r in [(6, 48, 40, 8), (70, 130, 72, 16)]:
+        x, codes, scale, a, b, _ = problem(M, K, N, r, seed=4)
+        gy = torch.randn(M, N).bfloat16()
+        got = tri_backward(gy, x, codes, scale, a, b, 2.0, True)
+        want = ref_backward(gy, x, codes, scale, a, b, 2.0, True)
+        assert close_bf16(got[0], want[0], ulps=4), "dX"
+        for g, w in zip(got[1:], want[1:]):  # dA, dB go through bf16 cuBLAS-style mm
+            assert ((g - w).norm() / w.norm()).item() < 1e-2
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or CASES:
+        try:
+            CASES[name]()
+            print(json.dumps({"case": name, "ok": True}), flush=True)
+        except Exception:
+            print(json.dumps({"case": name, "ok": False, "error": traceback.format_exc()}), flush=True)
