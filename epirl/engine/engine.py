@@ -1,0 +1,264 @@
+"""`RolloutEngine`: vLLM in-process, one adapter slot, three precisions.
+
+The RL loop, eval and the mismatch tool talk to vLLM only through this class. It builds `vllm.LLM` in
+this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the model, its FP8 tensors and the LoRA manager
+are reachable as Python objects), samples with `processed_logprobs` (log-probs after temperature, the
+same quantity the trainer recomputes), publishes the trainer's adapter in memory after every optimizer
+step, and releases the KV cache around training. Version differences live in `compat`; the matched
+W8A16 method and the CPU W8A8 emulation live in `plugin`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from epirl.engine import compat
+from epirl.engine.lora_publish import AdapterPublisher
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("bf16", "w8a8", "w8a16")
+
+
+@dataclass
+class Completion:
+    """One sampled completion: tokens, their processed log-probs (after temperature), text, why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length"
+
+
+def _resolve_model_path(path: str) -> str:
+    try:
+        from epirl.config import resolve_model_path
+    except ImportError:  # config module not importable (e.g. a partial checkout): same rule, local
+        if path == "smollm2":
+            from epirl.model.smollm2 import smollm2_path
+
+            return smollm2_path()
+        return path
+    return resolve_model_path(path)
+
+
+def _quantization(precision: str) -> str | None:
+    """vLLM `quantization=` for an engine precision (the plugin registers the epirl names)."""
+    if precision == "bf16":
+        return None
+    if precision == "w8a16":
+        return "epirl_w8a16"
+    if precision == "w8a8":
+        # vLLM's own FP8 engine on CUDA; vLLM has no W8A8 kernels on CPU, so the plugin emulates it
+        # there with the kernels' references (same quantization contracts).
+        return compat.fp8_per_tensor_method() if compat.on_cuda() else "epirl_w8a8_emu"
+    raise ValueError(f"engine.precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+class RolloutEngine:
+    """vLLM rollout engine with an in-memory adapter slot (see module docstring)."""
+
+    def __init__(self, cfg: Any):
+        compat.set_process_env(getattr(cfg.engine, "cpu_kv_cache_gb", None))
+        from epirl.engine import plugin
+
+        plugin.register()  # idempotent; the entry point also calls it when vLLM loads plugins
+        import vllm
+
+        self.cfg = cfg
+        self.precision = cfg.engine.precision
+        quantization = _quantization(self.precision)
+        self.model_path = _resolve_model_path(cfg.model.path)
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path,
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.model.max_model_len,
+            max_num_seqs=cfg.engine.max_num_seqs,
+            enforce_eager=cfg.engine.enforce_eager,
+            enable_lora=True,
+            max_lora_rank=compat.lora_rank_slot(cfg.lora.rank),
+            max_loras=1,
+            max_cpu_loras=2,
+            seed=cfg.seed,
+            logprobs_mode="processed_logprobs",
+            quantization=quantization,
+        )
+        if compat.on_cuda():
+            kwargs["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+            # Sleep mode puts weights and KV cache in CuMemAllocator pools, which is what lets the KV
+            # cache be unmapped while the (shared) weights stay where they are.
+            kwargs["enable_sleep_mode"] = bool(cfg.engine.kv_release)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "quantization"}
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(**kwargs)
+        self.start_s = time.perf_counter() - t0
+        log.info("vLLM %s engine (%s, quantization=%s) started in %.1f s",
+                 compat.vllm_version(), self.precision, quantization, self.start_s)
+        self.tokenizer = self.llm.get_tokenizer()
+        self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
+        plugin.attach(self)  # w8a16: fused LoRA path reads the live adapter; no-op for other precisions
+        self._kv_released = False
+        self._weight_checksums = self._checksum_weights() if compat.kv_release_mode(self.llm) != "none" else {}
+
+    # ------------------------------------------------------------------------------------------------
+    # Sampling and scoring
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def adapter(self):
+        """The live `PublishedAdapter` (None before the first publish)."""
+        return self._publisher.current
+
+    def _lora_request(self, use_adapter: bool):
+        current = self._publisher.current
+        return current.request if (use_adapter and current is not None) else None
+
+    def generate(self, prompt_ids_P: list[list[int]], n: int, max_tokens: int, temperature: float,
+                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True
+                 ) -> list[list[Completion]]:
+        """n samples per prompt with the sampled tokens' processed log-probs; returns [P][n]."""
+        from vllm import SamplingParams
+
+        self._check_awake()
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                seed=seed, logprobs=0)
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids_P]
+        lora = self._lora_request(use_adapter)
+        with self._active(lora):
+            outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        result = []
+        for out in outs:
+            group = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if ids else []
+                group.append(Completion(ids, lps, c.text, c.finish_reason or "length"))
+            result.append(group)
+        return result
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+              temperature: float = 1.0, use_adapter: bool = True) -> list[list[float]]:
+        """log p(completion token | prefix) under the engine, after temperature, one list per pair.
+
+        Uses vLLM's prompt log-probs over prompt+completion (max_tokens=1); see
+        `compat.prompt_temperature` for how T != 1 is honoured.
+        """
+        from vllm import SamplingParams
+
+        self._check_awake()
+        if len(prompt_ids) != len(completion_ids):
+            raise ValueError("score: prompt_ids and completion_ids differ in length")
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        prompts = [{"prompt_token_ids": list(p) + list(c)} for p, c in zip(prompt_ids, completion_ids)]
+        lora = self._lora_request(use_adapter)
+        with self._active(lora), compat.prompt_temperature(self.llm, temperature):
+            outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        result = []
+        for out, p, c in zip(outs, prompt_ids, completion_ids):
+            plp = out.prompt_logprobs
+            result.append([plp[len(p) + j][t].logprob for j, t in enumerate(c)])
+        return result
+
+    def _active(self, lora_request):
+        from epirl.engine import plugin
+
+        return plugin.active_adapter(self, lora_request)
+
+    # ------------------------------------------------------------------------------------------------
+    # Adapter slot
+    # ------------------------------------------------------------------------------------------------
+
+    def publish(self, lora_tensors: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        """Publish the trainer's adapter in memory (clones; new name and id). Returns metrics."""
+        self._check_awake()
+        return self._publisher.publish(lora_tensors, step)
+
+    def load_adapter_dir(self, path: str) -> None:
+        """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) becomes the live adapter."""
+        self._publisher.use_directory(path)
+
+    # ------------------------------------------------------------------------------------------------
+    # KV cache release around training; shared FP8 base
+    # ------------------------------------------------------------------------------------------------
+
+    def release_kv(self) -> dict[str, float]:
+        """Free the KV cache (weights stay). Logged no-op where vLLM has no sleep mode (CPU)."""
+        mode = compat.kv_release_mode(self.llm)
+        if mode == "none" or not self.cfg.engine.kv_release:
+            log.debug("release_kv: no-op (mode=%s, kv_release=%s)", mode, self.cfg.engine.kv_release)
+            return {"engine/kv_released_bytes": 0.0, "engine/kv_release_s": 0.0}
+        metrics = compat.release_kv(self.llm)
+        self._kv_released = True
+        log.info("released KV cache (%s): %.2f GiB in %.3f s", mode,
+                 metrics["engine/kv_released_bytes"] / 2**30, metrics["engine/kv_release_s"])
+        return metrics
+
+    def reacquire_kv(self) -> dict[str, float]:
+        """Map the KV cache back and verify the resident weights were not touched (fails loudly)."""
+        if not self._kv_released:
+            return {"engine/kv_reacquired_bytes": 0.0, "engine/kv_reacquire_s": 0.0}
+        metrics = compat.reacquire_kv(self.llm)
+        self._kv_released = False
+        t0 = time.perf_counter()
+        now = self._checksum_weights()
+        bad = [k for k in self._weight_checksums if now.get(k) != self._weight_checksums[k]]
+        if bad:
+            raise RuntimeError(f"engine weights changed across KV release/re-acquire: {bad}")
+        metrics["engine/weight_check_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _check_awake(self) -> None:
+        if self._kv_released:
+            raise RuntimeError("engine KV cache is released: call reacquire_kv() before using the engine")
+
+    def _checksum_weights(self, count: int = 4) -> dict[str, tuple]:
+        """Exact fingerprints of a few weight tensors spread over the model (first, middle, last)."""
+        params = [(n, p) for n, p in compat.model(self.llm).named_parameters() if p.numel() > 0]
+        picks = [params[i * (len(params) - 1) // max(count - 1, 1)] for i in range(count)] if params else []
+        out = {}
+        for name, p in picks:
+            raw = p.detach().reshape(-1).view(torch.uint8) if p.dtype.itemsize == 1 else p.detach().reshape(-1)
+            bits = raw.to(torch.int64) if raw.dtype == torch.uint8 else raw.view(torch.int16 if raw.dtype.itemsize == 2 else torch.int32).to(torch.int64)
+            out[name] = (int(bits.sum()), int((bits * torch.arange(1, bits.numel() + 1, device=bits.device) % 1000003).sum()))
+        return out
+
+    def base_weight_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Zero-copy views of the engine's FP8 base: {HF module name: (codes [N, K], scale [1])}.
+
+        For `trainer.base: shared`. Fused modules (qkv_proj, gate_up_proj) are split by their logical
+        output widths; every view shares storage with the engine's weight (equal data_ptr for the first
+        slice). Only FP8 precisions have codes to share.
+        """
+        from epirl.engine import plugin
+
+        return plugin.fp8_base_views(compat.model(self.llm))
+
+    def close(self) -> None:
+        """Shut vLLM down and free its memory (so a next engine can start in this process)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        from epirl.engine import plugin
+
+        plugin.detach(self)
+        self.llm = None
+        try:
+            shutdown = getattr(llm.llm_engine, "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+        finally:
+            del llm
+            import gc
+
+            gc.collect()
+            try:
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+            except Exception as e:  # best effort: a failed cleanup must not hide the caller's error
+                log.warning("vLLM cleanup after close: %s", e)

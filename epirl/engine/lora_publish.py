@@ -1,0 +1,185 @@
+"""In-memory adapter publishing into vLLM's LoRA slot (no files).
+
+The pattern (verl's TensorLoRARequest, rebuilt on a side table instead of a request subclass): vLLM's
+worker turns a `LoRARequest` into weights in exactly one method, `WorkerLoRAManager._load_adapter`.
+`compat.install_adapter_loader` wraps it on the worker's manager instance; when the request's
+`lora_int_id` is one we registered here, the wrapper builds the `LoRAModel` with
+`LoRAModel.from_lora_tensors` from tensors held in this process, otherwise vLLM's own file loader runs.
+A side table (id → tensors) rather than a `LoRARequest` subclass carrying tensors keeps the request a
+plain msgspec struct, which every vLLM version serialises and hashes the same way.
+
+Why a new name and id every step: vLLM's prefix cache is keyed by the LoRA name (blocks computed under
+step k's adapter must never be reused under step k+1's), and its worker cache is keyed by the id.
+Why clones: `LoRALayerWeights.optimize()` folds the scaling into B in place (`lora_b *= alpha/r`),
+and `from_lora_tensors` keeps the caller's tensor when dtype/device already match; publishing the
+trainer's tensors would silently rescale the trainer's B every step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from epirl.engine import compat
+
+log = logging.getLogger(__name__)
+
+IN_MEMORY_SCHEME = "epirl-in-memory://"
+
+
+@dataclass
+class PublishedAdapter:
+    """One adapter handed to vLLM: its request, and the exact (unscaled, cloned) tensors behind it."""
+
+    request: Any  # vllm.lora.request.LoRARequest
+    tensors: dict[str, torch.Tensor]  # PEFT names → clones, as published
+    scale: float  # alpha / r, applied by the engine (vLLM folds it into B; the w8a16 path passes it)
+    step: int
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """HF module path (`model.layers.0.self_attn.q_proj`) → (A [r, in], B [out, r]) unscaled."""
+
+
+def peft_config(rank: int, alpha: float, targets: list[str]) -> dict[str, Any]:
+    """The adapter_config.json content of the trainer's adapter (what vLLM's PEFTHelper reads)."""
+    return {
+        "r": int(rank),
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "bias": "none",
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+    }
+
+
+def modules_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Group PEFT tensor names into {module path: (A, B)}; fails on a half adapter."""
+    a_s: dict[str, torch.Tensor] = {}
+    b_s: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        stem = name[len("base_model.model."):] if name.startswith("base_model.model.") else name
+        if stem.endswith(".lora_A.weight"):
+            a_s[stem[: -len(".lora_A.weight")]] = t
+        elif stem.endswith(".lora_B.weight"):
+            b_s[stem[: -len(".lora_B.weight")]] = t
+        else:
+            raise ValueError(f"not a PEFT LoRA tensor name: {name!r}")
+    if a_s.keys() != b_s.keys():
+        raise ValueError(f"LoRA A/B mismatch for modules {sorted(a_s.keys() ^ b_s.keys())[:4]}")
+    return {m: (a_s[m], b_s[m]) for m in a_s}
+
+
+class AdapterPublisher:
+    """Owns the engine's adapter slot: publish tensors in memory, one live adapter at a time."""
+
+    def __init__(self, llm, rank: int, alpha: float, targets: list[str]):
+        from vllm.lora.peft_helper import PEFTHelper
+
+        self._llm = llm
+        self.rank, self.alpha, self.targets = int(rank), float(alpha), list(targets)
+        self.scale = self.alpha / self.rank
+        self._peft = PEFTHelper.from_dict(peft_config(rank, alpha, targets))
+        self._pending: dict[int, PublishedAdapter] = {}
+        self._next_id = 1
+        self.current: PublishedAdapter | None = None
+        compat.install_adapter_loader(llm, self._load_in_memory)
+
+    # -- worker side: called by vLLM (in this process) from inside `_load_adapter` -----------------
+
+    def _load_in_memory(self, mgr, request) -> Any | None:
+        adapter = self._pending.get(request.lora_int_id)
+        if adapter is None:
+            return None
+        from vllm.lora.lora_model import LoRAModel
+
+        ctx = compat.lora_load_context(mgr)
+        self._peft.validate_legal(ctx["lora_config"])
+        kwargs = {
+            "dtype": ctx["dtype"],
+            "model_vocab_size": ctx["model_vocab_size"],
+            "weights_mapper": ctx["weights_mapper"],
+            "skip_prefixes": ctx["skip_prefixes"],
+        }
+        accepted = inspect.signature(LoRAModel.from_lora_tensors).parameters
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        # Clone again at the vLLM boundary: vLLM owns (and scales in place) what it gets; our
+        # `adapter.tensors` stay unscaled for the w8a16 path and for inspection.
+        device = next(iter(adapter.tensors.values())).device
+        vllm_tensors = {k: v.clone() for k, v in adapter.tensors.items()}
+        return LoRAModel.from_lora_tensors(
+            lora_model_id=request.lora_int_id,
+            tensors=vllm_tensors,
+            peft_helper=self._peft,
+            device=str(device),
+            **kwargs,
+        )
+
+    # -- driver side --------------------------------------------------------------------------------
+
+    def publish(self, lora_tensors: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        """Make `lora_tensors` (PEFT names, unscaled, rank/alpha/targets of the config) the live adapter.
+
+        Remove-then-add under a fresh name and id; returns timing metrics. The caller's tensors are
+        never handed to vLLM (clones are), so the trainer's parameters are untouched.
+        """
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        clones = {k: v.detach().clone() for k, v in lora_tensors.items()}
+        modules = modules_of(clones)
+        bad = [m for m, (a, _) in modules.items() if a.shape[0] != self.rank]
+        if bad:
+            raise ValueError(f"adapter rank != config rank {self.rank} for {bad[:3]}")
+        lora_id = self._next_id
+        self._next_id += 1
+        name = f"epirl-step{step}-id{lora_id}"
+        request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=IN_MEMORY_SCHEME + name)
+        adapter = PublishedAdapter(request, clones, self.scale, step, modules)
+        t_clone = time.perf_counter()
+
+        engine = self._llm.llm_engine
+        if self.current is not None:
+            engine.remove_lora(self.current.request.lora_int_id)
+        self._pending[lora_id] = adapter
+        try:
+            if not engine.add_lora(request):
+                raise RuntimeError(f"vLLM refused adapter {name}")
+        finally:
+            self._pending.pop(lora_id, None)  # vLLM holds its own copy now (or failed)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.current = adapter
+        t_end = time.perf_counter()
+        return {
+            "engine/publish_s": t_end - t0,
+            "engine/publish_clone_s": t_clone - t0,
+            "engine/publish_load_s": t_end - t_clone,
+            "engine/adapter_id": float(lora_id),
+        }
+
+    def use_directory(self, path: str, name: str | None = None) -> None:
+        """Make a PEFT adapter folder on disk the live adapter (vLLM's own file loader)."""
+        import json
+        import os
+
+        from safetensors.torch import load_file
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._next_id
+        self._next_id += 1
+        name = name or f"epirl-dir{lora_id}-{os.path.basename(os.path.normpath(path))}"
+        request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=os.path.abspath(path))
+        engine = self._llm.llm_engine
+        if self.current is not None:
+            engine.remove_lora(self.current.request.lora_int_id)
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM refused adapter dir {path}")
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            cfg = json.load(f)
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        scale = float(cfg["lora_alpha"]) / float(cfg["r"])
+        self.current = PublishedAdapter(request, tensors, scale, -1, modules_of(tensors))
