@@ -1,0 +1,181 @@
+"""`epirl eval`: evaluate a base model and/or PEFT adapters on OlympiadBench, Minerva and MATH-500.
+
+    epirl eval --model Qwen/Qwen3-8B --adapter runs/a/adapter --adapter runs/b/adapter \\
+               --benchmarks olympiadbench,minerva=data/minerva.jsonl --samples 1 --out eval_out
+
+Without ``--adapter`` the base model is evaluated; two adapters are compared pairwise (McNemar).
+Bad input (unknown benchmark, missing file or folder, impossible settings) prints one line naming the
+flag or file and exits with code 2 before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from epirl.data import DataError
+
+log = logging.getLogger(__name__)
+
+ENGINE_PRECISIONS = ("bf16", "w8a8", "w8a16")
+PROMPT_ROOM_TOKENS = 2048  # default room for the prompt on top of --max-tokens (sets max_model_len)
+
+
+class EvalUsageError(ValueError):
+    """Bad command-line input; the message names the flag or file."""
+
+
+def add_eval_args(subparsers) -> argparse.ArgumentParser:
+    """Register the ``eval`` subcommand on an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "eval", help="evaluate a model / adapters on math benchmarks",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, help="hub id, local folder, or alias (smollm2)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                        help="PEFT adapter folder; repeat to compare (two adapters: paired McNemar test)")
+    parser.add_argument("--benchmarks", default="olympiadbench,minerva,math500",
+                        help="comma-separated names (olympiadbench, minerva, math500), each optionally name=local.jsonl|parquet")
+    parser.add_argument("--samples", type=int, default=1, help="completions per problem (avg@k, pass@k)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (needs --samples 1)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--engine", default="bf16", help="engine precision: bf16 | w8a8 | w8a16")
+    parser.add_argument("--max-tokens", type=int, default=2048, help="longest completion (tokens)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help=f"engine context length (default: --max-tokens + {PROMPT_ROOM_TOKENS})")
+    parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
+                        help="chat-template enable_thinking (Qwen3/3.5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reward-workers", type=int, default=2, help="grading processes")
+    parser.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per graded answer")
+    parser.add_argument("--out", default=None, help="output folder (default: runs/eval-<time>)")
+    parser.add_argument("--wandb", default="disabled", choices=("disabled", "offline", "online"),
+                        help="log summary + failure table to a W&B run")
+    parser.set_defaults(func=run_eval_command)
+    return parser
+
+
+def _adapter_rank(adapter_dir: str) -> int:
+    """LoRA rank of a PEFT folder (the engine's adapter slot must be at least this big)."""
+    folder = Path(adapter_dir)
+    config_file = folder / "adapter_config.json"
+    if not folder.is_dir():
+        raise EvalUsageError(f"--adapter: folder not found: {adapter_dir}")
+    if not config_file.is_file():
+        raise EvalUsageError(f"--adapter: {adapter_dir} has no adapter_config.json (not a PEFT adapter folder)")
+    try:
+        return int(json.loads(config_file.read_text())["r"])
+    except (ValueError, KeyError, TypeError):
+        raise EvalUsageError(f"--adapter: {config_file} has no integer 'r' (LoRA rank)") from None
+
+
+def _check_model(model: str) -> None:
+    from epirl.config import MODEL_ALIASES
+
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1
+    if model not in MODEL_ALIASES and looks_local and not Path(model).expanduser().is_dir():
+        raise EvalUsageError(f"--model: '{model}' is not a folder, a hub id (org/name) or an alias {MODEL_ALIASES}")
+
+
+def _variant_labels(adapters: list[str]) -> list[str]:
+    """Short labels (folder names); the full path where two folders share a name."""
+    names = [Path(a).name or a for a in adapters]
+    return [name if names.count(name) == 1 else adapter for name, adapter in zip(names, adapters)]
+
+
+def validate_args(args: argparse.Namespace):
+    """Everything that can be checked before loading a model; raises EvalUsageError (one line)."""
+    from epirl.eval.benchmarks import load_benchmark, parse_benchmark_list
+    from epirl.eval.runner import EvalSettings, Variant
+
+    if args.engine not in ENGINE_PRECISIONS:
+        raise EvalUsageError(f"--engine must be one of {', '.join(ENGINE_PRECISIONS)}, got '{args.engine}'")
+    for flag, value, minimum in (("--samples", args.samples, 1), ("--max-tokens", args.max_tokens, 1),
+                                 ("--reward-workers", args.reward_workers, 1)):
+        if value < minimum:
+            raise EvalUsageError(f"{flag} must be >= {minimum}, got {value}")
+    if args.limit is not None and args.limit < 1:
+        raise EvalUsageError(f"--limit must be >= 1, got {args.limit}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.reward_timeout <= 0:
+        raise EvalUsageError("--temperature must be >= 0, --top-p in (0, 1], --reward-timeout > 0")
+    if args.samples > 1 and args.temperature == 0:
+        raise EvalUsageError(f"--samples {args.samples} needs --temperature > 0 (greedy decoding repeats itself)")
+    max_model_len = args.max_model_len or args.max_tokens + PROMPT_ROOM_TOKENS
+    if max_model_len <= args.max_tokens:
+        raise EvalUsageError(f"--max-model-len ({max_model_len}) must exceed --max-tokens ({args.max_tokens})")
+    _check_model(args.model)
+    ranks = [_adapter_rank(adapter) for adapter in args.adapter]
+    try:
+        benchmarks = [load_benchmark(name, path, args.limit) for name, path in parse_benchmark_list(args.benchmarks)]
+    except DataError as error:
+        raise EvalUsageError(f"--benchmarks: {error}") from None
+    settings = EvalSettings(samples=args.samples, temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, thinking=args.thinking, seed=args.seed,
+                            max_model_len=max_model_len)
+    if args.adapter:
+        variants = [Variant(label, adapter) for label, adapter in zip(_variant_labels(args.adapter), args.adapter)]
+    else:
+        variants = [Variant("base")]
+    return settings, benchmarks, variants, max(ranks, default=None)
+
+
+def build_engine_config(args: argparse.Namespace, max_model_len: int, adapter_rank: int | None):
+    """The EpirlConfig the engine is built from (model, precision, context, adapter slot size)."""
+    from pydantic import ValidationError
+
+    from epirl.config import EpirlConfig
+
+    tree = {"seed": args.seed, "model": {"path": args.model, "max_model_len": max_model_len, "thinking": args.thinking},
+            "engine": {"precision": args.engine}}
+    if adapter_rank is not None:
+        tree["lora"] = {"rank": adapter_rank}
+    try:
+        return EpirlConfig.model_validate(tree)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise EvalUsageError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def _start_wandb(mode: str, args: argparse.Namespace) -> None:
+    if mode == "disabled":
+        return
+    import wandb
+
+    wandb.init(project="epirl", job_type="eval", mode=mode, config=vars(args) | {"func": None})
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    """Entry point of ``epirl eval``; returns the process exit code."""
+    try:
+        settings, benchmarks, variants, adapter_rank = validate_args(args)
+        cfg = build_engine_config(args, settings.max_model_len, adapter_rank)
+    except (EvalUsageError, ValueError) as error:
+        print(f"epirl eval: error: {error}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    from epirl.engine import RolloutEngine
+    from epirl.eval.runner import run_eval
+    from epirl.rewards import RewardPool
+
+    _start_wandb(args.wandb, args)
+    # The pool first: its fork server starts before vLLM creates threads in this process.
+    with RewardPool(workers=args.reward_workers, timeout_s=args.reward_timeout) as pool:
+        engine = RolloutEngine(cfg)
+        try:
+            run_eval(engine, pool, benchmarks, settings, variants, out_dir)
+        finally:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+    if args.wandb != "disabled":
+        import wandb
+
+        wandb.finish()
+    print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'records.jsonl'}", file=sys.stderr)
+    return 0
