@@ -1,0 +1,145 @@
+"""Benchmark epirl.kernels on the GPU, side by side in one process; prints markdown tables, writes JSON.
+
+Forward (rank-64 LoRA, Qwen3-8B and Qwen3.5-9B projection shapes, 1..16384 tokens): our W8A16 and W8A8
+kernels vs cuBLAS bf16 + separate LoRA matmuls and vs our FP8 quant + torch._scaled_mm + LoRA, with the
+HBM floor (bytes of the W8A16 call / 4.4 TB/s). Trainer: Fp8LoRALinear forward+backward vs a frozen bf16
+nn.Linear + LoRA (time and peak memory). Timing: triton.testing.do_bench (L2 flushed between runs).
+Usage: python scripts/bench_kernels.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from epirl.kernels import Fp8LoRALinear, quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora
+
+HBM_BYTES_PER_S = 4.4e12
+RANK, ALPHA = 64, 128
+# (name, K in, N out). Qwen3.5-9B: gated attention q(+gate) 16x256x2 + k,v 4x256 each; GatedDeltaNet
+# in_proj_qkvz 2*16*128 + 2*32*128; its o/out_proj and MLP have the Qwen3-8B shapes.
+SHAPES = [("q3_qkv", 4096, 6144), ("q3_o", 4096, 4096), ("q3_gate_up", 4096, 24576),
+          ("q3_down", 12288, 4096), ("q35_attn_qkv", 4096, 10240), ("q35_gdn_qkvz", 4096, 12288)]
+TOKENS = [1, 4, 16, 64, 512, 4096, 16384]
+TRAIN_TOKENS = [4096, 8192]
+
+
+def bench_us(fn, **kw) -> float:
+    return do_bench(fn, warmup=10, rep=40, **kw) * 1e3
+
+
+def floor_us(M, K, N, r=RANK) -> float:
+    nbytes = N * K + M * K * 2 + M * N * 2 + (r * K + N * r) * 2
+    return nbytes / HBM_BYTES_PER_S * 1e6
+
+
+def make_layer(K, N, dev="cuda"):
+    w = torch.randn(N, K, device=dev) * 0.02
+    codes, scale = quantize_weight_fp8(w)
+    a = (torch.randn(RANK, K, device=dev) / K ** 0.5).bfloat16()
+    b = (torch.randn(N, RANK, device=dev) * 0.02).bfloat16()
+    return w.bfloat16(), codes, scale, a, b
+
+
+def forward_row(name, K, N, M, w16, codes, scale, a, b):
+    sigma = ALPHA / RANK
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    scale_b = scale.reshape(1, 1).expand(1, N).contiguous()
+
+    def scaled_mm_lora():
+        q, s = quantize_activation_fp8(x)
+        y = torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16)
+        return y + sigma * ((x @ a.t()) @ b.t())
+
+    row = dict(shape=name, K=K, N=N, M=M, floor_us=floor_us(M, K, N))
+    row["w8a16_lora_us"] = bench_us(lambda: w8a16_lora(x, codes, scale, a, b, sigma))
+    row["w8a16_us"] = bench_us(lambda: w8a16_lora(x, codes, scale))
+    row["w8a8_lora_us"] = bench_us(lambda: w8a8_lora(x, codes, scale, a, b, sigma))
+    row["bf16_lora_us"] = bench_us(lambda: x @ w16.t() + sigma * ((x @ a.t()) @ b.t()))
+    row["scaled_mm_lora_us"] = bench_us(scaled_mm_lora)
+    return row
+
+
+def trainer_row(name, K, N, M, w16, codes, scale, a, b):
+    sigma = ALPHA / RANK
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    fp8 = Fp8LoRALinear(codes, scale, a.clone(), b.clone(), sigma)
+    a16, b16 = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+
+    def fp8_step():
+        fp8(x).backward(gy)
+
+    def bf16_step():
+        (F.linear(x, w16) + sigma * F.linear(F.linear(x, a16), b16)).backward(gy)
+
+    row = dict(shape=name, K=K, N=N, M=M)
+    for tag, step, params in (("fp8", fp8_step, [x, fp8.lora_A, fp8.lora_B]), ("bf16", bf16_step, [x, a16, b16])):
+        step()
+        row[f"{tag}_us"] = bench_us(step, grad_to_none=params)
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        weight = codes.numel() if tag == "fp8" else w16.numel() * 2
+        row[f"{tag}_peak_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
+        row[f"{tag}_weight_mib"] = weight / 2 ** 20
+        for p in params:
+            p.grad = None
+    flops = 2 * M * K * N * 2 + 4 * 2 * M * RANK * (K + N)  # fwd+dX base GEMMs + LoRA matmuls
+    row["fp8_tflops"] = flops / row["fp8_us"] / 1e6
+    return row
+
+
+def print_tables(fwd, train):
+    print("\n| shape | K→N | tokens | floor µs | w8a16+LoRA µs | ×floor | w8a16 µs | LoRA +% | w8a8+LoRA µs "
+          "| bf16 cuBLAS+LoRA µs | quant+_scaled_mm+LoRA µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in fwd:
+        print(f"| {r['shape']} | {r['K']}→{r['N']} | {r['M']} | {r['floor_us']:.1f} | {r['w8a16_lora_us']:.1f} "
+              f"| {r['w8a16_lora_us'] / r['floor_us']:.2f} | {r['w8a16_us']:.1f} "
+              f"| {100 * (r['w8a16_lora_us'] / r['w8a16_us'] - 1):.0f} | {r['w8a8_lora_us']:.1f} "
+              f"| {r['bf16_lora_us']:.1f} | {r['scaled_mm_lora_us']:.1f} |")
+    print("\n| shape | tokens | Fp8LoRALinear fwd+bwd µs | bf16 Linear+LoRA µs | fp8/bf16 | fp8 TFLOP/s "
+          "| peak MiB fp8 (weight) | peak MiB bf16 (weight) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in train:
+        print(f"| {r['shape']} | {r['M']} | {r['fp8_us']:.0f} | {r['bf16_us']:.0f} | {r['fp8_us'] / r['bf16_us']:.2f} "
+              f"| {r['fp8_tflops']:.0f} | {r['fp8_peak_mib']:.0f} ({r['fp8_weight_mib']:.0f}) "
+              f"| {r['bf16_peak_mib']:.0f} ({r['bf16_weight_mib']:.0f}) |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer shapes/tokens (smoke run)")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
+    args = ap.parse_args()
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    tokens = [1, 16, 4096] if args.quick else TOKENS
+    t0 = time.time()
+    fwd, train = [], []
+    for name, K, N in shapes:
+        w16, codes, scale, a, b = make_layer(K, N)
+        for M in tokens:
+            fwd.append(forward_row(name, K, N, M, w16, codes, scale, a, b))
+        for M in TRAIN_TOKENS[:1] if args.quick else TRAIN_TOKENS:
+            train.append(trainer_row(name, K, N, M, w16, codes, scale, a, b))
+        print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
+        del w16, codes
+        torch.cuda.empty_cache()
+    print_tables(fwd, train)
+    with open(args.json, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, forward=fwd, trainer=train), f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
