@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..w8a16_lora.triton import lora_down, scaled_gemm_lora
+from ..w8a16_lora.triton import lora_down, scaled_gemm_lora, weight_stationary_gemm
 
-DX_CONFIG_LARGE = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+DX_CONFIG = dict(BN=128, BM=64, BK=64, num_warps=4, num_stages=4)
 DX_CONFIG_SMALL = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)
 
 
@@ -30,10 +30,10 @@ def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, ne
     gb = scaled_gemm_lora(g, b.t(), x.dtype, config=DX_CONFIG_SMALL) if has_lora else None
     dx = None
     if need_dx:
-        cfg = DX_CONFIG_LARGE if g.shape[0] >= 1024 else DX_CONFIG_SMALL
-        dx = scaled_gemm_lora(g, codes.t(), x.dtype, w_scale=scale.float().reshape(1),
-                              xa=gb, lora_b=a.t() if has_lora else None, lora_scale=lora_scale,
-                              config=cfg).reshape(x.shape)
+        # dXᵀ = codesᵀ · gᵀ: the codes tile (read from `[N, K]`, N = reduction) is the register operand
+        dx = weight_stationary_gemm(g, codes.t(), x.dtype, w_scale=scale.float().reshape(1),
+                                    xa=gb, lora_b=a.t() if has_lora else None, lora_scale=lora_scale,
+                                    config=DX_CONFIG).reshape(x.shape)
     if not has_lora:
         return dx, None, None
     d_a = torch.mm(gb.t(), x2).float() * lora_scale

@@ -119,6 +119,165 @@ def scaled_gemm_lora(x, w, out_dtype=torch.bfloat16, w_scale=None, x_scale=None,
     return y
 
 
+# ---- weight-stationary W8A16 GEMM (the fast path for bf16-widened FP8 weights) ------------------------
+# Computes yᵀ = W · xᵀ: the widened weight tile is wgmma's A operand, which may live in registers, so the
+# e4m3 -> bf16 conversion never round-trips through shared memory; the tokens are wgmma's N dimension.
+# The K loop runs in fixed chunks (K_CHUNK, a function of N and K only): each chunk is accumulated from
+# zero and added to the running total in chunk order. For few tokens the chunks run in parallel programs
+# (split-K) and `_chunk_sum_epilogue_kernel` adds them in the same order with the same epilogue, so both
+# modes give the same bits and the result never depends on M.
+WT_CONFIG = dict(BN=128, BM=64, BK=64, num_warps=4, num_stages=4)
+SPLIT_MAX_M = 256        # split the chunks over programs only for this few tokens
+TARGET_PROGRAMS = 264    # ~2 waves of 132 SMs at decode
+
+
+@triton.jit
+def _wt_epilogue(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, R, lora_scale,
+                 stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
+                 HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 DOT_F32: tl.constexpr, BR: tl.constexpr):
+    # total is yᵀ tile [BN, BM]: same op order as reference.py (scale, + σ·LoRA, + bias, round)
+    if HAS_W_SCALE:
+        total = total * tl.load(w_scale_ptr)
+    if HAS_LORA:
+        rr = tl.arange(0, BR)
+        mask_r = rr < R
+        b = tl.load(b_ptr + rn[:, None].to(tl.int64) * stride_bn + rr[None, :] * stride_br,
+                    mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        xa_t = tl.load(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rr[:, None] * stride_xar,
+                       mask=mask_r[:, None] & mask_m[None, :], other=0.0)
+        if DOT_F32:
+            lora = tl.dot(b.to(tl.float32), xa_t.to(tl.float32))
+        else:
+            lora = tl.dot(b, xa_t)
+        total = total + lora_scale * lora
+    if HAS_BIAS:
+        total = total + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None].to(tl.int64) * stride_yn
+    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _wt_tile_ids(M, N, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr):
+    # grouped order: GROUP_N weight tiles are swept over all token tiles while they sit in L2
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    num_m = tl.cdiv(M, BM)
+    group = pid // (GROUP_N * num_m)
+    first_n = group * GROUP_N
+    size_n = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % (GROUP_N * num_m)) % size_n
+    pid_m = (pid % (GROUP_N * num_m)) // size_n
+    return pid_n, pid_m
+
+
+@triton.jit
+def _wt_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, part_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr,
+    M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    stride_xam, stride_xar, stride_bn, stride_br,
+    SPLIT: tl.constexpr, HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    pid_n, pid_m = _wt_tile_ids(M, N, BN, BM, GROUP_N)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    mask_n = rn < N
+    mask_m = rm < M
+    if SPLIT:
+        c_lo = tl.program_id(1)
+        c_hi = c_lo + 1
+    else:
+        c_lo = 0
+        c_hi = N_CHUNKS
+    total = tl.zeros((BN, BM), dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):
+            mask_k = (k0 + rk) < K
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :].to(tl.int64) * stride_wk,
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            x_t = tl.load(x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None] * stride_xk,
+                          mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
+            else:
+                acc = tl.dot(w.to(tl.bfloat16), x_t, acc)  # e4m3 -> bf16 is exact
+        total += acc
+    if SPLIT:
+        p_ptrs = part_ptr + (c_lo * M + rm[None, :].to(tl.int64)) * N + rn[:, None]
+        tl.store(p_ptrs, total, mask=mask_n[:, None] & mask_m[None, :])
+    else:
+        _wt_epilogue(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, R, lora_scale,
+                     stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
+                     HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
+
+
+@triton.jit
+def _chunk_sum_epilogue_kernel(
+    part_ptr, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, R, N_CHUNKS, lora_scale,
+    stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
+    HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    pid_n, pid_m = _wt_tile_ids(M, N, BN, BM, GROUP_N)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    mask_n = rn < N
+    mask_m = rm < M
+    offs = rm[None, :].to(tl.int64) * N + rn[:, None]
+    total = tl.zeros((BN, BM), dtype=tl.float32)
+    for c in range(0, N_CHUNKS):  # chunk order, exactly like the single-program loop
+        total += tl.load(part_ptr + c * M * N + offs, mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+    _wt_epilogue(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, R, lora_scale,
+                 stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
+                 HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
+
+
+def k_chunking(N: int, K: int, cfg) -> tuple[int, int]:
+    """(K_CHUNK, N_CHUNKS): a function of N and K only (never of M), so results are batch invariant."""
+    k_tiles = triton.cdiv(K, cfg["BK"])
+    want = max(1, min(k_tiles, TARGET_PROGRAMS // max(1, triton.cdiv(N, cfg["BN"]))))
+    chunk_tiles = triton.cdiv(k_tiles, want)
+    return chunk_tiles * cfg["BK"], triton.cdiv(k_tiles, chunk_tiles)
+
+
+def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None, lora_b=None, lora_scale=1.0,
+                           bias=None, config=None, allow_split=True, out=None):
+    """Same contract as `scaled_gemm_lora` (no x_scale) for bf16 x and e4m3/bf16 w of any strides."""
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = dict(WT_CONFIG if config is None else config)
+    y = torch.empty(M, N, device=x.device, dtype=out_dtype) if out is None else out
+    if M == 0 or N == 0:
+        return y
+    R = 0 if xa is None else xa.shape[1]
+    BR = max(16, triton.next_power_of_2(R)) if R else 16
+    k_chunk, n_chunks = k_chunking(N, K, cfg)
+    split = allow_split and n_chunks > 1 and M <= SPLIT_MAX_M
+    dummy = y
+    lora_args = (xa if R else dummy, lora_b if R else dummy, bias if bias is not None else dummy)
+    strides = (y.stride(0), y.stride(1), xa.stride(0) if R else 0, xa.stride(1) if R else 0,
+               lora_b.stride(0) if R else 0, lora_b.stride(1) if R else 0)
+    flags = dict(HAS_W_SCALE=w_scale is not None, HAS_LORA=R > 0, HAS_BIAS=bias is not None,
+                 DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"], BR=BR, GROUP_N=cfg.get("GROUP_N", 8))
+    tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
+    part = torch.empty(n_chunks, M, N, device=x.device, dtype=torch.float32) if split else dummy
+    ws = w_scale if w_scale is not None else dummy
+    _wt_gemm_kernel[(tiles, n_chunks if split else 1)](
+        x, w, y, part, ws, *lora_args, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), *strides,
+        SPLIT=split, BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
+    if split:
+        _chunk_sum_epilogue_kernel[(tiles,)](
+            part, y, ws, *lora_args, M, N, R, n_chunks, float(lora_scale), *strides,
+            num_warps=cfg["num_warps"], **flags)
+    return y
+
+
 @triton.jit
 def _lora_down_partial_kernel(
     x_ptr, a_ptr, part_ptr, M, K, R, K_CHUNK,
@@ -200,6 +359,6 @@ def prepare(x, codes, lora_a, lora_b, bias):
 def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None):
     x2, a, b, bias = prepare(x, codes, lora_a, lora_b, bias)
     xa = lora_down(x2, a) if a is not None else None
-    y = scaled_gemm_lora(x2, codes, x.dtype, w_scale=scale.float().reshape(1), xa=xa, lora_b=b,
-                         lora_scale=lora_scale, bias=bias)
+    y = weight_stationary_gemm(x2, codes, x.dtype, w_scale=scale.float().reshape(1), xa=xa, lora_b=b,
+                               lora_scale=lora_scale, bias=bias)
     return y.reshape(*x.shape[:-1], codes.shape[0])

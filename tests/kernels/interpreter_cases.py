@@ -18,7 +18,8 @@ import torch  # noqa: E402
 from epirl.kernels import quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora  # noqa: E402
 from epirl.kernels.lora_linear.reference import lora_linear_backward as ref_backward  # noqa: E402
 from epirl.kernels.lora_linear.triton import lora_linear_backward as tri_backward  # noqa: E402
-from epirl.kernels.w8a16_lora.triton import lora_down, scaled_gemm_lora  # noqa: E402
+from epirl.kernels.w8a16_lora.triton import (lora_down, scaled_gemm_lora,  # noqa: E402
+                                             weight_stationary_gemm)
 
 
 def problem(M, K, N, r, seed=0):
@@ -54,6 +55,16 @@ def case_w8a16_batch_invariant_rows():
     full = w8a16_lora(x, codes, scale, a, b, 1.0, bias, backend="triton")
     for rows in (slice(0, 1), slice(3, 6), slice(60, 67)):
         assert torch.equal(w8a16_lora(x[rows], codes, scale, a, b, 1.0, bias, backend="triton"), full[rows])
+
+
+def case_split_k_equals_single_pass():
+    x, codes, scale, a, b, bias = problem(21, 330, 150, 8, seed=5)
+    xa = lora_down(x, a)
+    args = dict(w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7, bias=bias)
+    split = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
+    single = weight_stationary_gemm(x, codes, torch.bfloat16, allow_split=False, **args)
+    assert torch.equal(split, single)
+    assert close_bf16(single, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
 def case_lora_down_split_chunks():
