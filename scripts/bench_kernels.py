@@ -143,6 +143,32 @@ def trainer_row(name, K, N, M, w16, codes, scale, a, b):
     return row
 
 
+SWEEP_CONFIGS = [dict(BN=128, BM=64, BK=64, num_warps=4, num_stages=4),
+                 dict(BN=64, BM=64, BK=128, num_warps=4, num_stages=4),
+                 dict(BN=128, BM=128, BK=64, num_warps=8, num_stages=4),
+                 dict(BN=128, BM=64, BK=128, num_warps=4, num_stages=3),
+                 dict(BN=256, BM=64, BK=64, num_warps=8, num_stages=3),
+                 dict(BN=128, BM=128, BK=128, num_warps=8, num_stages=3)]
+
+
+def sweep_weight_stationary():
+    """Candidate pinned configs for the W8A16 kernel (one config must serve every M)."""
+    from epirl.kernels.w8a16_lora.triton import weight_stationary_gemm
+
+    print("\n| config | shape | tokens | µs |\n|---|---|---|---|")
+    rows = []
+    for name, K, N in (SHAPES[0], SHAPES[3]):
+        _, codes, scale, _, _ = make_layer(K, N)
+        for M in (1, 16, 4096):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            for cfg in SWEEP_CONFIGS:
+                us = graph_us(lambda: weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, config=cfg))
+                tag = "BN{BN}-BM{BM}-BK{BK}-w{num_warps}-s{num_stages}".format(**cfg)
+                rows.append(dict(config=tag, shape=name, M=M, us=us))
+                print(f"| {tag} | {name} | {M} | {us:.1f} |", flush=True)
+    return rows
+
+
 def print_tables(fwd, train):
     print("\n| shape | K→N | tokens | floor µs | w8a16+LoRA µs | ×floor | w8a16 µs | LoRA +% | w8a8+LoRA µs "
           "| bf16 cuBLAS+LoRA µs | quant+_scaled_mm+LoRA µs |")
@@ -164,11 +190,13 @@ def print_tables(fwd, train):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes/tokens (smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="also time candidate W8A16 tile configs")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = ap.parse_args()
     shapes = SHAPES[:2] if args.quick else SHAPES
     tokens = [1, 16, 4096] if args.quick else TOKENS
     t0 = time.time()
+    sweep = sweep_weight_stationary() if args.sweep else []
     fwd, train = [], []
     for name, K, N in shapes:
         w16, codes, scale, a, b = make_layer(K, N)
@@ -181,8 +209,8 @@ def main():
         torch.cuda.empty_cache()
     print_tables(fwd, train)
     with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, forward=fwd, trainer=train), f,
-                  indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, forward=fwd, trainer=train,
+                       sweep=sweep), f, indent=1)
 
 
 if __name__ == "__main__":
