@@ -1,0 +1,6 @@
+"""GRPO/DAPO: advantages, losses, and the colocated loop (`epirl.rl.loop.train`)."""
+
+from epirl.rl.advantages import group_advantages, informative_groups
+from epirl.rl.loss import aggregate, dapo_loss, importance_weights, masked_mean
+
+__all__ = ["aggregate", "dapo_loss", "group_advantages", "importance_weights", "informative_groups", "masked_mean"]

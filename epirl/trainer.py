@@ -1,0 +1,120 @@
+"""One optimizer step of the LoRA trainer over a rollout batch: micro-batches, DAPO loss, AdamW, clipping.
+
+The policy (epirl.model.Policy) owns the network; this file owns the optimization: which tensors go in,
+how gradients accumulate so that micro-batching does not change the loss (token-mean over the whole step),
+and the learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from epirl.config import EpirlConfig
+from epirl.rl.loss import dapo_loss, importance_weights
+
+
+@dataclass
+class TrainBatch:
+    """Sequences of one step, right-padded. Position t predicts `targets_B_T[:, t]` from tokens ≤ t.
+
+    mask_B_T marks response tokens (the ones the loss sees); engine_logprobs_B_T are the engine's
+    processed log-probs of those tokens (0 elsewhere); advantages_B one per sequence.
+    """
+
+    input_ids_B_T: torch.Tensor
+    targets_B_T: torch.Tensor
+    mask_B_T: torch.Tensor
+    engine_logprobs_B_T: torch.Tensor
+    advantages_B: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids_B_T.shape[0]
+
+    def slice(self, start: int, stop: int) -> "TrainBatch":
+        # Trim right padding shared by the whole micro-batch: shorter micro-batches run faster.
+        length = int(self.mask_B_T[start:stop].any(dim=0).nonzero().max().item()) + 1 if self.mask_B_T[start:stop].any() else 1
+        return TrainBatch(*(t[start:stop, :length] if t.ndim == 2 else t[start:stop] for t in (
+            self.input_ids_B_T, self.targets_B_T, self.mask_B_T, self.engine_logprobs_B_T, self.advantages_B)))
+
+    def to(self, device) -> "TrainBatch":
+        return TrainBatch(*(t.to(device) for t in (
+            self.input_ids_B_T, self.targets_B_T, self.mask_B_T, self.engine_logprobs_B_T, self.advantages_B)))
+
+
+def build_batch(sequences: list[tuple[list[int], list[int], list[float], float]], pad_id: int) -> TrainBatch:
+    """From (prompt_ids, completion_ids, engine_logprobs, advantage) tuples to padded tensors."""
+    full = [p + c for p, c, _, _ in sequences]
+    length = max(len(s) for s in full) - 1
+    B = len(sequences)
+    input_ids = torch.full((B, length), pad_id, dtype=torch.long)
+    targets = torch.full((B, length), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, length), dtype=torch.bool)
+    engine_lp = torch.zeros((B, length), dtype=torch.float32)
+    for b, (prompt, completion, lps, _) in enumerate(sequences):
+        seq = full[b]
+        n = len(seq) - 1
+        input_ids[b, :n] = torch.tensor(seq[:-1])
+        targets[b, :n] = torch.tensor(seq[1:])
+        start = len(prompt) - 1  # position whose target is the first completion token
+        mask[b, start:start + len(completion)] = True
+        engine_lp[b, start:start + len(completion)] = torch.tensor(lps, dtype=torch.float32)
+    advantages = torch.tensor([s[3] for s in sequences], dtype=torch.float32)
+    return TrainBatch(input_ids, targets, mask, engine_lp, advantages)
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: EpirlConfig):
+    """AdamW over the LoRA parameters and a linear-warmup-then-constant LR schedule."""
+    fused = all(p.is_cuda for p in params)
+    optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, betas=tuple(cfg.trainer.betas),
+                                  weight_decay=cfg.trainer.weight_decay, fused=fused or None)
+    warmup = cfg.trainer.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0)
+    return optimizer, scheduler
+
+
+def train_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlConfig, device) -> dict[str, float]:
+    """Forward/backward over micro-batches, clip, step. Returns metrics averaged over the step's tokens."""
+    rl, tr = cfg.rl, cfg.trainer
+    total_tokens = float(batch.mask_B_T.sum().item())
+    sums: dict[str, float] = {}
+    optimizer.zero_grad(set_to_none=True)
+    policy.model.train()
+    for start in range(0, batch.num_sequences, tr.micro_batch_size):
+        micro = batch.slice(start, start + tr.micro_batch_size).to(device)
+        logprobs_B_T, entropy_B_T = policy.token_logprobs(
+            micro.input_ids_B_T, micro.targets_B_T, rl.temperature, tr.logprob_chunk_tokens, with_entropy=True)
+        # On-policy (one optimizer step per batch): π_old is the current trainer, detached.
+        old_logprobs_B_T = logprobs_B_T.detach()
+        weights_B_T, is_metrics = importance_weights(
+            old_logprobs_B_T, micro.engine_logprobs_B_T, micro.mask_B_T, rl.correction, rl.tis_cap)
+        loss, loss_metrics = dapo_loss(
+            logprobs_B_T, old_logprobs_B_T, micro.advantages_B, micro.mask_B_T,
+            clip_low=rl.clip_low, clip_high=rl.clip_high, is_weights_B_T=weights_B_T,
+            loss_agg=rl.loss_agg, total_tokens=total_tokens if rl.loss_agg == "token-mean" else None)
+        if rl.loss_agg != "token-mean":  # per-sequence means: weight micro-batches by their sequence count
+            loss = loss * micro.num_sequences / batch.num_sequences
+        loss.backward()
+        tokens = float(micro.mask_B_T.sum().item())
+        share = tokens / max(total_tokens, 1.0)
+        with torch.no_grad():
+            mask = micro.mask_B_T
+            entropy = (entropy_B_T * mask).sum().item() / max(tokens, 1.0) if entropy_B_T is not None else 0.0
+        for key, value in {**is_metrics, **loss_metrics, "train/entropy": entropy}.items():
+            if key in ("loss/pg",):
+                sums[key] = sums.get(key, 0.0) + value * (1.0 if rl.loss_agg == "token-mean" else micro.num_sequences / batch.num_sequences)
+            elif key == "mismatch/max_abs_logratio":
+                sums[key] = max(sums.get(key, 0.0), value)
+            else:
+                sums[key] = sums.get(key, 0.0) + value * share
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.lora_parameters(), tr.max_grad_norm)
+    if not math.isfinite(grad_norm.item()):
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()} — the step was skipped")
+    optimizer.step()
+    scheduler.step()
+    return sums | {"train/grad_norm": grad_norm.item(), "train/lr": scheduler.get_last_lr()[0],
+                   "train/tokens": total_tokens, "train/sequences": float(batch.num_sequences)}
