@@ -16,6 +16,16 @@ from epirl.model.tiny import write_tiny_checkpoint
 ARCHS = ["qwen3", "qwen3_5", "llama"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: thread start-up costs more than the math, and on a busy 2-core CI box the default
+    thread pool oversubscribes (measured ~100x slower under load). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     return {arch: write_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch)) for arch in ARCHS}

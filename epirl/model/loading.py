@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
+from epirl.model.fp8 import Fp8Linear
 from epirl.model.policy import Policy
 from epirl.model.weights import RandomSource, SafetensorsSource
 
@@ -114,7 +115,7 @@ def quantize_group(names: list[str], model: nn.Module, source, device: torch.dev
 
     Returns {member name: (codes view [N_i, K] into the packed codes, shared scale [1])}.
     """
-    from epirl.kernels import quantize_weight_fp8
+    from epirl.kernels import quantize_weight_fp8, split_fused
 
     shapes = [model.get_submodule(n).weight.shape for n in names]
     out_sizes = [s[0] for s in shapes]
@@ -124,13 +125,9 @@ def quantize_group(names: list[str], model: nn.Module, source, device: torch.dev
         # The engine quantizes the weight as it holds it, in the model dtype: read it in that dtype.
         packed_W[row:row + size].copy_(source.get(f"{name}.weight", shape, dtype, device))
         row += size
-    codes_N_K, scale = quantize_weight_fp8(packed_W, group_sizes=out_sizes if len(names) > 1 else None)
+    codes_N_K, scale = quantize_weight_fp8(packed_W, group_sizes=out_sizes)
     del packed_W
-    views, row = {}, 0
-    for name, size in zip(names, out_sizes):
-        views[name] = (codes_N_K[row:row + size], scale)
-        row += size
-    return views
+    return {name: (codes, scale) for name, codes in zip(names, split_fused(codes_N_K, out_sizes))}
 
 
 def _fp8_module(name: str, linear: nn.Module, codes_N_K: torch.Tensor, scale: torch.Tensor, trainable: bool,
@@ -141,7 +138,7 @@ def _fp8_module(name: str, linear: nn.Module, codes_N_K: torch.Tensor, scale: to
     if (out_features, in_features) != tuple(linear.weight.shape):
         raise ValueError(f"{name}: FP8 codes {tuple(codes_N_K.shape)} != weight {tuple(linear.weight.shape)}")
     if not trainable:  # a projection outside lora.targets: FP8 base only, no adapter
-        return Fp8LoRALinear(codes_N_K, scale, None, None, 0.0, bias=bias)
+        return Fp8Linear(codes_N_K, scale, bias)
     lora_a, lora_b = init_lora_weights(name, rank, in_features, out_features, seed)
     device = codes_N_K.device
     return Fp8LoRALinear(codes_N_K, scale, nn.Parameter(lora_a.to(device)), nn.Parameter(lora_b.to(device)),

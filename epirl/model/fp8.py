@@ -1,0 +1,33 @@
+"""`Fp8Linear`: a frozen FP8 projection without an adapter (projections outside `lora.targets`).
+
+The engine quantizes every projection, targeted by LoRA or not, so the trainer must too. This runs the
+kernels' `Fp8LoRAFunction` with no LoRA operands: the same W8A16 forward and the codes-reading backward
+for dX, never a dequantized weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        from epirl.kernels import FP8_DTYPE
+
+        if codes.dtype != FP8_DTYPE or codes.dim() != 2:
+            raise ValueError(f"codes must be a 2-D {FP8_DTYPE} tensor, got {codes.dtype} {tuple(codes.shape)}")
+        self.out_features, self.in_features = codes.shape
+        # Non-persistent, as in Fp8LoRALinear: the base belongs to the checkpoint / engine, not to us.
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scale", scale.float().reshape(1), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from epirl.kernels import Fp8LoRAFunction
+
+        return Fp8LoRAFunction.apply(x, None, None, self.codes, self.scale, self.bias, 0.0, None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, frozen fp8"
