@@ -1,0 +1,74 @@
+"""`epirl eval` argument handling: bad input exits 2 with one line naming the flag or file, before any model loads."""
+
+import argparse
+import json
+
+import pytest
+
+from epirl.eval_cli import add_eval_args, build_engine_config, validate_args
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="epirl")
+    add_eval_args(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["eval", *argv])
+
+
+@pytest.fixture
+def math500_file(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"problem": "What is 1+1?", "answer": "2", "unique_id": "p0"}) + "\n")
+    return f"math500={path}"
+
+
+@pytest.fixture
+def adapter_dir(tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 32, "lora_alpha": 64}))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--benchmarks", "gsm8k"], "--benchmarks: unknown benchmark 'gsm8k'"),
+        (["--benchmarks", "minerva=/no/such.jsonl"], "--benchmarks: minerva: benchmark file not found: /no/such.jsonl"),
+        (["--samples", "4"], "--samples 4 needs --temperature > 0"),
+        (["--samples", "0"], "--samples must be >= 1"),
+        (["--engine", "fp4"], "--engine must be one of bf16, w8a8, w8a16"),
+        (["--adapter", "/no/such/adapter"], "--adapter: folder not found: /no/such/adapter"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--max-tokens", "100", "--max-model-len", "64"], "--max-model-len (64) must exceed --max-tokens (100)"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(extra, message, math500_file, capsys):
+    args = parse(["--model", "smollm2", "--benchmarks", math500_file, *extra])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_bad_model_path_and_non_peft_folder(math500_file, tmp_path, capsys):
+    args = parse(["--model", "./missing/model/dir", "--benchmarks", math500_file])
+    assert args.func(args) == 2
+    assert "--model" in capsys.readouterr().err
+    args = parse(["--model", "smollm2", "--benchmarks", math500_file, "--adapter", str(tmp_path)])
+    assert args.func(args) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err
+
+
+def test_valid_arguments_build_settings_variants_and_engine_config(math500_file, adapter_dir, tmp_path):
+    other = tmp_path / "other" / "adapter"
+    other.mkdir(parents=True)
+    (other / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    args = parse(["--model", "org/model", "--benchmarks", math500_file, "--adapter", adapter_dir, "--adapter", str(other),
+                  "--samples", "4", "--temperature", "0.6", "--engine", "w8a16", "--max-tokens", "512", "--thinking"])
+    settings, benchmarks, variants, rank = validate_args(args)
+    assert (settings.samples, settings.temperature, settings.thinking, settings.max_model_len) == (4, 0.6, True, 512 + 2048)
+    assert [b.name for b in benchmarks] == ["math500"] and len(benchmarks[0].problems) == 1
+    # same folder name twice: labels fall back to the full paths so results do not collide
+    assert [v.label for v in variants] == [adapter_dir, str(other)]
+    assert rank == 32  # the engine's adapter slot must hold the larger adapter
+    cfg = build_engine_config(args, settings.max_model_len, rank)
+    assert (cfg.model.path, cfg.engine.precision, cfg.lora.rank, cfg.model.thinking) == ("org/model", "w8a16", 32, True)
