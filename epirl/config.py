@@ -128,7 +128,7 @@ class DataConfig(Section):
     """Optional system message prepended to every prompt."""
     instruction: str | None = None
     """Text appended to each problem (defaults: DAPO's own prompt already has it; math: the \\boxed{}
-    instruction; arithmetic: an `Answer:` instruction)."""
+    instruction; arithmetic: "Answer with just the number.")."""
     limit: int | None = Field(None, ge=1)
     """Use only the first N prompts (after dedup)."""
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
@@ -180,8 +180,9 @@ class RLConfig(Section):
 
 
 class RewardConfig(Section):
-    style: Literal["dapo", "boxed"] = "dapo"
-    """Answer extraction: DAPO's `Answer: ...` line or the last `\\boxed{}`."""
+    style: Literal["dapo", "boxed", "number"] = "dapo"
+    """Answer extraction: DAPO's `Answer: ...` line, the last `\\boxed{}`, or the last number in the text
+    (`number`, for the synthetic arithmetic task: small models answer "12 + 13 = 25" unprompted)."""
     workers: int = Field(2, ge=1, le=256)
     """Grading processes (math-verify runs in a pool with our own timeout)."""
     timeout_s: float = Field(5.0, gt=0.0, le=600.0)

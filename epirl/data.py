@@ -18,7 +18,7 @@ from epirl.config import DataConfig
 log = logging.getLogger(__name__)
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-ANSWER_LINE_INSTRUCTION = "Give the result on the last line in the form 'Answer: <number>'."
+ARITHMETIC_INSTRUCTION = "Answer with just the number."
 
 
 class DataError(ValueError):
@@ -110,7 +110,7 @@ def arithmetic_problems(num: int, max_operand: int, ops: Iterable[str], seed: in
 def load_problems(cfg: DataConfig, seed: int) -> list[Problem]:
     """All problems of the configured source, deduplicated and limited, in file order."""
     if cfg.source == "arithmetic" or cfg.format == "arithmetic":
-        instruction = ANSWER_LINE_INSTRUCTION if cfg.instruction is None else cfg.instruction
+        instruction = ARITHMETIC_INSTRUCTION if cfg.instruction is None else cfg.instruction
         a = cfg.arithmetic
         problems = arithmetic_problems(a.num_problems, a.max_operand, a.ops, seed, instruction)
     else:

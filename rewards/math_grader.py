@@ -9,6 +9,8 @@ Two answer styles:
 - ``"dapo"``: DAPO-Math's prompt asks for a last line ``Answer: $Answer``; the answer is the text after
   the LAST ``Answer:`` (case-insensitive), up to the end of that line, as in DAPO's own reward. A box
   inside that line is unwrapped (last box again).
+- ``"number"``: the last number in the completion (``-3``, ``2.5``, ``3/4``), for the synthetic
+  arithmetic task: small chat models answer ``12 + 13 = 25`` without any answer markup.
 
 Gold and extracted answers are both wrapped in ``\\boxed{}`` before ``math_verify.parse``: parse returns
 ``[]`` for raw LaTeX without ``$`` or ``\\boxed``. ``verify(gold, pred)`` is called gold first (it is not
@@ -25,13 +27,14 @@ import re
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-ANSWER_STYLES = ("dapo", "boxed")
+ANSWER_STYLES = ("dapo", "boxed", "number")
 
 # math-verify logs a warning the first time its timeouts are disabled; we disable them on purpose.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _BOX_COMMANDS = (r"\boxed", r"\fbox")
 _DAPO_ANSWER_RE = re.compile(r"(?i)answer\s*:\s*([^\n]*)")
+_LAST_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _EXTRACTION_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
 
 
@@ -95,6 +98,9 @@ def extract_answer(completion: str, style: str) -> str | None:
         boxed = last_boxed_content(line)
         answer = _strip_math_delimiters(boxed if boxed is not None else line)
         return answer or None
+    if style == "number":
+        numbers = _LAST_NUMBER_RE.findall(completion)
+        return numbers[-1] if numbers else None
     raise ValueError(f"unknown answer style {style!r}; expected one of {ANSWER_STYLES}")
 
 
@@ -130,5 +136,5 @@ def grade_with_answer(completion: str, ground_truth: str, style: str) -> tuple[f
 
 
 def grade(completion: str, ground_truth: str, style: str) -> float:
-    """1.0 if the completion's answer (``style``: "dapo" or "boxed") equals the gold, else 0.0."""
+    """1.0 if the completion's answer (``style``: "dapo", "boxed" or "number") equals the gold, else 0.0."""
     return grade_with_answer(completion, ground_truth, style)[0]

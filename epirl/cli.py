@@ -1,0 +1,146 @@
+"""`epirl` command line: `train`, `mismatch`, `eval`.
+
+    epirl train recipes/smollm2_arith_cpu.yaml rl.steps=20 engine.precision=w8a16
+    epirl train recipes/qwen35_9b_dapo.yaml --resume runs/qwen35_9b_dapo
+    epirl train --help-config            # every config key with its default and meaning
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(stderr=True)
+
+
+def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
+    handlers: list[logging.Handler] = [RichHandler(console=console, show_path=False, rich_tracebacks=False)]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers.append(file_handler)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=handlers, force=True,
+                        format="%(message)s")
+    for noisy in ("httpx", "urllib3", "filelock", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _print_config_reference() -> None:
+    from rich.table import Table
+
+    from epirl.config import describe_fields
+
+    table = Table(title="epirl config keys (recipe YAML or key.sub=value)", show_lines=False)
+    for column in ("key", "default", "meaning"):
+        table.add_column(column, overflow="fold")
+    for key, default, doc in describe_fields():
+        table.add_row(key, default, doc)
+    Console().print(table)
+
+
+def _progress_printer(total: int, start: int):
+    progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                        TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
+    task = progress.add_task("", total=total, completed=start)
+
+    def update(step: int, metrics: dict) -> None:
+        summary = (f"acc {metrics.get('reward/accuracy', 0):.3f} reward {metrics.get('reward/mean', 0):+.3f} "
+                   f"len {metrics.get('response/length_mean', 0):.0f} kl {metrics.get('mismatch/k3_kl', 0):.2e} "
+                   f"{metrics.get('time/step_s', 0):.1f}s")
+        progress.update(task, completed=step, description=summary)
+        progress.console.log(f"step {step}: {summary}")
+
+    return progress, update
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from epirl.config import ConfigError, load_config
+
+    if args.help_config:
+        _print_config_reference()
+        return 0
+    if args.recipe is None and args.resume is None:
+        console.print("[red]error:[/] epirl train needs a recipe (or --resume RUN_DIR)")
+        return 2
+    recipe = args.recipe
+    if recipe is None:  # resume without a recipe: the run's own resolved config
+        recipe = Path(args.resume) / "config.yaml"
+    try:
+        cfg = load_config(recipe, args.overrides)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    if args.resume is not None and not Path(args.resume).is_dir():
+        console.print(f"[red]error:[/] --resume {args.resume}: no such run folder")
+        return 2
+    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    setup_logging(args.verbose, run_dir / "train.log")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+    from epirl.rl.loop import train
+
+    progress, update = _progress_printer(cfg.rl.steps, 0)
+    with progress:
+        out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
+    console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
+    return 0
+
+
+def cmd_mismatch(args: argparse.Namespace) -> int:
+    try:
+        from epirl.mismatch import run_mismatch_command
+    except ImportError:
+        console.print("[yellow]epirl mismatch is not implemented yet[/]")
+        return 2
+    return run_mismatch_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epirl", description="RL post-training of LoRA adapters on one FP8 base.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="colocated GRPO/DAPO training")
+    train.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/)")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rl.steps=5")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    train.add_argument("--help-config", action="store_true", help="print every config key and exit")
+    train.set_defaults(func=cmd_train)
+
+    try:
+        from epirl.mismatch import add_mismatch_args
+    except ImportError:
+        mismatch = sub.add_parser("mismatch", help="δW/δA/δK decomposition of the engine–trainer mismatch")
+        mismatch.add_argument("rest", nargs=argparse.REMAINDER)
+        mismatch.set_defaults(func=cmd_mismatch)
+    else:
+        add_mismatch_args(sub)
+
+    from epirl.eval_cli import add_eval_args
+
+    add_eval_args(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "train":
+        setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: completed checkpoints are intact; continue with --resume")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The colocated GRPO/DAPO loop on one device: read this file to see the whole algorithm.
+
+Per step:
+  1. generate      n samples for each of P prompts with the vLLM engine (+ the newest adapter), keeping the
+                   engine's log-probs of the sampled tokens;
+  2. reward        grade with math-verify (process pool, own timeouts), DAPO overlong shaping;
+  3. filter        dynamic sampling: drop groups whose rewards are all equal, refill with new prompts;
+  4. advantages    group-relative (mean-centred, optionally std-scaled);
+  5. train         release the engine's KV cache, recompute log-probs on the trainer (same base weights),
+                   DAPO loss with truncated importance sampling against the engine's log-probs, AdamW;
+  6. publish       the adapter goes to the engine in memory under a new name; KV cache re-acquired;
+  7. probe         re-score a few of this step's sequences with engine and trainer: they must agree;
+  8. log / save    metrics to JSONL + W&B, checkpoints for exact resume.
+Shapes: P prompts, G samples per prompt, B = P·G sequences, T tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from epirl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from epirl.config import EpirlConfig, dump_config
+from epirl.data import Prompt, PromptStream, load_problems
+from epirl.rl.advantages import group_advantages, informative_groups
+from epirl.trainer import build_batch, build_optimizer, train_step
+from epirl.tracking import PhaseTimer, Tracker, memory_metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    """One prompt and its G completions with rewards (correctness + shaping) and advantages."""
+
+    prompt: Prompt
+    completions: list  # list[epirl.engine.Completion], length G
+    correct_G: torch.Tensor
+    rewards_G: torch.Tensor
+    advantages_G: torch.Tensor | None = None
+
+
+class ProbeMismatch(RuntimeError):
+    """Engine and trainer disagree after a publish: the adapter did not arrive, or the arithmetic drifted."""
+
+
+def resolve_runtime(cfg: EpirlConfig) -> torch.device:
+    """Pick the trainer device and make `model.dtype: auto` concrete, identically for engine and trainer."""
+    use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but CUDA is not available")
+    if cfg.model.dtype == "auto":
+        cfg.model.dtype = "bfloat16" if use_cuda else "float32"
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
+def step_seed(seed: int, step: int, round_: int) -> int:
+    # Sampling randomness is a pure function of (seed, step, round): a resumed run samples exactly what the
+    # uninterrupted run sampled. vLLM runs in-process, so the global torch generators drive its sampler.
+    return (seed * 1_000_003 + step * 101 + round_) % (2**31 - 1)
+
+
+def grade_groups(prompts: list[Prompt], completions_P_G: list[list], pool, cfg: EpirlConfig) -> tuple[list[Group], dict]:
+    texts = [c.text for group in completions_P_G for c in group]
+    truths = [p.problem.ground_truth for p, group in zip(prompts, completions_P_G) for _ in group]
+    correct, stats = pool.grade_batch(texts, truths, cfg.reward.style)
+    G = cfg.rl.samples_per_prompt
+    correct_P_G = torch.tensor(correct, dtype=torch.float32).view(len(prompts), G)
+    lengths_P_G = torch.tensor([len(c.token_ids) for group in completions_P_G for c in group]).view(len(prompts), G)
+    from epirl.rewards import overlong_penalty
+
+    shaping_P_G = lengths_P_G.float().apply_(lambda n: overlong_penalty(int(n), cfg.rl.max_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty))
+    rewards_P_G = correct_P_G + shaping_P_G
+    groups = [Group(p, comps, correct_P_G[i], rewards_P_G[i]) for i, (p, comps) in enumerate(zip(prompts, completions_P_G))]
+    return groups, stats
+
+
+def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int) -> tuple[list[Group], dict]:
+    """Generate and grade until P informative groups are collected or the refill rounds run out."""
+    rl = cfg.rl
+    kept: list[Group] = []
+    seen: list[Group] = []
+    totals: dict[str, float] = {}
+    for round_ in range(rl.max_refill_rounds + 1 if rl.dynamic_sampling else 1):
+        need = rl.prompts_per_step - len(kept)
+        prompts = stream.take(need)
+        torch.manual_seed(step_seed(cfg.seed, step, round_))
+        completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
+                                          max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p)
+        groups, stats = grade_groups(prompts, completions_P_G, pool, cfg)
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+        seen += groups
+        if rl.dynamic_sampling:
+            mask = informative_groups(torch.stack([g.rewards_G for g in groups]))
+            kept += [g for g, keep in zip(groups, mask.tolist()) if keep]
+        else:
+            kept += groups
+        if len(kept) >= rl.prompts_per_step:
+            break
+    kept = kept[: rl.prompts_per_step]
+    metrics = rollout_metrics(seen, kept, cfg) | totals | {"rollout/rounds": float(round_ + 1)}
+    return kept, metrics
+
+
+def rollout_metrics(seen: list[Group], kept: list[Group], cfg: EpirlConfig) -> dict[str, float]:
+    """Reward/accuracy over everything generated this step (the honest curve), lengths, filter stats."""
+    rewards = torch.cat([g.rewards_G for g in seen])
+    correct = torch.cat([g.correct_G for g in seen])
+    lengths = torch.tensor([len(c.token_ids) for g in seen for c in g.completions], dtype=torch.float32)
+    truncated = torch.tensor([c.finish_reason == "length" for g in seen for c in g.completions], dtype=torch.float32)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "reward/accuracy": correct.mean().item(),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": truncated.mean().item(),
+        "rollout/groups_generated": float(len(seen)),
+        "rollout/groups_kept": float(len(kept)),
+        "rollout/informative_frac": len(kept) / max(len(seen), 1),
+    }
+
+
+def groups_to_batch(groups: list[Group], cfg: EpirlConfig, pad_id: int):
+    sequences = []
+    for g in groups:
+        g.advantages_G = group_advantages(g.rewards_G[None], cfg.rl.std_normalize)[0]
+        for comp, adv in zip(g.completions, g.advantages_G.tolist()):
+            if comp.token_ids:  # an empty completion has no token to learn from
+                sequences.append((g.prompt.token_ids, list(comp.token_ids), list(comp.logprobs), adv))
+    return build_batch(sequences, pad_id) if sequences else None
+
+
+@torch.no_grad()
+def probe(engine, policy, groups: list[Group], cfg: EpirlConfig, device, pad_id: int) -> dict[str, float]:
+    """Re-score a few of this step's sequences with the engine (new adapter) and the trainer; compare."""
+    picks = [(g.prompt.token_ids, list(c.token_ids)) for g in groups for c in g.completions[:1] if c.token_ids]
+    picks = picks[: cfg.engine.probe_prompts]
+    if not picks:
+        return {}
+    engine_lp = engine.score([p for p, _ in picks], [c for _, c in picks], temperature=cfg.rl.temperature)
+    batch = build_batch([(p, c, lp, 0.0) for (p, c), lp in zip(picks, engine_lp)], pad_id).to(device)
+    policy.model.eval()
+    trainer_lp_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, cfg.rl.temperature,
+                                              cfg.trainer.logprob_chunk_tokens)
+    diff_B_T = (trainer_lp_B_T.float() - batch.engine_logprobs_B_T).abs()[batch.mask_B_T]
+    metrics = {"probe/mean_abs_logp_diff": diff_B_T.mean().item(), "probe/max_abs_logp_diff": diff_B_T.max().item()}
+    if not math.isfinite(metrics["probe/mean_abs_logp_diff"]) or metrics["probe/mean_abs_logp_diff"] > cfg.engine.probe_tolerance:
+        raise ProbeMismatch(
+            f"engine and trainer disagree after publishing the adapter: mean |Δ log p| = "
+            f"{metrics['probe/mean_abs_logp_diff']:.4g} > engine.probe_tolerance={cfg.engine.probe_tolerance} "
+            f"(max {metrics['probe/max_abs_logp_diff']:.4g}, precision {cfg.engine.precision})")
+    return metrics
+
+
+def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
+    rows = []
+    for g in groups[:count]:
+        c = g.completions[0]
+        rows.append({"prompt": tokenizer.decode(g.prompt.token_ids), "completion": c.text,
+                     "ground_truth": g.prompt.problem.ground_truth, "reward": float(g.rewards_G[0])})
+    return rows
+
+
+def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
+    """Run (or resume) a GRPO/DAPO training job; returns the run folder."""
+    from epirl.engine import RolloutEngine
+    from epirl.model import load_policy, save_adapter
+    from epirl.rewards import RewardPool
+
+    device = resolve_runtime(cfg)
+    run_dir = Path(resume) if resume else cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    tracker = Tracker(cfg, run_dir, resume=resume is not None)
+    engine = RolloutEngine(cfg)
+    policy = load_policy(cfg, device, engine=engine)
+    optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
+    problems = load_problems(cfg.data, cfg.seed)
+    stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
+                          thinking=cfg.model.thinking, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+    start_step = 0
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler)
+        stream.load_state_dict(state["data"])
+        start_step = state["step"]
+        log.info("resumed from %s at step %d", checkpoint, start_step)
+    engine.publish(policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
+    tracker.summary(policy.memory_report())
+    timer = PhaseTimer()
+    try:
+        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+            for step in range(start_step, cfg.rl.steps):
+                metrics = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id)
+                samples = metrics.pop("_samples")
+                tracker.log(step + 1, metrics)
+                if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0:
+                    tracker.log_samples(step + 1, samples)
+                if progress is not None:
+                    progress(step + 1, metrics)
+                last = step + 1 == cfg.rl.steps
+                if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
+                    save_checkpoint(run_dir, step + 1, policy=policy, cfg=cfg, optimizer=optimizer,
+                                    scheduler=scheduler, data_state=stream.state_dict(),
+                                    keep_last=cfg.checkpoint.keep_last)
+        save_adapter(policy, run_dir / "adapter", cfg)
+    finally:
+        tracker.close()
+        engine.close()
+    return run_dir
+
+
+def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id) -> dict:
+    with timer("generate"):
+        groups, metrics = collect_rollouts(engine, stream, pool, cfg, step)
+    batch = groups_to_batch(groups, cfg, pad_id)
+    with timer("release_kv"):
+        metrics |= engine.release_kv()
+    with timer("train"):
+        if batch is not None and bool((batch.advantages_B != 0).any()):
+            metrics |= train_step(policy, optimizer, scheduler, batch, cfg, device)
+            metrics["train/skipped"] = 0.0
+        else:  # every group had equal rewards: no gradient signal, keep the adapter as it is
+            metrics["train/skipped"] = 1.0
+    with timer("publish"):
+        metrics |= engine.publish(policy.lora_state_dict(), step=step + 1)
+    with timer("reacquire_kv"):
+        metrics |= engine.reacquire_kv()
+    if cfg.engine.probe_prompts:
+        with timer("probe"):
+            metrics |= probe(engine, policy, groups, cfg, device, pad_id)
+    metrics |= timer.pop() | memory_metrics()
+    metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
+    metrics["data/cursor"] = float(stream.cursor)
+    metrics["_samples"] = sample_rows(groups, engine.tokenizer, cfg.tracking.samples_count)
+    return metrics
