@@ -13,7 +13,7 @@ import torch
 
 from ..w8a16_lora.triton import lora_down, scaled_gemm_lora, weight_stationary_gemm
 
-DX_CONFIG = dict(BN=128, BM=64, BK=64, num_warps=4, num_stages=4)
+DX_CONFIG = dict(BN=128, BM=128, BK=64, num_warps=8, num_stages=4)
 DX_CONFIG_SMALL = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)
 
 

@@ -5,7 +5,7 @@ in place of the exact dot):
     acc  = fp32( x · e4m3→bf16(codes)ᵀ )        exact dot product, rounded once to fp32
     y    = acc * s_w                              fp32
     xa   = act( fp32( x · Aᵀ ) )                  LoRA down-projection, rounded to x.dtype (bf16)
-    y    = y + σ * fp32( xa · Bᵀ )                fp32, σ = lora_scale
+    y    = fma(σ, fp32( xa · Bᵀ ), y)             one rounding to fp32 (computed in float64), σ = lora_scale
     y    = y + bias                               fp32 (bias widened)
     out  = act(y)                                 x.dtype (bf16)
 A and B are first cast to x.dtype (the trainer may keep fp32 masters; the engine holds bf16 copies).
@@ -33,7 +33,10 @@ def lora_epilogue(y32, x2, lora_a, lora_b, lora_scale, bias):
     """y32 + σ (xa Bᵀ) + bias in fp32, in that order (shared by W8A16 and W8A8)."""
     if lora_a is not None:
         xa = lora_down(x2, lora_a)
-        y32 = y32 + float(lora_scale) * exact_dot_fp32(xa, lora_b.to(x2.dtype))
+        lora = exact_dot_fp32(xa, lora_b.to(x2.dtype))
+        # fused multiply-add like the kernels' tl.fma: fp32 σ times fp32 lora is exact in float64
+        sigma = torch.tensor(float(lora_scale), dtype=torch.float32).double()
+        y32 = (y32.double() + sigma * lora.double()).float()
     if bias is not None:
         y32 = y32 + bias.float()
     return y32

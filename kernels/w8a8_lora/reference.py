@@ -3,7 +3,7 @@
     q_x, s_x = per-token dynamic quantization of x (fp8_quant.reference.quantize_per_token)
     acc = fp32( q_x · codesᵀ )      exact e4m3 x e4m3 dot (float64 accumulator), rounded once
     y   = (acc * s_w) * s_x          fp32, weight scale first (vLLM's ScaledEpilogue: s_a * (s_b * acc))
-    y   = y + σ * fp32(act(x Aᵀ) Bᵀ) + bias    LoRA on the bf16 x, as in w8a16_lora.reference
+    y   = fma(σ, fp32(act(x Aᵀ) Bᵀ), y) + bias   LoRA on the bf16 x, as in w8a16_lora.reference
     out = act(y)
 """
 
