@@ -124,3 +124,26 @@ def test_settings_validation():
         EvalSettings(samples=4, temperature=0.0)
     with pytest.raises(ValueError, match="samples"):
         EvalSettings(samples=0)
+
+
+def test_wandb_gets_summary_and_failure_table_only_with_an_active_run(pool, tmp_path, monkeypatch):
+    import wandb
+
+    from epirl.eval.report import log_to_wandb
+
+    engine = ScriptedEngine({"dir/a": 1})
+    benchmarks = [arithmetic_benchmark("math500", 4)]
+    settings = EvalSettings(max_tokens=8)
+    report = run_eval(engine, pool, benchmarks, settings, [Variant("a", "dir/a")], None, quiet_console())
+    assert wandb.run is None and log_to_wandb(report, []) is False  # no run: nothing logged, nothing started
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="epirl-test", mode="offline", dir=str(tmp_path))
+    try:
+        run_eval(engine, pool, benchmarks, settings, [Variant("a", "dir/a")], None, quiet_console())
+        assert run.summary["eval/a/math500/accuracy"] == pytest.approx(0.5)
+        assert run.summary["eval/a/pooled/ci95_high"] == pytest.approx(report["variants"]["a"]["pooled"]["ci95_high"])
+        assert run.summary["eval/failures"]["nrows"] == 2  # problems 1 and 3 are answered wrong
+    finally:
+        run.finish()
