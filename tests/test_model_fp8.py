@@ -11,7 +11,7 @@ from epirl.model import build_policy, load_policy
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.loading import PACKED_MODULES, load_text_config
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
-from epirl.model.memory import PreflightError, preflight_check
+from epirl.model.memory import PreflightError, ProjectionCopyWatcher, preflight_check
 from epirl.model.tiny import write_tiny_checkpoint
 from epirl.model.weights import SafetensorsSource
 
@@ -223,3 +223,17 @@ def test_preflight_names_the_setting_to_change(tiny_dirs):
         preflight_check(cfg, device_total_bytes=estimate.total_bytes // 2)
     fp8_cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": "fp8"}})
     assert preflight_check(fp8_cfg, 8 * 1024 ** 3).base_projection_bytes * 2 == estimate.base_projection_bytes
+
+
+def test_projection_copy_watcher_sees_a_dequantized_weight(tiny_dirs):
+    """The GPU test's no-16-bit-copy check must be able to fail: a dequantize inside it is caught."""
+    from epirl.kernels import dequantize
+
+    policy = load_policy(make_cfg(tiny_dirs["qwen3"], "fp8"), "cpu")
+    down = policy.model.model.layers[0].mlp.down_proj
+    input_ids, targets = batch()
+    with ProjectionCopyWatcher.for_policy(policy) as clean:
+        policy.token_logprobs(input_ids, targets, 1.0, 16)[0].sum().backward()
+    with ProjectionCopyWatcher.for_policy(policy) as dirty:
+        dequantize(down.codes, down.scale, torch.bfloat16)
+    assert clean.hits == [] and tuple(down.codes.shape) in [h[1] for h in dirty.hits]

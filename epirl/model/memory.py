@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
 
@@ -155,3 +156,30 @@ def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safet
         f"trainer needs ~{estimate.total_bytes / GiB:.1f} GiB (base {base / GiB:.1f}, LoRA+AdamW "
         f"{estimate.lora_total_bytes / GiB:.2f}, activations {estimate.activation_bytes / GiB:.1f} for "
         f"{tokens} tokens/micro-batch) but only {budget / GiB:.1f} GiB is available: {hint}")
+
+
+class ProjectionCopyWatcher(TorchDispatchMode):
+    """Records every op output shaped like a projection weight ([N, K] or [K, N]) in a 16/32-bit dtype.
+
+    Run a training step inside it to show that the FP8 path never materialises a dequantized weight
+    (e.g. `codes.to(bf16)` before a GEMM). float64 is not watched: the CPU kernel references widen to
+    float64 on purpose (exact accumulation) and are not the trainer's GPU path.
+    """
+
+    WATCHED = (torch.bfloat16, torch.float16, torch.float32)
+
+    def __init__(self, weight_shapes):
+        super().__init__()
+        self.shapes = {tuple(s) for s in weight_shapes} | {tuple(reversed(tuple(s))) for s in weight_shapes}
+        self.hits: list[tuple[str, tuple, torch.dtype]] = []
+
+    @classmethod
+    def for_policy(cls, policy) -> "ProjectionCopyWatcher":
+        return cls([tuple(m.codes.shape) for m in policy.model.modules() if hasattr(m, "codes")])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype in self.WATCHED and tuple(t.shape) in self.shapes:
+                self.hits.append((str(func), tuple(t.shape), t.dtype))
+        return out

@@ -1,0 +1,124 @@
+"""One RL-style LoRA training step on production-shaped random models, base=fp8 vs base=bf16, one process.
+
+A step = forward + backward of every micro-batch (chunked fp32 log-probs, token-mean loss, gradient
+checkpointing) + grad clip + AdamW on the LoRA parameters. Prints a table (s/step, tokens/s, peak GPU
+memory, base-weight GiB, fp8/bf16 ratios) and writes JSON.
+
+    python scripts/bench_trainer.py                       # Qwen3-8B and Qwen3.5-9B shapes, 8 x 2048, r=64
+    python scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --json /tmp/out/bench_trainer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import time
+
+import torch
+
+from epirl.model import random_policy
+from epirl.model.lora import ALL_PROJECTIONS
+from epirl.model.shapes import SHAPES
+
+GiB = 2 ** 30
+
+
+def training_step(policy, optimizer, ids_B_T1: torch.Tensor, micro_batch: int, chunk_tokens: int) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    total_tokens = ids_B_T1[:, 1:].numel()
+    loss_sum = 0.0
+    for start in range(0, ids_B_T1.shape[0], micro_batch):
+        mb = ids_B_T1[start:start + micro_batch]
+        logprobs_B_T, _ = policy.token_logprobs(mb[:, :-1], mb[:, 1:], 1.0, chunk_tokens)
+        loss = -logprobs_B_T.sum() / total_tokens  # DAPO-style token mean over the whole step
+        loss.backward()
+        loss_sum += loss.item()
+    torch.nn.utils.clip_grad_norm_(policy.lora_parameters(), 1.0)
+    optimizer.step()
+    return loss_sum
+
+
+def bench_one(shape: str, base: str, args) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    config = SHAPES[shape]()
+    policy = random_policy(config, base, "cuda", rank=args.rank, alpha=2.0 * args.rank, targets=list(ALL_PROJECTIONS),
+                           seed=0, gradient_checkpointing=True)
+    load_peak = torch.cuda.max_memory_allocated()
+    optimizer = torch.optim.AdamW(policy.lora_parameters(), lr=1e-5)
+    ids = torch.randint(0, config.vocab_size, (args.seqs, args.seq_len + 1), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(0))
+    training_step(policy, optimizer, ids, args.micro_batch, args.chunk_tokens)  # warm-up (Triton autotune/JIT)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    steps = args.steps if shape != "qwen3.5-9b" or has_fla() else max(1, args.steps // 2)
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = training_step(policy, optimizer, ids, args.micro_batch, args.chunk_tokens)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    report = policy.memory_report()
+    result = {
+        "shape": shape, "base": base, "s_per_step": seconds, "tokens_per_s": args.seqs * args.seq_len / seconds,
+        "step_peak_gib": torch.cuda.max_memory_allocated() / GiB, "load_peak_gib": load_peak / GiB,
+        "base_weight_gib": report["base_weight_bytes"] / GiB,
+        "base_projection_gib": report["base_projection_bytes"] / GiB,
+        "base_other_gib": report["base_other_bytes"] / GiB, "lora_gib": report["lora_param_bytes"] / GiB,
+        "loss": loss, "steps_timed": steps,
+        "gdn": ("fla" if has_fla() else "torch-fallback") if shape == "qwen3.5-9b" else "-",
+    }
+    del policy, optimizer
+    return result
+
+
+def has_fla() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'shape':<11} {'base':<5} {'s/step':>7} {'tok/s':>8} {'peak GiB':>9} {'base GiB':>9} "
+          f"{'(proj)':>7} {'(other)':>8} {'GDN':>15}")
+    for r in results:
+        print(f"{r['shape']:<11} {r['base']:<5} {r['s_per_step']:7.3f} {r['tokens_per_s']:8.0f} {r['step_peak_gib']:9.2f} "
+              f"{r['base_weight_gib']:9.2f} {r['base_projection_gib']:7.2f} {r['base_other_gib']:8.2f} {r['gdn']:>15}")
+    by_key = {(r["shape"], r["base"]): r for r in results}
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        if (shape, "fp8") in by_key and (shape, "bf16") in by_key:
+            fp8, bf16 = by_key[(shape, "fp8")], by_key[(shape, "bf16")]
+            print(f"{shape}: fp8/bf16 step time {fp8['s_per_step'] / bf16['s_per_step']:.2f}x, "
+                  f"peak {fp8['step_peak_gib'] / bf16['step_peak_gib']:.2f}x, "
+                  f"base {fp8['base_weight_gib']:.2f} vs {bf16['base_weight_gib']:.2f} GiB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--bases", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--chunk-tokens", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.seqs} x {args.seq_len} tokens, micro-batch {args.micro_batch}, rank {args.rank}, "
+          f"flash-linear-attention {'yes' if has_fla() else 'NO (Qwen3.5 uses the torch GDN fallback)'}")
+    results = []
+    for shape in args.shapes:
+        for base in args.bases:
+            result = bench_one(shape, base, args)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
