@@ -107,7 +107,9 @@ class RewardPool:
     """Grade completions in ``workers`` processes; each item gets at most ``timeout_s`` seconds.
 
     Use as a context manager (or call :meth:`close`); keep one pool for the whole run, since starting
-    workers costs about a second.
+    workers costs about a second (a replacement after a timeout, forked from the fork server, is quick).
+    One batch at a time: ``grade_batch`` is not meant to be called from two threads at once.
+    Processes that create a pool need the usual ``if __name__ == "__main__":`` guard (forkserver/spawn).
     """
 
     def __init__(
