@@ -130,3 +130,25 @@ def test_overlong_penalty_rejects_bad_settings(kwargs):
     settings = dict(response_len=10, max_tokens=1024, buffer=256, factor=1.0) | kwargs
     with pytest.raises(ValueError):
         overlong_penalty(**settings)
+
+
+NUMBER_TABLE = [
+    ("12 + 13 = 25", "25", 1.0),
+    ("8 - 11 = -3.", "-3", 1.0),
+    ("8 - 11 = 3", "-3", 0.0),
+    ("Half of 5 is 2.5", "5/2", 1.0),
+    ("x = 3/4", "0.75", 1.0),
+    ("First I thought 7, but it is 9", "7", 0.0),  # the last number counts
+    ("I cannot tell.", "4", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected", NUMBER_TABLE)
+def test_grade_number_table(completion, gold, expected):
+    """Style "number" (synthetic arithmetic task): the last number in the completion."""
+    assert grade(completion, gold, "number") == expected
+
+
+def test_number_style_extraction():
+    assert extract_answer("5-3=2", "number") == "2"
+    assert extract_answer("no digits", "number") is None
