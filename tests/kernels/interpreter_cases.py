@@ -105,6 +105,11 @@ def case_backward():
         assert close_bf16(got[0], want[0], ulps=4), "dX"
         for g, w in zip(got[1:], want[1:]):  # dA, dB go through bf16 cuBLAS-style mm
             assert ((g - w).norm() / w.norm()).item() < 1e-2
+    x, codes, scale, *_ = problem(300, 70, 40, 8, seed=6)  # no LoRA, > SPLIT_MAX_M tokens: single pass
+    gy = torch.randn(300, 40).bfloat16()
+    dx, da, db = tri_backward(gy, x, codes, scale, None, None, 0.0, True)
+    assert da is None and db is None
+    assert close_bf16(dx, ref_backward(gy, x, codes, scale, None, None, 0.0, True)[0], ulps=4)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -99,3 +99,16 @@ def test_fp32_master_params_round_like_published_bf16():
     layer = Fp8LoRALinear(codes, scale, a.float() + 1e-4, b.float(), 1.0, backend="reference")
     published = w8a16_lora(x, codes, scale, layer.lora_A.detach().bfloat16(), b, 1.0, backend="reference")
     assert torch.equal(layer(x), published)
+
+
+def test_function_without_lora_gives_dx_only():
+    """Frozen projections outside the LoRA targets run the same Function with A = B = None."""
+    from epirl.kernels import Fp8LoRAFunction
+
+    x, codes, scale, a, b, gy = problem(M=9, K=32, N=20, r=4, dtype=torch.float32, seed=13)
+    xr = x.clone().requires_grad_()
+    y = Fp8LoRAFunction.apply(xr, None, None, codes, scale, None, 0.0, "reference")
+    assert torch.equal(y, w8a16_lora(x, codes, scale, backend="reference"))
+    y.backward(gy)
+    want = gy.double() @ (codes.double() * scale.double())
+    assert ((xr.grad.double() - want).norm() / want.norm()).item() < 1e-6
