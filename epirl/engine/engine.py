@@ -100,6 +100,7 @@ class RolloutEngine:
         log.info("vLLM %s engine (%s, quantization=%s) started in %.1f s",
                  compat.vllm_version(), self.precision, quantization, self.start_s)
         self.tokenizer = self.llm.get_tokenizer()
+        compat.bypass_logits_lora(self.llm)  # adapters never touch lm_head; see compat for the CPU bug
         self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
         plugin.attach(self)  # w8a16: fused LoRA path reads the live adapter; no-op for other precisions
         self._kv_released = False

@@ -203,9 +203,9 @@ def attach(engine) -> None:
                     "numerics with epirl.kernels.w8a8_lora (reference) - slow, numerics only")
     if engine.precision != "w8a16":
         return
-    from vllm.lora.layers import BaseLinearLayerWithLoRA
-
     from epirl.engine import compat
+
+    BaseLinearLayerWithLoRA = compat.lora_linear_base_class()
 
     model = compat.model(engine.llm)
     mapping = _packed_mapping(model)
