@@ -28,7 +28,8 @@ def peft_adapter_config(policy: Policy) -> dict:
         "base_model_name_or_path": policy.model_path,
         "r": policy.lora_rank,
         "lora_alpha": policy.lora_alpha,
-        "target_modules": sorted(policy.targets),
+        # Only projections that exist in this model (a recipe may list Qwen3.5-only names for a Llama).
+        "target_modules": sorted({name.rpartition(".")[2] for name in policy.lora_modules()}),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,

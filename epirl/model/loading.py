@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.policy import Policy
-from epirl.model.weights import RandomSource, SafetensorsSource
+from epirl.model.weights import RandomSource, SafetensorsSource, checkpoint_to_model_name
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +145,25 @@ def _fp8_module(name: str, linear: nn.Module, codes_N_K: torch.Tensor, scale: to
                          alpha / rank, bias=bias)
 
 
+def normalize_view_names(views: dict) -> dict:
+    """Engine view keys as this model's module names (drop `.weight`, map checkpoint prefixes)."""
+    normalized = {}
+    for key, value in views.items():
+        name = checkpoint_to_model_name(key.removesuffix(".weight"))
+        if name is not None:
+            normalized[name] = value
+    return normalized
+
+
 def install_fp8_projections(model: nn.Module, source, device: torch.device, dtype: torch.dtype,
                             targets: list[str], rank: int, alpha: float, seed: int,
                             engine_views: dict | None = None) -> None:
     """Replace every projection by an Fp8LoRALinear, one fused group at a time."""
+    if engine_views is not None:
+        engine_views = normalize_view_names(engine_views)
+        missing = [n for n, _ in projection_modules(model) if n not in engine_views]
+        if missing:
+            raise KeyError(f"engine.base_weight_views() lacks {len(missing)} projections, e.g. {missing[:3]}")
     for names in projection_groups(model):
         views = ({n: engine_views[n] for n in names} if engine_views is not None
                  else quantize_group(names, model, source, device, dtype))
