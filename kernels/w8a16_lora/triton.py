@@ -93,12 +93,12 @@ def _scaled_gemm_lora_kernel(
 
 
 def scaled_gemm_lora(x, w, out_dtype=torch.bfloat16, w_scale=None, x_scale=None, xa=None, lora_b=None,
-                     lora_scale=1.0, bias=None, config=None):
+                     lora_scale=1.0, bias=None, config=None, out=None):
     """y `[M, N]` = (x `[M, K]` · w `[N, K]`ᵀ) * w_scale * x_scale + σ xa · lora_bᵀ + bias (any w strides)."""
     M, K = x.shape
     N = w.shape[0]
     cfg = dict(FWD_CONFIG if config is None else config)
-    y = torch.empty(M, N, device=x.device, dtype=out_dtype)
+    y = torch.empty(M, N, device=x.device, dtype=out_dtype) if out is None else out
     if M == 0 or N == 0:
         return y
     R = 0 if xa is None else xa.shape[1]

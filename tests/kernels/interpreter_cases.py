@@ -2,8 +2,10 @@
 subprocess with TRITON_INTERPRET=1 set before triton is imported). Prints one JSON line per case.
 
 Interpreter limits seen with triton 3.9 (so the interpreter kernels widen dot operands to fp32, and
-fp8 down-conversion is checked on the GPU only): bf16 `tl.dot` returns garbage, and fp32 -> e4m3
-conversion rounds wrongly when rounding carries into the next binade (e.g. 31.85 -> 16 instead of 32).
+fp8 down-conversion is checked on the GPU only): bf16 `tl.dot` returns garbage, fp32 -> e4m3
+conversion rounds wrongly when rounding carries into the next binade (e.g. 31.85 -> 16 instead of 32),
+and fp32 -> bf16 truncates instead of rounding to nearest (one ulp on about half the values) - hence
+4 ulps here where the GPU tests use 2.
 """
 
 import json
@@ -32,7 +34,7 @@ def problem(M, K, N, r, seed=0):
     return x, codes, scale, a, b, bias
 
 
-def close_bf16(got, want, ulps=2.0):
+def close_bf16(got, want, ulps=4.0):
     """Within a few bf16 ulps of the reference, plus a floor of a few ulps of the typical magnitude:
     fp32 (vs exact) accumulation can flip the bf16 rounding of the LoRA intermediate by one ulp, which
     moves small outputs by a fraction of an ulp of the large ones."""
@@ -65,6 +67,17 @@ def case_split_k_equals_single_pass():
     single = weight_stationary_gemm(x, codes, torch.bfloat16, allow_split=False, **args)
     assert torch.equal(split, single)
     assert close_bf16(single, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
+
+
+def case_nan_poisoned_out_fully_written():
+    for M in (3, 70):
+        x, codes, scale, a, b, bias = problem(M, 100, 90, 8, seed=M)
+        want = w8a16_lora(x, codes, scale, a, b, 2.0, bias, backend="reference")
+        xa = lora_down(x, a)
+        for gemm in (scaled_gemm_lora, weight_stationary_gemm):
+            out = torch.full((M, 90), float("nan"), dtype=torch.bfloat16)
+            gemm(x, codes, torch.bfloat16, w_scale=scale, xa=xa, lora_b=b, lora_scale=2.0, bias=bias, out=out)
+            assert close_bf16(out, want), gemm.__name__
 
 
 def case_lora_down_split_chunks():
@@ -102,14 +115,14 @@ def case_backward():
         gy = torch.randn(M, N).bfloat16()
         got = tri_backward(gy, x, codes, scale, a, b, 2.0, True)
         want = ref_backward(gy, x, codes, scale, a, b, 2.0, True)
-        assert close_bf16(got[0], want[0], ulps=4), "dX"
+        assert close_bf16(got[0], want[0], ulps=6), "dX"
         for g, w in zip(got[1:], want[1:]):  # dA, dB go through bf16 cuBLAS-style mm
             assert ((g - w).norm() / w.norm()).item() < 1e-2
     x, codes, scale, *_ = problem(300, 70, 40, 8, seed=6)  # no LoRA, > SPLIT_MAX_M tokens: single pass
     gy = torch.randn(300, 40).bfloat16()
     dx, da, db = tri_backward(gy, x, codes, scale, None, None, 0.0, True)
     assert da is None and db is None
-    assert close_bf16(dx, ref_backward(gy, x, codes, scale, None, None, 0.0, True)[0], ulps=4)
+    assert close_bf16(dx, ref_backward(gy, x, codes, scale, None, None, 0.0, True)[0], ulps=6)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

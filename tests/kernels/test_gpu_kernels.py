@@ -100,11 +100,15 @@ def test_w8a8_lora_vs_reference(M):
     assert_close_bf16(got, want)
 
 
-def test_gemm_writes_every_element_of_a_poisoned_out():
-    x, codes, scale, a, b, bias = problem(257, K_ODD, N_ODD, 8)
-    y = scaled_gemm_lora(x, codes, torch.bfloat16, w_scale=scale)
-    want = w8a16_lora(x, codes, scale, backend="reference")
-    assert_close_bf16(y, want)
+@pytest.mark.parametrize("M", [3, 257])
+def test_gemms_write_every_element_of_a_nan_out(M):
+    x, codes, scale, a, b, bias = problem(M, K_ODD, N_ODD, 8)
+    want = w8a16_lora(x, codes, scale, a, b, 2.0, bias, backend="reference")
+    xa = lora_down(x, a)
+    for gemm in (scaled_gemm_lora, weight_stationary_gemm):
+        out = torch.full((M, N_ODD), float("nan"), device=DEV, dtype=torch.bfloat16)
+        gemm(x, codes, torch.bfloat16, w_scale=scale, xa=xa, lora_b=b, lora_scale=2.0, bias=bias, out=out)
+        assert_close_bf16(out, want)
 
 
 @pytest.mark.parametrize("M", [16, 64, 4096])
