@@ -2,9 +2,9 @@
 
 dX reads the codes in place as `[N, K]` with N as the reduction dim (strides (1, K) in the shared GEMM)
 and widens them to bf16 in registers - no dequantized weight ever exists; the LoRA term σ(gB)A rides in
-the same kernel's epilogue. gB = g·B and the weight gradients dA = σ gBᵀx, dB = σ gᵀxa are skinny
-(rank-r) GEMMs reducing over tokens: they go to cuBLAS with bf16 inputs and fp32 accumulation.
-Backward need not be batch invariant, so its tile config may depend on M.
+the same kernel's epilogue. gB = g·B is a rank-r Triton GEMM; the weight gradients dA = σ gBᵀx and
+dB = σ gᵀxa reduce over tokens and go to cuBLAS (bf16 inputs, fp32 accumulation, bf16 result).
+Backward need not be batch invariant (cuBLAS may pick M-dependent algorithms there).
 """
 
 from __future__ import annotations

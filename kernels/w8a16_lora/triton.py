@@ -1,9 +1,10 @@
-"""Triton W8A16 GEMM with the LoRA epilogue (Hopper), plus the generic scaled GEMM it is built on.
+"""Triton W8A16 GEMM with the LoRA epilogue (Hopper), plus the generic scaled GEMM W8A8 is built on.
 
-`scaled_gemm_lora` computes `y[m, n] = act( (Σ_k x[m,k] w[n,k]) * s_w * s_x[m] + σ Σ_j xa[m,j] b[n,j]
-+ bias[n] )` for any strides of w, so the same kernel serves W8A16 (x bf16, w e4m3 widened to bf16 in
-registers), W8A8 (x, w e4m3: FP8 tensor cores) and the backward dX (w = codes read `[N, K]` with N as
-the reduction dim, i.e. strides (1, K)).
+Two GEMMs compute `y[m, n] = act( (Σ_k x[m,k] w[n,k]) * s_w [* s_x[m]] + σ Σ_j xa[m,j] b[n,j] + bias[n] )`
+for any strides of w:
+- `weight_stationary_gemm` (W8A16 forward, and the backward dX with w = codes read `[N, K]` with N as the
+  reduction dim, strides (1, K)): e4m3 codes widened to bf16 in registers as wgmma's A operand;
+- `scaled_gemm_lora` (W8A8 on FP8 tensor cores, and the bf16 rank-r GEMM g·B of the backward).
 
 Batch invariance: the forward tile config is pinned for every M, the kernels are compiled once for every
 M (`do_not_specialize`), the epilogue's σ·LoRA + y is an explicit FMA (so no compiler-chosen contraction
@@ -22,8 +23,8 @@ import triton.language as tl
 from .._dispatch import interpreting
 from .reference import check_lora_args
 
-# Pinned forward config (batch invariance): BM 64 keeps Hopper on wgmma for every M; BN 64 gives
-# >= 64 programs for the 4096-wide Qwen projections at 1 token (bandwidth), BK 128 halves loop trips.
+# Pinned config of `scaled_gemm_lora` (W8A8 batch invariance): BM 64 keeps Hopper on wgmma for every M;
+# BN 64 gives >= 64 programs for the 4096-wide Qwen projections at 1 token, BK 128 halves loop trips.
 FWD_CONFIG = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
 LORA_SPLITS = 16  # K chunks of the LoRA down-projection (fixed per K: batch invariant)
 
