@@ -213,3 +213,22 @@ def test_a_few_sgd_steps_reduce_the_loss(tiny_dirs):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_vllm_reads_the_adapter_files(tiny_dirs, tmp_path):
+    """vLLM's own loader (PEFTHelper + LoRAModel.from_local_checkpoint, the path of a LoRARequest) accepts
+    the files: every module found, shapes [r, in] / [out, r], scaling alpha / r."""
+    lora_model = pytest.importorskip("vllm.lora.lora_model")
+    from vllm.lora.peft_helper import PEFTHelper
+
+    policy = load_policy(make_cfg(tiny_dirs["qwen3_5"], rank=4, alpha=8.0), "cpu")
+    save_adapter(policy, tmp_path / "adapter", None)
+    helper = PEFTHelper.from_local_dir(str(tmp_path / "adapter"), max_position_embeddings=512)
+    loaded = lora_model.LoRAModel.from_local_checkpoint(str(tmp_path / "adapter"), set(ALL_PROJECTIONS), helper,
+                                                        lora_model_id=1, device="cpu", dtype=torch.float32)
+    assert set(loaded.loras) == set(policy.lora_modules())
+    state = policy.lora_state_dict()
+    for name, lora in loaded.loras.items():
+        torch.testing.assert_close(lora.lora_a, state[f"base_model.model.{name}.lora_A.weight"])
+        assert lora.lora_b.shape == state[f"base_model.model.{name}.lora_B.weight"].shape  # vLLM may pre-scale B
+    assert helper.r == 4 and helper.lora_alpha == 8.0
