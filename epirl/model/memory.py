@@ -126,17 +126,21 @@ class PreflightError(RuntimeError):
     """The recipe cannot fit the device; the message names the setting to change."""
 
 
-def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safety: float = 0.9) -> TrainerEstimate:
+def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safety: float = 0.9,
+                    hf_config=None) -> TrainerEstimate:
     """Raise PreflightError (one line) if the trainer's estimate exceeds `safety` × the bytes it may use.
 
     `device_total_bytes - reserved_bytes` is the trainer's budget: the caller reserves what the engine
-    keeps during training (weights; the KV cache is released when `engine.kv_release`).
+    keeps during training (weights; the KV cache is released when `engine.kv_release`). `hf_config`
+    defaults to the model's config.json (local folder, alias, or hub id).
     """
-    from transformers import AutoConfig
+    if hf_config is None:
+        from transformers import AutoConfig
 
-    from epirl.config import resolve_model_path
+        from epirl.config import resolve_model_path
 
-    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path)).get_text_config()
+        hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    config = hf_config.get_text_config()
     tokens = cfg.trainer.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rl.max_tokens)
     estimate = estimate_trainer_bytes(config, cfg.trainer.base, cfg.lora.rank, list(cfg.lora.targets), tokens,
                                       cfg.trainer.gradient_checkpointing, cfg.trainer.logprob_chunk_tokens)

@@ -22,11 +22,12 @@ def peft_key(module_name: str, which: str) -> str:
 
 
 def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weight_V_H: torch.Tensor,
-                    head_bias_V: torch.Tensor | None, inv_temperature: float, with_entropy: bool
+                    head_bias_V: torch.Tensor | None, temperature: float, with_entropy: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The head matmul stays in the model dtype (as vLLM's logits processor); the softmax is fp32
-    # on logits / T, which is what the engine's processed_logprobs are (contract 5).
-    logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() * inv_temperature
+    # The head matmul stays in the model dtype (as vLLM's logits processor); then, as vLLM's sampler does
+    # for processed_logprobs (contract 5): cast to fp32, divide (not multiply by 1/T: the last bit differs)
+    # by the temperature, log_softmax in fp32.
+    logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / temperature
     logprobs_N_V = torch.log_softmax(logits_N_V, dim=-1)
     token_logprobs_N = logprobs_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -48,7 +49,7 @@ def chunked_token_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, lm
     logprobs, entropies = [], []
     for start in range(0, hidden_N_H.shape[0], chunk_tokens):
         args = (hidden_N_H[start:start + chunk_tokens], targets_N[start:start + chunk_tokens],
-                lm_head.weight, lm_head.bias, 1.0 / temperature, with_entropy)
+                lm_head.weight, lm_head.bias, float(temperature), with_entropy)
         logprobs_n, entropy_n = (checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute
                                  else _chunk_logprobs(*args))
         logprobs.append(logprobs_n)
