@@ -138,24 +138,29 @@ def groups_to_batch(groups: list[Group], cfg: EpirlConfig, pad_id: int):
 
 @torch.no_grad()
 def probe(engine, policy, groups: list[Group], cfg: EpirlConfig, device, pad_id: int) -> dict[str, float]:
-    """Re-score a few of this step's sequences with the engine (new adapter) and the trainer; compare."""
-    picks = [(g.prompt.token_ids, list(c.token_ids)) for g in groups for c in g.completions[:1] if c.token_ids]
-    picks = picks[: cfg.engine.probe_prompts]
+    """After a publish, the engine (new adapter) continues a few of this step's prompts and the trainer
+    re-scores the same tokens: their log-probs must agree, else the publish did not take (or the arithmetic
+    drifted). Uses generate-time log-probs rather than prompt log-probs, which vLLM's CPU LoRA path lacks."""
+    prompts = [g.prompt.token_ids for g in groups[: cfg.engine.probe_prompts]]
+    if not prompts:
+        return {}
+    torch.manual_seed(cfg.seed)
+    outs = engine.generate(prompts, n=1, max_tokens=min(16, cfg.rl.max_tokens), temperature=cfg.rl.temperature)
+    picks = [(p, list(o[0].token_ids), list(o[0].logprobs)) for p, o in zip(prompts, outs) if o[0].token_ids]
     if not picks:
         return {}
-    engine_lp = engine.score([p for p, _ in picks], [c for _, c in picks], temperature=cfg.rl.temperature)
-    batch = build_batch([(p, c, lp, 0.0) for (p, c), lp in zip(picks, engine_lp)], pad_id).to(device)
+    batch = build_batch([(p, c, lp, 0.0) for p, c, lp in picks], pad_id).to(device)
     policy.model.eval()
     trainer_lp_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, cfg.rl.temperature,
                                               cfg.trainer.logprob_chunk_tokens)
-    diff_B_T = (trainer_lp_B_T.float() - batch.engine_logprobs_B_T).abs()[batch.mask_B_T]
-    metrics = {"probe/mean_abs_logp_diff": diff_B_T.mean().item(), "probe/max_abs_logp_diff": diff_B_T.max().item()}
-    if not math.isfinite(metrics["probe/mean_abs_logp_diff"]) or metrics["probe/mean_abs_logp_diff"] > cfg.engine.probe_tolerance:
+    diff_N = (trainer_lp_B_T.float() - batch.engine_logprobs_B_T).abs()[batch.mask_B_T]
+    mean_diff, max_diff = diff_N.mean().item(), diff_N.max().item()
+    if not math.isfinite(mean_diff) or mean_diff > cfg.engine.probe_tolerance:
         raise ProbeMismatch(
-            f"engine and trainer disagree after publishing the adapter: mean |Δ log p| = "
-            f"{metrics['probe/mean_abs_logp_diff']:.4g} > engine.probe_tolerance={cfg.engine.probe_tolerance} "
-            f"(max {metrics['probe/max_abs_logp_diff']:.4g}, precision {cfg.engine.precision})")
-    return metrics
+            f"engine and trainer disagree after publishing the adapter: mean |Δ log p| = {mean_diff:.4g} > "
+            f"engine.probe_tolerance={cfg.engine.probe_tolerance} (max {max_diff:.4g}, precision "
+            f"{cfg.engine.precision}, trainer.base {cfg.trainer.base})")
+    return {"probe/mean_abs_logp_diff": mean_diff, "probe/max_abs_logp_diff": max_diff}
 
 
 def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:

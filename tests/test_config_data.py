@@ -1,0 +1,146 @@
+"""Config errors (one line naming the field or file), overrides, and prompt sources."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epirl.config import ConfigError, EpirlConfig, describe_fields, dump_config, load_config
+from epirl.data import DataError, PromptStream, arithmetic_problems, deduplicate, load_problems
+from epirl.config import DataConfig
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_validates(recipe):
+    cfg = load_config(recipe)
+    assert cfg.name == recipe.stem
+
+
+def test_main_recipe_has_the_papers_settings():
+    cfg = load_config(RECIPES / "qwen35_9b_dapo.yaml")
+    assert cfg.model.path == "Qwen/Qwen3.5-9B" and cfg.data.format == "dapo"
+    assert (cfg.rl.steps, cfg.rl.prompts_per_step, cfg.rl.samples_per_prompt, cfg.rl.max_tokens) == (200, 16, 8, 2048)
+    assert (cfg.lora.rank, cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.tis_cap) == (64, 0.2, 0.28, 2.0)
+    assert cfg.engine.precision == "w8a8" and cfg.rl.correction == "tis"
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(None, ["rl.steps=7", "lora.targets=[q_proj, v_proj]", "engine.kv_release=false",
+                             "model.tokenizer=null", "name=my-run"])
+    assert cfg.rl.steps == 7 and cfg.lora.targets == ["q_proj", "v_proj"]
+    assert cfg.engine.kv_release is False and cfg.model.tokenizer is None and cfg.name == "my-run"
+
+
+@pytest.mark.parametrize("override, message", [
+    (["rl.stepz=3"], "unknown key 'rl.stepz'"),
+    (["rl.clip_low=3"], "rl.clip_low: Input should be less than or equal to 1"),
+    (["engine.precision=fp4"], "engine.precision"),
+    (["lora.targets=[]"], "lora"),
+    (["rl.steps"], "not of the form key.sub=value"),
+    (["rl.steps.x=1"], "rl.steps"),
+])
+def test_bad_overrides_fail_with_one_line_naming_the_field(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, override)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_recipe_files(tmp_path):
+    with pytest.raises(ConfigError, match="recipe file not found"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("rl:\n  steps: [1,\n")
+    with pytest.raises(ConfigError, match="broken.yaml.*not valid YAML"):
+        load_config(broken)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("trainer:\n  learning_rate: 1e-4\n")
+    with pytest.raises(ConfigError, match="unknown.yaml: unknown key 'trainer.learning_rate'"):
+        load_config(unknown)
+
+
+def test_cli_bad_recipe_exits_2_without_creating_a_run(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"output_dir: {tmp_path / 'runs'}\nrl:\n  temperature: -1\n")
+    proc = subprocess.run([sys.executable, "-m", "epirl.cli", "train", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "rl.temperature" in proc.stderr
+    assert not (tmp_path / "runs").exists(), "a bad recipe must not create a run folder"
+
+
+def test_resolved_config_roundtrips(tmp_path):
+    cfg = load_config(RECIPES / "smollm2_arith_cpu.yaml", ["rl.steps=3"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+
+
+def test_every_field_is_documented():
+    undocumented = [key for key, _, doc in describe_fields() if not doc]
+    assert undocumented == []
+
+
+def test_arithmetic_is_seeded_and_correct():
+    a = arithmetic_problems(50, 9, ["+", "-", "*"], seed=3, instruction="")
+    b = arithmetic_problems(50, 9, ["+", "-", "*"], seed=3, instruction="")
+    assert a == b
+    for p in a:
+        expr = p.messages[0]["content"].removeprefix("What is ").rstrip("?").strip()
+        assert str(eval(expr)) == p.ground_truth
+
+
+def test_dapo_schema_and_dedup(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"Q{i % 3}"}], "reward_model": {"ground_truth": str(i % 3)},
+             "extra_info": {"index": i}} for i in range(30)]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    problems = load_problems(DataConfig(source=str(path)), seed=0)
+    assert [p.ground_truth for p in problems] == ["0", "1", "2"]  # 30 rows, 3 unique prompts
+    assert problems[1].messages == [{"role": "user", "content": "Q1"}]
+
+
+def test_parquet_math_schema_and_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "math.parquet"
+    pq.write_table(pa.table({"problem": ["1+1?", "2+2?"], "answer": ["2", "4"]}), path)
+    problems = load_problems(DataConfig(source=str(path)), seed=0)
+    assert problems[0].ground_truth == "2" and "\\boxed{}" in problems[0].messages[0]["content"]
+    with pytest.raises(DataError, match="data file not found"):
+        load_problems(DataConfig(source=str(tmp_path / "nope.jsonl")), seed=0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no schema"}\n')
+    with pytest.raises(DataError, match="cannot detect the data format"):
+        load_problems(DataConfig(source=str(bad)), seed=0)
+
+
+class _Tokenizer:
+    """Character-level chat template: enough to test ordering and length filtering."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, enable_thinking):
+        return [ord(c) for c in messages[-1]["content"]]
+
+
+def test_prompt_stream_is_seeded_resumable_and_filters_long_prompts():
+    problems = arithmetic_problems(20, 9, ["+"], seed=0, instruction="")
+    stream = PromptStream(problems, _Tokenizer(), seed=1, shuffle=True, thinking=False, max_prompt_tokens=100)
+    first = [p.problem.uid for p in stream.take(7)]
+    state = stream.state_dict()
+    rest = [p.problem.uid for p in stream.take(30)]  # crosses an epoch boundary
+    again = PromptStream(problems, _Tokenizer(), seed=1, shuffle=True, thinking=False, max_prompt_tokens=100)
+    again.load_state_dict(state)
+    assert [p.problem.uid for p in again.take(30)] == rest
+    assert len(set(first + rest[:13])) == 20, "an epoch visits every problem once"
+    short = PromptStream(problems, _Tokenizer(), seed=1, shuffle=True, thinking=False, max_prompt_tokens=3)
+    with pytest.raises(DataError, match="max_prompt_tokens"):
+        short.take(1)
+
+
+def test_deduplicate_keeps_first():
+    problems = arithmetic_problems(200, 2, ["+"], seed=0, instruction="")
+    unique = deduplicate(problems)
+    assert len(unique) == 9 and unique[0] == problems[0]
