@@ -159,7 +159,7 @@ def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safet
     raise PreflightError(
         f"trainer needs ~{estimate.total_bytes / GiB:.1f} GiB (base {base / GiB:.1f}, LoRA+AdamW "
         f"{estimate.lora_total_bytes / GiB:.2f}, activations {estimate.activation_bytes / GiB:.1f} for "
-        f"{tokens} tokens/micro-batch) but only {budget / GiB:.1f} GiB is available: {hint}")
+        f"{tokens} tokens/micro-batch) but only {max(budget, 0) / GiB:.1f} GiB is available: {hint}")
 
 
 class ProjectionCopyWatcher(TorchDispatchMode):
