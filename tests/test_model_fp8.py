@@ -300,3 +300,34 @@ def test_fp8_policy_runs_the_triton_kernels_in_the_interpreter(tmp_path):
     result = json.loads(lines[-1])
     assert result["triton_calls"] > 0
     assert result["lp_max_diff"] < 0.1 and result["grad_cos"] > 0.98, result
+
+
+def test_sharded_vision_language_checkpoint_layout_loads_like_the_text_one(tiny_dirs, tmp_path):
+    """Qwen/Qwen3.5-9B ships as a vision-language checkpoint: config with a text_config, text weights under
+    `model.language_model.`, plus `model.visual.*` and `mtp.*` tensors (vLLM maps/drops the same), in
+    several shards with an index. The trainer must stream it into the same FP8 model as the plain layout."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5 import Qwen3_5Config
+
+    src = tiny_dirs["qwen3_5"]
+    Qwen3_5Config(text_config=AutoConfig.from_pretrained(src).to_dict()).save_pretrained(tmp_path)
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(f"{src}/model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.ones(3, 3)
+    tensors["mtp.fc.weight"] = torch.ones(2, 2)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k].contiguous() for k in keys}, str(tmp_path / shard))
+        weight_map |= {k: shard for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    plain = load_policy(make_cfg(src, "fp8"), "cpu")
+    vl = load_policy(make_cfg(str(tmp_path), "fp8"), "cpu")
+    input_ids, targets = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(vl.token_logprobs(input_ids, targets, 1.0, 16)[0],
+                                   plain.token_logprobs(input_ids, targets, 1.0, 16)[0], rtol=0, atol=0)
