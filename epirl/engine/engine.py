@@ -68,6 +68,10 @@ class RolloutEngine:
         from epirl.engine import plugin
 
         plugin.register()  # idempotent; the entry point also calls it when vLLM loads plugins
+        if not compat.on_cuda():
+            from epirl.engine import cpu_lora_ops
+
+            cpu_lora_ops.install()  # vLLM's CPU LoRA ops gather weights per token: ~2x slower generate
         import vllm
 
         self.cfg = cfg

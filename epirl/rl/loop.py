@@ -27,6 +27,7 @@ from epirl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from epirl.config import EpirlConfig, dump_config
 from epirl.data import Prompt, PromptStream, load_problems
 from epirl.rl.advantages import group_advantages, informative_groups
+from epirl.rl.hooks import PeriodicEval, periodic_mismatch
 from epirl.trainer import build_batch, build_optimizer, train_step
 from epirl.tracking import PhaseTimer, Tracker, memory_metrics
 
@@ -201,12 +202,16 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
         log.info("resumed from %s at step %d", checkpoint, start_step)
     engine.publish(policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
     tracker.summary(policy.memory_report())
+    evaluate = PeriodicEval(cfg, run_dir)
     timer = PhaseTimer()
     try:
         with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
             for step in range(start_step, cfg.rl.steps):
                 metrics = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id)
-                samples = metrics.pop("_samples")
+                samples, prompt_ids = metrics.pop("_samples"), metrics.pop("_prompt_ids")
+                if evaluate.due(step + 1):
+                    metrics |= evaluate(step + 1, engine, pool)
+                metrics |= periodic_mismatch(step + 1, cfg, engine, policy, prompt_ids, device)
                 tracker.log(step + 1, metrics)
                 if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0:
                     tracker.log_samples(step + 1, samples)
@@ -247,4 +252,5 @@ def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, time
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
     metrics["data/cursor"] = float(stream.cursor)
     metrics["_samples"] = sample_rows(groups, engine.tokenizer, cfg.tracking.samples_count)
+    metrics["_prompt_ids"] = [g.prompt.token_ids for g in groups]
     return metrics
