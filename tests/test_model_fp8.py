@@ -156,24 +156,45 @@ def test_fp8_training_equals_bf16_training_on_the_dequantized_weights(tiny_dirs,
         torch.testing.assert_close(g, g_ref, rtol=1e-3, atol=1e-6)
 
 
+def noisy_twin(fp8_policy, model_dir, seed=0):
+    """A bf16-base policy on W·(1 + σ·ε), ε ~ N(0, 1), σ per tensor = ||codes·scale − W|| / ||W||: random
+    noise of exactly the size of the FP8 rounding error of these weights (≈2.7% for e4m3)."""
+    tensors = dict(load_file(f"{model_dir}/model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in projections(fp8_policy.model).items():
+        w = tensors[f"{name}.weight"].float()
+        sigma = (module.codes.float() * module.scale - w).norm() / w.norm()
+        tensors[f"{name}.weight"] = w * (1 + sigma * torch.randn(w.shape, generator=generator))
+    return build_policy(load_text_config(model_dir), DictSource(tensors), "bf16", torch.device("cpu"), torch.float32,
+                        fp8_policy.lora_rank, fp8_policy.lora_alpha, fp8_policy.targets, 0, model_path=model_dir)
+
+
+def cosine(grads_a, grads_b):
+    flat_a, flat_b = torch.cat([g.flatten() for g in grads_a]), torch.cat([g.flatten() for g in grads_b])
+    return torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0).item()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp8_and_bf16_bases_train_alike(tiny_dirs, arch):
-    """FP8 vs the original weights. e4m3 keeps 3 mantissa bits: a weight's relative rounding error is
-    <= 2^-4 (~2% RMS), so each projection output moves by ~2% of its size. Losses (~6 nats) then agree to
-    well under 2% (measured <= 0.6%). First-step LoRA gradients are products of activations and output
-    gradients that both carry that noise through every layer; these tiny random models amplify it
-    (width 64; Qwen3.5's decay gates exp(-A·softplus(a)) are very sensitive): measured cosine 0.81
-    (Qwen3.5) to 0.97, uniform over modules, so the bound is 0.7. A broken FP8 path (scale missing or
-    inverted, codes transposed, wrong rows of a fused buffer) gives cosine near 0 and losses off by far
-    more than 2%. Exactness of the FP8 path itself is the test above."""
-    losses_fp8, grads_fp8 = train_steps(load_policy(make_cfg(tiny_dirs[arch], "fp8"), "cpu"))
+    """FP8 vs the original weights, calibrated against random noise of the FP8 error's size.
+
+    e4m3 keeps 3 mantissa bits: a weight's rounding error is ≤ 2^-4 relative, ~2.7% RMS. How much that
+    moves first-step LoRA gradients depends on the model: measured cosine 0.99 (Qwen3, Llama) but 0.81
+    for tiny Qwen3.5, whose l2-normalised q/k (head dim 16) and gated norms amplify any perturbation —
+    random noise of the same energy (`noisy_twin`) gives 0.87-0.91 over 6 seeds; FP8's deterministic
+    rounding lands a little lower. So: FP8 within 0.15 of the (seeded) noise baseline's cosine and above
+    0.5 (a wrong scale, transposed codes or mixed-up fused rows give ≈0), losses within 2% (measured ≤ 0.9%).
+    That the FP8 path computes exactly "bf16 on codes·scale" is the dequantized-twin test above."""
+    fp8 = load_policy(make_cfg(tiny_dirs[arch], "fp8"), "cpu")
+    noisy = noisy_twin(fp8, tiny_dirs[arch])
+    losses_fp8, grads_fp8 = train_steps(fp8)
     losses_bf16, grads_bf16 = train_steps(load_policy(make_cfg(tiny_dirs[arch], "bf16"), "cpu"))
+    _, grads_noisy = train_steps(noisy)
     for l8, l16 in zip(losses_fp8, losses_bf16):
         assert abs(l8 - l16) < 0.02 * abs(l16), (losses_fp8, losses_bf16)
     assert losses_fp8[-1] < losses_fp8[0]
-    flat8 = torch.cat([g.flatten() for g in grads_fp8])
-    flat16 = torch.cat([g.flatten() for g in grads_bf16])
-    assert torch.nn.functional.cosine_similarity(flat8, flat16, dim=0) > 0.7
+    cos_fp8, cos_noise = cosine(grads_fp8, grads_bf16), cosine(grads_noisy, grads_bf16)
+    assert cos_fp8 > cos_noise - 0.15 and cos_fp8 > 0.5, (cos_fp8, cos_noise)
 
 
 def test_shared_base_uses_the_engine_codes_without_copying(tiny_dirs):
