@@ -48,14 +48,15 @@ def train_steps(policy, steps=3, lr=1e-2, B=4, T=96):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "llama"])
 def test_fp8_and_bf16_bases_train_alike_on_cuda(tiny_dirs, arch):
-    """Same bounds and reasoning as the CPU test (test_model_fp8.py); here activations are bf16 and the
-    FP8 path runs the Triton kernels (the bf16 base's own bf16 rounding adds a little noise on both)."""
+    """As the CPU test (test_model_fp8.py), with bf16 activations and the Triton kernels. CPU bf16 measured
+    gradient cosine 0.987 (Qwen3), 0.99 (Llama), 0.80 (tiny Qwen3.5, which amplifies any weight noise),
+    losses within 1.2%: bounds 0.95 / 0.6 and 3%."""
     losses_fp8, g8 = train_steps(load_policy(make_cfg(tiny_dirs[arch], "fp8"), "cuda"))
     losses_bf16, g16 = train_steps(load_policy(make_cfg(tiny_dirs[arch], "bf16"), "cuda"))
     for l8, l16 in zip(losses_fp8, losses_bf16):
         assert abs(l8 - l16) < 0.03 * abs(l16), (losses_fp8, losses_bf16)
     assert losses_fp8[-1] < losses_fp8[0]
-    assert torch.nn.functional.cosine_similarity(g8, g16, dim=0) > 0.7
+    assert torch.nn.functional.cosine_similarity(g8, g16, dim=0) > (0.6 if arch == "qwen3_5" else 0.95)
 
 
 def test_triton_fp8_policy_matches_the_reference_kernels(tiny_dirs, monkeypatch):
