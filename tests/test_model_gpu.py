@@ -84,7 +84,7 @@ def test_8b_fp8_step_keeps_the_base_at_fp8_size_and_never_dequantizes():
     projection_elements = sum(m.codes.numel() for n, m in policy.model.named_modules() if hasattr(m, "codes"))
     # The base is FP8: one byte per projection weight plus one fp32 scale per fused group.
     assert report["base_projection_dtype"] == "float8_e4m3fn"
-    assert projection_elements <= report["base_projection_bytes"] < projection_elements + 4 * 4 * 36 + 1
+    assert projection_elements <= report["base_projection_bytes"] < projection_elements * 1.001
     static = report["base_weight_bytes"] + report["lora_param_bytes"]
     assert abs((torch.cuda.memory_allocated() - start) - static) < 64 * 2 ** 20
     # Streaming: the load peaks at the FP8 model + one packed bf16 group (gate_up, 201 MB) and temporaries.
