@@ -352,3 +352,19 @@ def test_sharded_vision_language_checkpoint_layout_loads_like_the_text_one(tiny_
     with torch.no_grad():
         torch.testing.assert_close(vl.token_logprobs(input_ids, targets, 1.0, 16)[0],
                                    plain.token_logprobs(input_ids, targets, 1.0, 16)[0], rtol=0, atol=0)
+
+
+def test_production_shapes_base_bytes_match_the_paper_anchor():
+    """Qwen3.5-9B's trainer base: FP8 projections + bf16 embeddings/LM head/norms = 10.2 GiB, bf16 = 16.7 GiB
+    (the seed paper's numbers); Qwen3-8B is 192.9 MB of FP8 per decoder layer (DESIGN.md §8)."""
+    from epirl.model.memory import GiB, count_parameters, estimate_trainer_bytes
+    from epirl.model.shapes import qwen3_5_9b_config, qwen3_8b_config
+
+    def base_gib(config, base):
+        e = estimate_trainer_bytes(config, base, 64, list(ALL_PROJECTIONS), 1, True, 1)
+        return (e.base_projection_bytes + e.base_other_bytes) / GiB
+
+    config = qwen3_5_9b_config()
+    assert round(base_gib(config, "fp8"), 1) == 10.2 and round(base_gib(config, "bf16"), 1) == 16.7
+    projections_by_name, _ = count_parameters(qwen3_8b_config(num_hidden_layers=1))
+    assert sum(o * i for o, i in projections_by_name.values()) / 1e6 == pytest.approx(192.9, abs=0.05)
