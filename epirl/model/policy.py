@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from epirl.model.lora import lora_modules
+from epirl.model.lora import lora_modules as find_lora_modules
 
 
 def peft_key(module_name: str, which: str) -> str:
@@ -69,7 +69,7 @@ class Policy:
         self.lora_alpha = lora_alpha
         self.targets = list(targets)
         self.model_path = model_path
-        self._lora_modules = lora_modules(model)
+        self._lora_modules = find_lora_modules(model)
 
     @property
     def device(self) -> torch.device:
@@ -132,6 +132,9 @@ class Policy:
         return logprobs_N.view(batch, seq), entropy_B_T
 
     def memory_report(self) -> dict:
+        """Bytes: base_projection (+ _dtype), base_other (embeddings, LM head, norms), base_weight, lora_param,
+        lora_grad, optimizer_bytes_est (AdamW), static; on CUDA also cuda_peak_allocated and
+        peak_activation_bytes_est (peak − static: reset the peak stats before a step to get that step's)."""
         from epirl.model.memory import policy_memory_report
         return policy_memory_report(self)
 
