@@ -46,7 +46,7 @@ def bench_one(shape: str, base: str, args) -> dict:
     torch.cuda.reset_peak_memory_stats()
     config = SHAPES[shape]()
     policy = random_policy(config, base, "cuda", rank=args.rank, alpha=2.0 * args.rank, targets=list(ALL_PROJECTIONS),
-                           seed=0, gradient_checkpointing=True)
+                           seed=0, gradient_checkpointing=not args.no_checkpointing)
     load_peak = torch.cuda.max_memory_allocated()
     optimizer = torch.optim.AdamW(policy.lora_parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.seqs, args.seq_len + 1), device="cuda",
@@ -103,10 +103,13 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--chunk-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--no-checkpointing", action="store_true",
+                        help="keep all activations (use a smaller --micro-batch: ~60 GB per 8k tokens at 8B)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.seqs} x {args.seq_len} tokens, micro-batch {args.micro_batch}, rank {args.rank}, "
+          f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, "
           f"flash-linear-attention {'yes' if has_fla() else 'NO (Qwen3.5 uses the torch GDN fallback)'}")
     results = []
     for shape in args.shapes:
