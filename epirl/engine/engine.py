@@ -63,11 +63,15 @@ def _quantization(precision: str) -> str | None:
 class RolloutEngine:
     """vLLM rollout engine with an in-memory adapter slot (see module docstring)."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, **llm_overrides: Any):
+        """Start vLLM for `cfg` (EpirlConfig). `llm_overrides` go to `vllm.LLM` as is (benchmarks use
+        `load_format="dummy"`, `skip_tokenizer_init=True`); the tokenizer is None without one."""
         compat.set_process_env(getattr(cfg.engine, "cpu_kv_cache_gb", None))
         from epirl.engine import plugin
 
         plugin.register()  # idempotent; the entry point also calls it when vLLM loads plugins
+        # w8a16 sizes its fixed LoRA buffers (rank, σ) while quantizing, before any graph capture.
+        plugin.configure(cfg.lora.rank, cfg.lora.alpha / cfg.lora.rank)
         if not compat.on_cuda():
             from epirl.engine import cpu_lora_ops
 
@@ -97,13 +101,19 @@ class RolloutEngine:
             # Sleep mode puts weights and KV cache in CuMemAllocator pools, which is what lets the KV
             # cache be unmapped while the (shared) weights stay where they are.
             kwargs["enable_sleep_mode"] = bool(cfg.engine.kv_release)
+        elif self.precision != "bf16":
+            # The CPU FP8 paths run the kernels' float64-exact references; vLLM's start-up profile
+            # pass runs a full `max_num_batched_tokens` batch through them. Chunked prefill keeps
+            # long prompts working with a small token budget.
+            kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "quantization"}
+        kwargs.update(llm_overrides)
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
         self.start_s = time.perf_counter() - t0
         log.info("vLLM %s engine (%s, quantization=%s) started in %.1f s",
                  compat.vllm_version(), self.precision, quantization, self.start_s)
-        self.tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = None if kwargs.get("skip_tokenizer_init") else self.llm.get_tokenizer()
         compat.bypass_logits_lora(self.llm)  # adapters never touch lm_head; see compat for the CPU bug
         self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
         plugin.attach(self)  # w8a16: fused LoRA path reads the live adapter; no-op for other precisions
@@ -131,7 +141,7 @@ class RolloutEngine:
 
         self._check_awake()
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=seed, logprobs=0)
+                                seed=seed, logprobs=0, detokenize=self.tokenizer is not None)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids_P]
         lora = self._lora_request(use_adapter)
         with self._active(lora):

@@ -15,21 +15,27 @@ called again by `RolloutEngine` (idempotent), it registers two quantization meth
 How LoRA is fused for w8a16 (vLLM 0.26–0.33): vLLM replaces each target linear with a
 `BaseLinearLayerWithLoRA` subclass whose `forward` calls `self.apply(x, bias)`, which runs the base
 layer's `quant_method.apply` and then adds LoRA with punica kernels (σ folded into B in bf16, a
-separate GEMM and a separate rounding — not the trainer's arithmetic). `attach()` shadows `apply` on
-each such *instance* (several subclasses override `apply`, so patching one class would miss some) with
-`_fused_apply`, which calls `w8a16_lora(x, codes_slice, s_w, A_i, B_i, σ)` once per logical slice
-(q, k, v / gate, up): exactly the per-HF-module call the trainer makes. A and B come from fixed
-per-layer buffers owned by this plugin, refreshed by `active_adapter()` before each generate/score:
-fixed addresses keep the path CUDA-graph safe, and unscaled B keeps σ where the trainer applies it.
-vLLM still loads the adapter into its own stacked buffers (the scheduler needs the request), but the
-w8a16 layers never read them. Limitation: one adapter (or none) per batch — what the RL loop does.
+separate GEMM and a separate rounding — not the trainer's arithmetic). `register()` wraps `apply` on
+that class and on every subclass that overrides it (the sharded variants do): when the base layer's
+method is epirl's W8A16 one, the wrapper calls the custom op `epirl::w8a16_lora_slices`, i.e.
+`w8a16_lora(x, codes_i, s_w, A_i, B_i, σ)` once per logical slice (q, k, v / gate, up) — exactly the
+per-HF-module call the trainer makes — and vLLM's punica path is not run. It is patched at class level
+in `register()`, before vLLM builds the model, so that torch.compile and CUDA-graph capture see it;
+the op is a torch custom op so the compiler treats the kernel as one opaque call.
+
+The adapter reaches the op through fixed per-layer buffers (A_i [r, K], B_i [N_i, r], unscaled, model
+dtype) created when the weights are quantized, i.e. before any graph capture, and refreshed in place
+by `active_adapter()` before each generate/score (zeros when no adapter is wanted: adding an exact 0
+leaves the base result bitwise unchanged). Fixed addresses keep captured graphs valid; σ = alpha/r is
+fixed per engine (`configure()`), which the publisher checks. vLLM still loads each adapter into its
+own stacked buffers (its scheduler needs the request), but w8a16 layers never read them.
+Limitation: one adapter (or none) per batch — what the RL loop does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import types
 from typing import Any, Iterator
 
 import torch
@@ -37,6 +43,26 @@ import torch
 log = logging.getLogger(__name__)
 
 W8A16 = "epirl_w8a16"
+
+
+def _kernel_ops() -> dict:
+    """The epirl.kernels ops, bound once at import of this module.
+
+    Guard against a name clash in `epirl.kernels`: the first lazy import of its subpackage
+    `epirl.kernels.w8a8_lora` rebinds the package attribute `w8a8_lora` from the function to the
+    subpackage (seen 2026-11-29), so `from epirl.kernels import w8a8_lora` looked up per call returns a
+    module after the first call. Binding the functions here, before any call, sidesteps it.
+    """
+    import epirl.kernels as kernels
+
+    ops = {name: getattr(kernels, name) for name in ("w8a16_lora", "w8a8_lora", "quantize_weight_fp8")}
+    shadowed = [name for name, fn in ops.items() if not callable(fn)]
+    if shadowed:
+        raise ImportError(f"epirl.kernels.{shadowed} are subpackages, not ops (imported too late?)")
+    return ops
+
+
+_OPS = _kernel_ops()
 W8A8_EMU = "epirl_w8a8_emu"
 _registered = False
 
@@ -50,6 +76,7 @@ def register() -> None:
 
     register_quantization_config(W8A16)(_make_config_class(W8A16, activation_fp8=False))
     register_quantization_config(W8A8_EMU)(_make_config_class(W8A8_EMU, activation_fp8=True))
+    log.debug("epirl plugin: patched apply of %d LoRA linear classes", _patch_lora_classes())
     _registered = True
 
 
@@ -119,59 +146,103 @@ class EpirlFp8LinearMethod(_linear_method_base()):
         layer.logical_widths = list(output_partition_sizes)
 
     def process_weights_after_loading(self, layer) -> None:
-        from epirl.kernels import quantize_weight_fp8
-
-        codes, scale = quantize_weight_fp8(layer.weight.data, group_sizes=layer.logical_widths)
+        dtype, device = layer.weight.dtype, layer.weight.device
+        codes, scale = _OPS["quantize_weight_fp8"](layer.weight.data, group_sizes=layer.logical_widths)
         # vLLM's layout: `weight` is the [K, N] transpose view of [N, K] row-major codes.
         layer.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale.to(torch.float32).reshape(1), requires_grad=False)
+        if not self.activation_fp8 and _SETTINGS["rank"] > 0:
+            layer._epirl_lora = _LayerLoRA(layer.logical_widths, codes.shape[1], _SETTINGS["rank"],
+                                           _SETTINGS["scale"], dtype, device)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from epirl.kernels import w8a8_lora, w8a16_lora
-
-        op = w8a8_lora if self.activation_fp8 else w8a16_lora
-        return op(x, layer.weight.t(), layer.weight_scale, bias=bias)
+        if self.activation_fp8:
+            return _OPS["w8a8_lora"](x, layer.weight.t(), layer.weight_scale, bias=bias)
+        return torch.ops.epirl.w8a16_lora_slices(x, layer.weight.t(), layer.weight_scale, [], [],
+                                                 list(layer.logical_widths), 1.0, bias)
 
 
 # ---------------------------------------------------------------------------------------------------
 # The fused LoRA path of the matched engine
 # ---------------------------------------------------------------------------------------------------
 
+_SETTINGS = {"rank": 0, "scale": 1.0}
 
-def _fused_apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Replacement for `BaseLinearLayerWithLoRA.apply` on w8a16 layers (bound per instance)."""
-    from epirl.kernels import w8a16_lora
 
-    base = self.base_layer
-    codes = base.weight.t()  # [N, K] row-major
-    state = self._epirl_lora  # _LayerLoRA
-    if not state.enabled:
-        return w8a16_lora(x, codes, base.weight_scale, bias=bias)
-    outs = []
-    start = 0
-    for width, (a, b) in zip(state.widths, state.buffers):
+def configure(rank: int, lora_scale: float) -> None:
+    """Adapter rank and σ = alpha/r of the next engine (buffers are sized before graph capture)."""
+    _SETTINGS.update(rank=int(rank), scale=float(lora_scale))
+
+
+@torch.library.custom_op("epirl::w8a16_lora_slices", mutates_args=())
+def w8a16_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lora_a: list[torch.Tensor],
+                      lora_b: list[torch.Tensor], widths: list[int], lora_scale: float,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """`w8a16_lora` per logical slice of a fused layer, concatenated (no LoRA when the lists are empty)."""
+    w8a16_lora = _OPS["w8a16_lora"]
+    if not lora_a:
+        return w8a16_lora(x, codes, scale, bias=bias)
+    outs, start = [], 0
+    for width, a, b in zip(widths, lora_a, lora_b):
         part_bias = None if bias is None else bias[start:start + width]
-        outs.append(w8a16_lora(x, codes[start:start + width], base.weight_scale, a, b, state.scale,
-                               bias=part_bias))
+        outs.append(w8a16_lora(x, codes[start:start + width], scale, a, b, lora_scale, bias=part_bias))
         start += width
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+@w8a16_lora_slices.register_fake
+def _(x, codes, scale, lora_a, lora_b, widths, lora_scale, bias):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def _fused_apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`apply` of a LoRA-wrapped w8a16 layer: base GEMM and the live adapter in the same kernel call."""
+    base = self.base_layer
+    state = base._epirl_lora
+    return torch.ops.epirl.w8a16_lora_slices(x, base.weight.t(), base.weight_scale, state.lora_a,
+                                             state.lora_b, state.widths, state.scale, bias)
+
+
+def _patch_lora_classes() -> int:
+    """Wrap `apply` of BaseLinearLayerWithLoRA and of each subclass that overrides it (idempotent)."""
+    from epirl.engine import compat
+
+    root = compat.lora_linear_base_class()
+    classes, todo = [], [root]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    patched = 0
+    for cls in classes:
+        original = cls.__dict__.get("apply")
+        if original is None or getattr(original, "_epirl_wrapped", False):
+            continue
+
+        def apply(self, x, bias=None, _original=original):
+            if getattr(self.base_layer, "_epirl_lora", None) is not None:
+                return _fused_apply(self, x, bias)
+            return _original(self, x, bias)
+
+        apply._epirl_wrapped = True
+        cls.apply = apply
+        patched += 1
+    return patched
 
 
 class _LayerLoRA:
     """Fixed LoRA buffers of one fused/plain layer: per slice A [r, K], B [N_i, r] (unscaled)."""
 
-    def __init__(self, hf_names: list[str], widths: list[int], k: int, rank: int, dtype, device):
-        self.hf_names, self.widths = hf_names, widths
-        self.buffers = [(torch.zeros(rank, k, dtype=dtype, device=device),
-                         torch.zeros(w, rank, dtype=dtype, device=device)) for w in widths]
-        self.enabled = False
-        self.scale = 1.0
-
-    def load(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, scale: float) -> None:
-        """Copy the adapter's tensors in (a module the adapter lacks gets zeros, i.e. no LoRA)."""
-        self.enabled = modules is not None
+    def __init__(self, widths: list[int], k: int, rank: int, scale: float, dtype, device):
+        self.widths = list(widths)
+        self.hf_names: list[str] = []  # set by attach() once module names are known
+        self.lora_a = [torch.zeros(rank, k, dtype=dtype, device=device) for _ in widths]
+        self.lora_b = [torch.zeros(w, rank, dtype=dtype, device=device) for w in widths]
         self.scale = scale
-        for name, (a_buf, b_buf) in zip(self.hf_names, self.buffers):
+
+    def load(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Copy the adapter's tensors in place (a module the adapter lacks gets zeros: no LoRA)."""
+        for name, a_buf, b_buf in zip(self.hf_names, self.lora_a, self.lora_b):
             pair = modules.get(name) if modules is not None else None
             if pair is None:
                 a_buf.zero_()
@@ -197,37 +268,30 @@ def _hf_names(vllm_name: str, widths: list[int], mapping: dict[str, list[str]]) 
 
 
 def attach(engine) -> None:
-    """After engine start: give every LoRA-wrapped w8a16 layer fixed buffers and the fused apply."""
+    """After engine start: name the w8a16 layers' LoRA buffers (HF module names) for publishing."""
     if engine.precision == "w8a8" and not _is_cuda():
         log.warning("engine.precision=w8a8 on CPU: vLLM has no W8A8 CPU kernels; EMULATING vLLM's W8A8 "
                     "numerics with epirl.kernels.w8a8_lora (reference) - slow, numerics only")
+    engine._epirl_w8a16_layers = []
+    engine._epirl_loaded = None
     if engine.precision != "w8a16":
         return
     from epirl.engine import compat
 
-    BaseLinearLayerWithLoRA = compat.lora_linear_base_class()
-
+    lora_base = compat.lora_linear_base_class()
     model = compat.model(engine.llm)
     mapping = _packed_mapping(model)
-    rank = engine.cfg.lora.rank
-    # A and B live in the activation dtype: w8a16_lora casts them to x.dtype first anyway.
-    dtype = engine.llm.llm_engine.vllm_config.model_config.dtype
     layers = []
     for name, module in model.named_modules():
-        if not isinstance(module, BaseLinearLayerWithLoRA):
+        state = getattr(getattr(module, "base_layer", None), "_epirl_lora", None)
+        if not isinstance(module, lora_base) or state is None:
             continue
-        base = module.base_layer
-        if not isinstance(getattr(base, "quant_method", None), EpirlFp8LinearMethod):
-            continue
-        widths = list(getattr(base, "logical_widths", [base.weight.shape[1]]))
-        k = base.weight.shape[0]
-        module._epirl_lora = _LayerLoRA(_hf_names(name, widths, mapping), widths, k, rank,
-                                        dtype, base.weight.device)
-        module.apply = types.MethodType(_fused_apply, module)
-        layers.append(module)
+        state.hf_names = _hf_names(name, state.widths, mapping)
+        layers.append(state)
+    if not layers:
+        raise RuntimeError("w8a16 engine: no LoRA-wrapped epirl layers found (enable_lora off or targets empty?)")
     engine._epirl_w8a16_layers = layers
-    engine._epirl_loaded = ("none", None)
-    log.info("w8a16: fused W8A16+LoRA path on %d LoRA-wrapped layers", len(layers))
+    log.info("w8a16: fused W8A16+LoRA op on %d LoRA-wrapped layers (σ=%g)", len(layers), layers[0].scale)
 
 
 def detach(engine) -> None:
@@ -236,15 +300,16 @@ def detach(engine) -> None:
 
 @contextlib.contextmanager
 def active_adapter(engine, lora_request) -> Iterator[None]:
-    """Before a generate/score: make the w8a16 buffers hold the requested adapter (or none)."""
+    """Before a generate/score: make the w8a16 buffers hold the requested adapter (or zeros)."""
     layers = getattr(engine, "_epirl_w8a16_layers", None)
     if layers:
         adapter = engine.adapter if lora_request is not None else None
-        key = ("none", None) if adapter is None else ("adapter", adapter.request.lora_int_id)
-        if engine._epirl_loaded != key:
-            modules = None if adapter is None else adapter.modules
-            for layer in layers:
-                layer._epirl_lora.load(modules, 1.0 if adapter is None else adapter.scale)
+        key = None if adapter is None else adapter.request.lora_int_id
+        if engine._epirl_loaded != key:  # buffers start zeroed, i.e. key None
+            if adapter is not None and abs(adapter.scale - layers[0].scale) > 1e-12 * layers[0].scale:
+                raise ValueError(f"adapter σ={adapter.scale} differs from the engine's fixed σ={layers[0].scale}")
+            for state in layers:
+                state.load(None if adapter is None else adapter.modules)
             engine._epirl_loaded = key
     yield
 

