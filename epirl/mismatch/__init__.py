@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 from epirl.mismatch.measure import measure_during_training, measure_engines, summarize, verify_fake_quant
-from epirl.mismatch.variants import VARIANTS, fake_quant_activations
+from epirl.mismatch.variants import VARIANTS, fake_quant_activations, pin_kernel_dispatchers
+
+pin_kernel_dispatchers()  # before any kernel call in this process; see its docstring
 
 __all__ = ["add_mismatch_args", "run_mismatch_command", "measure_during_training", "measure_engines",
            "summarize", "fake_quant_activations", "verify_fake_quant", "VARIANTS"]

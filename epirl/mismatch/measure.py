@@ -172,6 +172,7 @@ class PromptMeans:
         return float(self.sums_P.sum() / self.counts_P.sum().clamp(min=1))
 
     def replicates(self, weights_B_P: torch.Tensor) -> torch.Tensor:
+        weights_B_P = weights_B_P.double()
         return (weights_B_P @ self.sums_P) / (weights_B_P @ self.counts_P).clamp(min=1)
 
 

@@ -45,9 +45,42 @@ def fp8_projections(policy) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _w8a8_forward(module: nn.Module):
-    from epirl.kernels import w8a8_lora
+def pin_kernel_dispatchers() -> None:
+    """Work around a name clash in `epirl.kernels` (owned by kernels/; reported, not fixed here).
 
+    `epirl.kernels.w8a8_lora` is both the public dispatcher function and the subpackage `w8a8_lora/`.
+    The dispatcher imports `.w8a8_lora.reference` lazily on its first call, and Python then binds the
+    loaded subpackage to the parent's attribute, replacing the function: a second
+    `from epirl.kernels import w8a8_lora` gets a module ("'module' object is not callable"), which breaks
+    the CPU W8A8 engine on its second forward. Loading the subpackages first and re-binding the
+    functions makes the attribute stable for the rest of the process (a package is bound only once).
+    """
+    import importlib
+    import types
+
+    import epirl.kernels as kernels
+
+    for name in ("w8a8_lora", "w8a16_lora"):
+        function = getattr(kernels, name)
+        if isinstance(function, types.ModuleType):  # already clobbered: nothing left to re-bind
+            continue
+        importlib.import_module(f"epirl.kernels.{name}.reference")
+        setattr(kernels, name, function)
+
+
+def w8a8_gemm(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None):
+    """`epirl.kernels.w8a8_lora` dispatched here (Triton on CUDA, reference elsewhere) so variant (c)
+    never depends on the package attribute discussed in `pin_kernel_dispatchers`."""
+    from epirl.kernels import _dispatch
+
+    if _dispatch.use_triton(x, None):
+        from epirl.kernels.w8a8_lora.triton import w8a8_lora as impl
+    else:
+        from epirl.kernels.w8a8_lora.reference import w8a8_lora as impl
+    return impl(x, codes, scale, lora_a, lora_b, lora_scale, bias)
+
+
+def _w8a8_forward(module: nn.Module):
     lora_a = getattr(module, "lora_A", None)
     lora_b = getattr(module, "lora_B", None)
     lora_scale = float(getattr(module, "lora_scale", 1.0))
@@ -55,7 +88,7 @@ def _w8a8_forward(module: nn.Module):
     def forward(x: torch.Tensor) -> torch.Tensor:
         # The same call the W8A8 engine makes per layer (plugin `apply`), plus the LoRA epilogue on the
         # unquantized x, which is where vLLM's punica path adds the adapter too.
-        return w8a8_lora(x, module.codes, module.scale, lora_a, lora_b, lora_scale, module.bias)
+        return w8a8_gemm(x, module.codes, module.scale, lora_a, lora_b, lora_scale, module.bias)
 
     return forward
 

