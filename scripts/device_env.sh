@@ -1,0 +1,17 @@
+# source scripts/device_env.sh — on the lent GPU machine, from the repo root.
+# epirl is not pip-installed there (no network, no build isolation): build a package tree of symlinks that
+# maps epirl.kernels/rewards/eval onto the top-level folders (as setup.py does), put it first on
+# PYTHONPATH, install carried wheels (.whl/: math-verify and its parser) into /tmp/site, and source the
+# staged vLLM environment when present (../shared/device/README.md).
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 WANDB_MODE=disabled
+ROOT=$(pwd)
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -f "$HOME/vllm-env.sh" ] && source "$HOME/vllm-env.sh"
+EPIRL_PKG=/tmp/epirl_pkg; rm -rf $EPIRL_PKG; mkdir -p $EPIRL_PKG/epirl
+for f in "$ROOT"/epirl/*; do ln -s "$f" $EPIRL_PKG/epirl/; done
+for top in kernels rewards eval; do ln -s "$ROOT/$top" $EPIRL_PKG/epirl/$top; done
+export PYTHONPATH=$EPIRL_PKG${PYTHONPATH:+:$PYTHONPATH}
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
