@@ -22,20 +22,21 @@ Prints one table at the end and writes it as JSON to $OUT/gpu_engine.json when $
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_engine import (QWEN3_8B, decode_tpot, ensure_epirl_kernels, make_cfg, publish_ms,  # noqa: E402
+                          qwen3_8b_dir, random_adapter)
 
 ROWS: list[tuple[str, str, object]] = []
 
@@ -45,90 +46,17 @@ def row(section: str, metric: str, value) -> None:
     print(f"[{section}] {metric}: {value}", flush=True)
 
 
-def ensure_epirl_kernels() -> None:
-    """`epirl.kernels` is the top-level `kernels/` folder once installed; alias it when run from a checkout."""
-    try:
-        import epirl.kernels  # noqa: F401
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "epirl.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["epirl.kernels"] = module
-        spec.loader.exec_module(module)
-
-
-QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
-                intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16", hidden_act="silu",
-                attention_bias=False, bos_token_id=151643, eos_token_id=151645)
-
-
-def make_cfg(model_path: str, precision: str, rank: int = 64, max_model_len: int = 1024, eager=False, gpu_util=0.40):
-    from epirl.config import EpirlConfig
-
-    return EpirlConfig.model_validate({
-        "model": {"path": model_path, "max_model_len": max_model_len, "dtype": "bfloat16"},
-        "engine": {"precision": precision, "gpu_memory_utilization": gpu_util, "max_num_seqs": 64,
-                   "enforce_eager": eager, "kv_release": True},
-        "lora": {"rank": rank, "alpha": 2.0 * rank},
-    })
-
-
-def random_adapter(hf_cfg: dict, rank: int, device="cuda", std=0.02, seed=0) -> dict:
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    h, i = hf_cfg["hidden_size"], hf_cfg["intermediate_size"]
-    hd = hf_cfg.get("head_dim") or h // hf_cfg["num_attention_heads"]
-    q, kv = hf_cfg["num_attention_heads"] * hd, hf_cfg["num_key_value_heads"] * hd
-    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    out = {}
-    for layer in range(hf_cfg["num_hidden_layers"]):
-        for mod, (n_out, n_in) in shapes.items():
-            stem = f"base_model.model.model.layers.{layer}.{mod}"
-            out[f"{stem}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) * std).to(device, torch.bfloat16)
-            out[f"{stem}.lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * std).to(device, torch.bfloat16)
-    return out
-
-
-def decode_tpot(engine, batch: int, use_adapter: bool, prompt_len=128, new_tokens=256, repeats=2) -> float:
-    """ms per output token: (t(new_tokens) - t(1)) / (new_tokens - 1), greedy, ignore_eos, mean of repeats."""
-    import torch
-    from vllm import SamplingParams
-
-    from epirl.engine import plugin
-
-    g = torch.Generator().manual_seed(batch)
-    prompts = [{"prompt_token_ids": torch.randint(100, 100000, (prompt_len,), generator=g).tolist()}
-               for _ in range(batch)]
-    lora = engine.adapter.request if (use_adapter and engine.adapter) else None
-
-    def run(n_tokens):
-        params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        engine.llm.reset_prefix_cache()
-        t0 = time.perf_counter()
-        with plugin.active_adapter(engine, lora):
-            engine.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-        return time.perf_counter() - t0
-
-    run(8)  # warm-up
-    times = [(run(new_tokens) - run(1)) / (new_tokens - 1) for _ in range(repeats)]
-    return 1e3 * sum(times) / len(times)
-
-
 def section_8b(args, model_dir: str, precision: str) -> None:
     """Start one 8B-shaped engine; run tpot / publish / layer / shared / kv on it."""
     import torch
 
     from epirl.engine import RolloutEngine
 
-    cfg = make_cfg(model_dir, precision)
+    cfg = make_cfg(model_dir, precision, rank=64)
     engine = RolloutEngine(cfg, load_format="dummy", skip_tokenizer_init=True)
     row(precision, "engine start s", round(engine.start_s, 1))
     try:
-        adapter = random_adapter(QWEN3_8B, 64)
+        adapter = random_adapter(QWEN3_8B, 64, "cuda")
         for name, fn in [("publish", lambda: _publish(engine, adapter, precision)),
                          ("tpot", lambda: _tpot(engine, precision) if not args.skip_tpot else None),
                          ("layer", lambda: _layer_bitwise(engine, adapter) if precision == "w8a16" else None),
@@ -150,8 +78,7 @@ def _guard(label, fn):
 
 
 def _publish(engine, adapter, precision):
-    times = [engine.publish(adapter, step=s)["engine/publish_s"] * 1e3 for s in range(6)]
-    row(precision, "publish rank-64 ms (median of 6)", round(sorted(times)[3], 1))
+    row(precision, "publish rank-64 ms (median of 6)", round(publish_ms(engine, adapter), 1))
 
 
 def _tpot(engine, precision):
@@ -257,7 +184,7 @@ def section_smollm2() -> None:
     path = smollm2_path()
     results = {}
     for precision in ("w8a16", "w8a8"):
-        cfg = make_cfg(path, precision, rank=8, max_model_len=512, eager=True, gpu_util=0.2)
+        cfg = make_cfg(path, precision, rank=8, max_model_len=512, eager=True, gpu_util=0.2, max_num_seqs=8)
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"base": "shared"})})
         engine = RolloutEngine(cfg)
         try:
@@ -306,8 +233,7 @@ def main() -> None:
     import vllm
 
     row("env", "vllm / torch / gpu", f"{vllm.__version__} / {torch.__version__} / {torch.cuda.get_device_name()}")
-    model_dir = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
-    Path(model_dir, "config.json").write_text(json.dumps(QWEN3_8B))
+    model_dir = qwen3_8b_dir()
     t0 = time.perf_counter()
     for precision in args.precisions.split(","):
         _guard(f"{precision}/engine", lambda: section_8b(args, model_dir, precision))

@@ -162,6 +162,24 @@ def test_kv_release_is_a_logged_noop_on_cpu(engine_bf16, samples):
     assert again[0][0].token_ids  # still serving
 
 
+def test_weight_fingerprint_detects_a_single_changed_byte(engine_bf16):
+    """The post-wake weight check (run on CUDA after every KV re-acquire) must see any corruption."""
+    from epirl.engine import compat
+
+    before = engine_bf16._checksum_weights()
+    assert len(before) >= 2
+    params = dict(compat.model(engine_bf16.llm).named_parameters())
+    name = sorted(before)[0]
+    raw = params[name].data.reshape(-1).view(torch.uint8)
+    saved = raw[7].clone()
+    raw[7] ^= 1  # flip one bit
+    try:
+        assert engine_bf16._checksum_weights()[name] != before[name]
+    finally:
+        raw[7] = saved
+    assert engine_bf16._checksum_weights() == before
+
+
 def test_publish_matches_lora_reference_tightly_in_fp32(engine_pool, hf_reference_fp32, smollm2_dir):
     """fp32 engine vs fp32 transformers + PEFT LoRA math: agreement to summation-order round-off.
 

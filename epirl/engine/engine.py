@@ -231,15 +231,23 @@ class RolloutEngine:
         if self._kv_released:
             raise RuntimeError("engine KV cache is released: call reacquire_kv() before using the engine")
 
-    def _checksum_weights(self, count: int = 4) -> dict[str, tuple]:
-        """Exact fingerprints of a few weight tensors spread over the model (first, middle, last)."""
+    def _checksum_weights(self, count: int = 4) -> dict[str, tuple[int, int]]:
+        """Exact fingerprints of a few weight tensors spread over the model (first ... last).
+
+        Two integer sums over the raw bits (plain and position-weighted, int64 wrap-around is fine for
+        a fingerprint): any changed byte changes them, and no float rounding can hide a change.
+        """
         params = [(n, p) for n, p in compat.model(self.llm).named_parameters() if p.numel() > 0]
-        picks = [params[i * (len(params) - 1) // max(count - 1, 1)] for i in range(count)] if params else []
+        if not params:
+            return {}
+        picks = {params[i * (len(params) - 1) // max(count - 1, 1)] for i in range(count)}
+        int_of_width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         out = {}
-        for name, p in picks:
-            raw = p.detach().reshape(-1).view(torch.uint8) if p.dtype.itemsize == 1 else p.detach().reshape(-1)
-            bits = raw.to(torch.int64) if raw.dtype == torch.uint8 else raw.view(torch.int16 if raw.dtype.itemsize == 2 else torch.int32).to(torch.int64)
-            out[name] = (int(bits.sum()), int((bits * torch.arange(1, bits.numel() + 1, device=bits.device) % 1000003).sum()))
+        for name, p in sorted(picks, key=lambda item: item[0]):
+            flat = p.detach().reshape(-1)
+            bits = flat.view(int_of_width[flat.element_size()]).to(torch.int64)
+            position = torch.arange(1, bits.numel() + 1, device=bits.device)
+            out[name] = (int(bits.sum()), int((bits * position).sum()))
         return out
 
     def base_weight_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,58 @@
+"""Engine pieces that need no running vLLM engine: version compat helpers, adapter naming, the plugin's
+custom op against the kernel it wraps."""
+
+import pytest
+import torch
+
+from epirl.engine import compat
+from epirl.engine.lora_publish import modules_of, peft_config
+
+
+def test_lora_rank_slot_rounds_up_to_vllm_allowed_ranks():
+    assert [compat.lora_rank_slot(r) for r in (1, 2, 8, 9, 64, 65, 512)] == [1, 8, 8, 16, 64, 128, 512]
+    with pytest.raises(ValueError):
+        compat.lora_rank_slot(513)
+
+
+def test_fp8_method_name_matches_this_vllm():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    assert compat.fp8_per_tensor_method() in QUANTIZATION_METHODS
+
+
+def test_modules_of_groups_peft_names_and_rejects_half_adapters():
+    a, b = torch.zeros(4, 8), torch.zeros(6, 4)
+    stem = "base_model.model.model.layers.0.self_attn.q_proj"
+    mods = modules_of({f"{stem}.lora_A.weight": a, f"{stem}.lora_B.weight": b})
+    assert list(mods) == ["model.layers.0.self_attn.q_proj"] and mods["model.layers.0.self_attn.q_proj"][0] is a
+    with pytest.raises(ValueError, match="mismatch"):
+        modules_of({f"{stem}.lora_A.weight": a})
+    with pytest.raises(ValueError, match="not a PEFT"):
+        modules_of({f"{stem}.weight": a})
+    assert peft_config(8, 16.0, ["q_proj"])["r"] == 8
+
+
+def test_plugin_op_is_the_kernel_per_slice():
+    """epirl::w8a16_lora_slices == w8a16_lora called per q/k/v slice (what the trainer computes)."""
+    from epirl.engine import plugin
+    from epirl.kernels import quantize_weight_fp8, w8a16_lora
+
+    plugin.register()
+    g = torch.Generator().manual_seed(0)
+    widths, k, r = [16, 8, 8], 24, 4
+    codes, scale = quantize_weight_fp8(torch.randn(sum(widths), k, generator=g), group_sizes=widths)
+    x = torch.randn(5, k, generator=g).to(torch.bfloat16)
+    a = [torch.randn(r, k, generator=g).to(torch.bfloat16) for _ in widths]
+    b = [torch.randn(w, r, generator=g).to(torch.bfloat16) for w in widths]
+    got = torch.ops.epirl.w8a16_lora_slices(x, codes, scale, a, b, widths, 2.0, None)
+    parts, start = [], 0
+    for w, ai, bi in zip(widths, a, b):
+        parts.append(w8a16_lora(x, codes[start:start + w], scale, ai, bi, 2.0))
+        start += w
+    assert torch.equal(got, torch.cat(parts, -1))
+    assert torch.equal(torch.ops.epirl.w8a16_lora_slices(x, codes, scale, [], [], widths, 1.0, None),
+                       w8a16_lora(x, codes, scale))
+    # zero LoRA buffers leave the base result bitwise unchanged (how "no adapter" is served)
+    zeros_a, zeros_b = [torch.zeros_like(t) for t in a], [torch.zeros_like(t) for t in b]
+    assert torch.equal(torch.ops.epirl.w8a16_lora_slices(x, codes, scale, zeros_a, zeros_b, widths, 2.0, None),
+                       w8a16_lora(x, codes, scale))
