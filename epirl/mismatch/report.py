@@ -138,3 +138,21 @@ def log_wandb(summary: dict, chart: Path, mode: str, project: str, run_name: str
         run.finish()
     except Exception as exc:  # network, auth, disk: the local report is already written
         log.warning("W&B logging skipped (%s: %s); the report is in %s", type(exc).__name__, exc, out_dir)
+
+
+def markdown_table(summary: dict) -> str:
+    """The headline numbers as a Markdown table (BENCHMARKS.md, notes)."""
+    rows = ["| engine | trainer | mean \\|Δ log p\\| | × bf16 pair | KL top-k+tail | × bf16 pair | TIS clip (cap 2) |"
+            " δW / δA / δK share |",
+            "|---|---|---|---|---|---|---|---|"]
+    for precision, engine in summary["engines"].items():
+        parts = engine["decomposition"]
+        shares = " / ".join("–" if parts[p]["share"] is None else f"{100 * parts[p]['share']:.0f}%"
+                            for p in DECOMPOSITION_PARTS)
+        for v, entry in engine["vs"].items():
+            marker = " *" if v == engine["matched_variant"] else ""
+            rows.append(f"| {precision} | ({v}) {VARIANTS[v]}{marker} | {_fmt(entry['abs_dlogp'])} | "
+                        f"{_fmt(entry.get('rel_abs_dlogp'), suffix='×')} | {_fmt(entry['kl'])} | "
+                        f"{_fmt(entry.get('rel_kl'), suffix='×')} | {_fmt(entry['tis_clip_frac'])} | "
+                        f"{shares if v == engine['matched_variant'] else ''} |")
+    return "\n".join(rows)

@@ -1,0 +1,59 @@
+"""GPU evidence for issue 6: `epirl mismatch` on SmolLM2 with bf16, W8A8 (vLLM's own FP8) and matched
+W8A16 engines on the H200, printed as the Markdown table for BENCHMARKS.md § Mismatch.
+
+    python scripts/gpu_mismatch.py --out $OUT/mismatch            # full run (128 prompts × 4 samples)
+    python scripts/gpu_mismatch.py --quick --out $OUT/mismatch    # 16 prompts × 2 samples, 128 tokens
+
+Needs CUDA and a vLLM with the epirl plugin (see shared/device/ for staging). Writes mismatch.json,
+mismatch.png and mismatch.md under --out; exit status is the command's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--out", default=os.environ.get("OUT", "runs") + "/mismatch")
+    parser.add_argument("--quick", action="store_true", help="16 prompts × 2 samples, 128 tokens")
+    parser.add_argument("--engines", default="bf16,w8a8,w8a16")
+    parser.add_argument("--dtype", default="bfloat16", help="model.dtype for engines and trainer")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_mismatch.py: needs CUDA", file=sys.stderr)
+        return 2
+    from epirl.cli import main as epirl_main
+    from epirl.mismatch.report import markdown_table
+
+    sizes = ["--n-prompts", "16", "--samples", "2", "--max-tokens", "128"] if args.quick else \
+        ["--n-prompts", "128", "--samples", "4", "--max-tokens", "256"]
+    argv = ["mismatch", "--model", args.model, "--engines", args.engines, "--out", args.out, *sizes,
+            f"model.dtype={args.dtype}", "engine.gpu_memory_utilization=0.35"]
+    t0 = time.perf_counter()
+    status = epirl_main(argv)
+    if status != 0:
+        return status
+    summary = json.loads((Path(args.out) / "mismatch.json").read_text())
+    header = (f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, `python scripts/gpu_mismatch.py"
+              f"{' --quick' if args.quick else ''}` ({time.perf_counter() - t0:.0f} s)")
+    table = markdown_table(summary)
+    (Path(args.out) / "mismatch.md").write_text(header + "\n\n" + table + "\n")
+    print(header)
+    print(table)
+    for note in summary.get("notes", []):
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
