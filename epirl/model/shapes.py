@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from transformers import Qwen3Config
-from transformers.models.qwen3_5 import Qwen3_5TextConfig
+from transformers import PretrainedConfig, Qwen3Config
 
 
 def qwen3_8b_config(num_hidden_layers: int = 36) -> Qwen3Config:
@@ -14,8 +13,10 @@ def qwen3_8b_config(num_hidden_layers: int = 36) -> Qwen3Config:
                        rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 
 
-def qwen3_5_9b_config(num_hidden_layers: int = 32) -> Qwen3_5TextConfig:
+def qwen3_5_9b_config(num_hidden_layers: int = 32) -> PretrainedConfig:
     """Qwen/Qwen3.5-9B's text model: 3 gated-DeltaNet layers per full-attention layer."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig  # lazy: older transformers lack it
+
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_hidden_layers)]
     return Qwen3_5TextConfig(vocab_size=248320, hidden_size=4096, intermediate_size=12288,
                              num_hidden_layers=num_hidden_layers, num_attention_heads=16, num_key_value_heads=4,

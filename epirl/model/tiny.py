@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast
 from transformers import Qwen3Config
-from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 TINY_ARCHS = ("qwen3", "qwen3_5", "llama")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -63,6 +62,8 @@ def tiny_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: int
     if arch == "llama":  # SmolLM2 is a Llama with tied embeddings
         return LlamaConfig(**common, num_hidden_layers=2, head_dim=16, tie_word_embeddings=True)
     if arch == "qwen3_5":  # 3 gated-DeltaNet layers then one full-attention layer, as in Qwen3.5
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig  # lazy: older transformers lack it
+
         return Qwen3_5TextConfig(
             **common, num_hidden_layers=4, head_dim=16, tie_word_embeddings=False,
             layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
