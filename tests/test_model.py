@@ -5,7 +5,6 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 

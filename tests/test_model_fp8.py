@@ -13,7 +13,6 @@ from epirl.model.loading import PACKED_MODULES, load_text_config
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
 from epirl.model.memory import PreflightError, ProjectionCopyWatcher, preflight_check
 from epirl.model.tiny import write_tiny_checkpoint
-from epirl.model.weights import SafetensorsSource
 
 ARCHS = ["qwen3", "qwen3_5", "llama"]
 FP8 = torch.float8_e4m3fn
