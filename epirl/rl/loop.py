@@ -59,6 +59,25 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
     return torch.device("cuda" if use_cuda else "cpu")
 
 
+def preflight(cfg: EpirlConfig, device: torch.device) -> None:
+    """Fail in seconds, not after the engine has loaded, when the trainer cannot fit beside the engine."""
+    from transformers import AutoConfig
+
+    from epirl.config import resolve_model_path
+    from epirl.model import preflight_check
+    from epirl.model.memory import estimate_trainer_bytes
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    reserved = cfg.engine.gpu_memory_utilization * total  # the engine's whole budget, KV cache included
+    if cfg.engine.kv_release:  # during training the engine keeps only its weights (none extra when shared)
+        engine_base = "bf16" if cfg.engine.precision == "bf16" else "fp8"
+        est = estimate_trainer_bytes(hf_config.get_text_config(), engine_base, cfg.lora.rank, list(cfg.lora.targets),
+                                     1, False, cfg.trainer.logprob_chunk_tokens)
+        reserved = 0 if cfg.trainer.base == "shared" else est.base_projection_bytes + est.base_other_bytes
+    preflight_check(cfg, total, reserved_bytes=int(reserved), hf_config=hf_config)
+
+
 def step_seed(seed: int, step: int, round_: int) -> int:
     # Sampling randomness is a pure function of (seed, step, round): a resumed run samples exactly what the
     # uninterrupted run sampled. vLLM runs in-process, so the global torch generators drive its sampler.
@@ -180,6 +199,8 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     from epirl.rewards import RewardPool
 
     device = resolve_runtime(cfg)
+    if device.type == "cuda":
+        preflight(cfg, device)
     run_dir = Path(resume) if resume else cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
@@ -235,6 +256,8 @@ def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, time
     batch = groups_to_batch(groups, cfg, pad_id)
     with timer("release_kv"):
         metrics |= engine.release_kv()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     with timer("train"):
         if batch is not None and bool((batch.advantages_B != 0).any()):
             metrics |= train_step(policy, optimizer, scheduler, batch, cfg, device)
@@ -249,6 +272,7 @@ def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, time
         with timer("probe"):
             metrics |= probe(engine, policy, groups, cfg, device, pad_id)
     metrics |= timer.pop() | memory_metrics()
+    metrics |= {f"mem/trainer_{k}": float(v) for k, v in policy.memory_report().items() if isinstance(v, (int, float))}
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
     metrics["data/cursor"] = float(stream.cursor)
     metrics["_samples"] = sample_rows(groups, engine.tokenizer, cfg.tracking.samples_count)
