@@ -159,6 +159,8 @@ def run_mismatch_command(args: argparse.Namespace) -> int:
     from epirl.mismatch.report import log_wandb, render_tables, write_chart, write_json
 
     console = Console()
+    if not console.is_terminal:  # piped / logged: rich would wrap the tables at 80 columns
+        console = Console(width=200)
     try:
         cfg, device, prompt_ids, engines = _prepare(args)
     except MismatchInputError as exc:
