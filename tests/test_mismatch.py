@@ -142,16 +142,20 @@ PRECISIONS = ("bf16", "w8a8", "w8a16")
 
 @pytest.fixture(scope="module")
 def smollm2_measurement(engine_pool, smollm2_dir):
-    """All three engines (the test session's shared pool, bf16 activations) against variants (a), (b), (c)."""
+    """All three engines (the session's engine pool) against variants (a), (b), (c), all in float32.
+
+    float32 is what `model.dtype: auto` gives on CPU. (In bfloat16 the CPU engine's own bf16 kernels differ
+    from the trainer's by about as much as FP8 activation rounding, which hides δA behind δK on CPU.)
+    """
     from conftest import engine_test_config
 
     from epirl.data import render_prompt
 
-    cfg = engine_test_config("bf16")
-    tokenizer = engine_pool.get("bf16").tokenizer
+    cfg = engine_test_config("bf16", model={"dtype": "float32"})
+    tokenizer = engine_pool.get("bf16", dtype="float32").tokenizer
     questions = ["What is 7 + 12?", "What is 15 - 4?", "Name a prime number."]
     prompt_ids_P = [render_prompt(tokenizer, [{"role": "user", "content": q}], False) for q in questions]
-    rollouts = {p: measure.sample_with_topk(engine_pool.get(p), prompt_ids_P, n=2, max_tokens=10, temperature=1.0,
+    rollouts = {p: measure.sample_with_topk(engine_pool.get(p, dtype="float32"), prompt_ids_P, n=2, max_tokens=10, temperature=1.0,
                                             topk=20, seed=0) for p in PRECISIONS}
     scores, checks = measure.score_rollouts(cfg, rollouts, torch.device("cpu"), 1.0, adapter_dir=None)
     tables = {p: token_table(rollouts[p], scores[p]) for p in PRECISIONS}
@@ -193,8 +197,9 @@ def test_mismatch_orders_as_the_arithmetic_predicts(smollm2_measurement):
     def part(engine, name):
         return engines[engine]["decomposition"][name]["mean_abs"]["mean"]
 
-    # the bf16 engine and the bf16 trainer agree closely; an FP8 trainer moves it much more
-    assert abs_dlogp("bf16", "a") < 0.05
+    # the bf16 engine and the bf16 trainer (both fp32 here) agree to rounding; an FP8 trainer moves it far more
+    assert abs_dlogp("bf16", "a") < 1e-3
+    assert any("bf16 pair" in note for note in summary["notes"])  # ratios flagged as not the bf16 baseline
     assert abs_dlogp("bf16", "b") > 2 * abs_dlogp("bf16", "a")
     # FP8 engines against a bf16 trainer: δW dominates; the matched (w8a16) engine has δA = 0 exactly
     assert part("w8a16", "delta_A") == 0.0
@@ -229,8 +234,8 @@ def test_report_files_are_written(smollm2_measurement, tmp_path):
 def test_measure_during_training_on_the_live_engine_and_fp8_policy(engine_pool):
     from conftest import engine_test_config
 
-    cfg = engine_test_config("w8a8", rl={"max_tokens": 12})
-    engine = engine_pool.get("w8a8")
+    cfg = engine_test_config("w8a8", model={"dtype": "float32"}, rl={"max_tokens": 12})
+    engine = engine_pool.get("w8a8", dtype="float32")
     policy = variants.load_variant_policy(cfg, "b", torch.device("cpu")).train()
     prompt_ids = [engine.tokenizer.encode("What is 2 + 2?")]
     torch.manual_seed(123)
