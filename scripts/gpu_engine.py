@@ -52,9 +52,15 @@ def section_8b(args, model_dir: str, precision: str) -> None:
 
     from epirl.engine import RolloutEngine
 
-    cfg = make_cfg(model_dir, precision, rank=64)
-    engine = RolloutEngine(cfg, load_format="dummy", skip_tokenizer_init=True)
-    row(precision, "engine start s", round(engine.start_s, 1))
+    try:
+        engine = RolloutEngine(make_cfg(model_dir, precision, rank=64), load_format="dummy", skip_tokenizer_init=True)
+    except Exception as e:  # e.g. torch.compile / graph capture of the plugin op: keep the evidence coming
+        row(precision, "ERROR starting with CUDA graphs (retrying eager)", f"{type(e).__name__}: {str(e)[:200]}")
+        traceback.print_exc()
+        torch.cuda.empty_cache()
+        engine = RolloutEngine(make_cfg(model_dir, precision, rank=64, eager=True),
+                               load_format="dummy", skip_tokenizer_init=True)
+    row(precision, "engine start s", f"{engine.start_s:.1f} (eager={engine.cfg.engine.enforce_eager})")
     try:
         adapter = random_adapter(QWEN3_8B, 64, "cuda")
         for name, fn in [("publish", lambda: _publish(engine, adapter, precision)),
@@ -100,8 +106,13 @@ def _layer_bitwise(engine, adapter):
     mods = dict(compat.model(engine.llm).named_modules())
     names = ["model.layers.5.self_attn.qkv_proj", "model.layers.5.mlp.down_proj"]
     cap = {}
-    hooks = [mods[n].register_forward_hook(lambda m, a, o, n=n: cap.setdefault(
-        n, (a[0].clone(), (o[0] if isinstance(o, tuple) else o).clone()))) for n in names]
+    def capture(name):
+        def hook(module, args, out):  # must return None: a returned value would replace the output
+            if name not in cap:
+                cap[name] = (args[0].clone(), (out[0] if isinstance(out, tuple) else out).clone())
+        return hook
+
+    hooks = [mods[n].register_forward_hook(capture(n)) for n in names]
     try:
         prompt = list(range(1000, 1064))
         engine.score([prompt], [list(range(2000, 2008))])
@@ -185,16 +196,21 @@ def section_smollm2() -> None:
     results = {}
     for precision in ("w8a16", "w8a8"):
         cfg = make_cfg(path, precision, rank=8, max_model_len=512, eager=True, gpu_util=0.2, max_num_seqs=8)
-        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"base": "shared"})})
+        # No sleep mode here: the trainer built on the w8a16 engine's codes outlives that engine (it is
+        # reused against w8a8), which the CuMemAllocator pool would unmap at shutdown.
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"base": "shared"}),
+                                     "engine": cfg.engine.model_copy(update={"kv_release": False})})
         engine = RolloutEngine(cfg)
         try:
             policy = load_policy(cfg, torch.device("cuda"), engine=engine) if precision == "w8a16" else results["policy"]
             results.setdefault("policy", policy)
             tensors = policy.lora_state_dict()
-            for k, v in tensors.items():  # non-zero B so the adapter matters
-                if "lora_B" in k:
-                    v.normal_(0, 0.02, generator=torch.Generator(v.device).manual_seed(hash(k) % 2**31))
-            _load_into_policy(policy, tensors)
+            if precision == "w8a16":  # non-zero B (fixed seed) so the adapter matters; same for w8a8
+                gen = torch.Generator(device="cpu").manual_seed(0)
+                for k in sorted(tensors):
+                    if "lora_B" in k:
+                        tensors[k].copy_(torch.randn(tensors[k].shape, generator=gen) * 0.02)
+                _load_into_policy(policy, tensors)
             engine.publish(tensors, step=1)
             tok = engine.tokenizer
             prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
@@ -213,12 +229,11 @@ def section_smollm2() -> None:
 
 def _load_into_policy(policy, tensors):
     from epirl.model.lora import lora_modules
+    from epirl.model.policy import peft_key
 
-    mods = lora_modules(policy.model)
-    for name, mod in mods.items():
-        for which in ("lora_A", "lora_B"):
-            key = next(k for k in tensors if k.endswith(f"{name}.{which}.weight"))
-            getattr(mod, which).data.copy_(tensors[key])
+    for name, mod in lora_modules(policy.model).items():
+        mod.lora_A.data.copy_(tensors[peft_key(name, "A")])
+        mod.lora_B.data.copy_(tensors[peft_key(name, "B")])
 
 
 def main() -> None:
