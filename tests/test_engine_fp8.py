@@ -131,7 +131,7 @@ def test_matched_engine_agrees_with_fp8_trainer_better_than_w8a8(engine_pool, ad
         deltas = [abs(a - b) for s, t in zip(scored, trainer_logprobs) for a, b in zip(s, t)]
         errors[precision] = (max(deltas), sum(deltas) / len(deltas))
     print("engine vs FP8 trainer |Δ log p| (max, mean): "
-          + ", ".join(f"{k}=({v[0]:.4f}, {v[1]:.4f})" for k, v in errors.items()))
+          + ", ".join(f"{k}=({v[0]:.2e}, {v[1]:.2e})" for k, v in errors.items()))
     # matched engine: only vLLM-vs-transformers non-linear ops differ (fp32 round-off, cf. the fp32
     # bf16-engine test: 2.7e-5); W8A8's FP8 activations add quantization noise on every projection
     assert errors["w8a16"][0] < 1e-3

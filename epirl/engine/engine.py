@@ -60,6 +60,35 @@ def _quantization(precision: str) -> str | None:
     raise ValueError(f"engine.precision must be one of {PRECISIONS}, got {precision!r}")
 
 
+def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str, Any]:
+    """`vllm.LLM` arguments for an epirl config (one adapter slot, processed log-probs)."""
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.model.max_model_len,
+        max_num_seqs=cfg.engine.max_num_seqs,
+        enforce_eager=cfg.engine.enforce_eager,
+        enable_lora=True,
+        max_lora_rank=compat.lora_rank_slot(cfg.lora.rank),
+        max_loras=1,  # one live adapter; the previous one is removed on publish
+        max_cpu_loras=2,
+        seed=cfg.seed,
+        logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
+        quantization=quantization,
+    )
+    if compat.on_cuda():
+        kwargs["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+        # Sleep mode puts weights and KV cache in CuMemAllocator pools, which is what lets the KV
+        # cache be unmapped while the (shared) weights stay where they are.
+        kwargs["enable_sleep_mode"] = bool(cfg.engine.kv_release)
+    elif cfg.engine.precision != "bf16":
+        # The CPU FP8 paths run the kernels' float64-exact references; vLLM's start-up profile pass
+        # runs a full `max_num_batched_tokens` batch through them. Chunked prefill keeps long prompts
+        # working with a small token budget.
+        kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
+    return kwargs
+
+
 class RolloutEngine:
     """vLLM rollout engine with an in-memory adapter slot (see module docstring)."""
 
@@ -82,31 +111,7 @@ class RolloutEngine:
         self.precision = cfg.engine.precision
         quantization = _quantization(self.precision)
         self.model_path = _resolve_model_path(cfg.model.path)
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.model.max_model_len,
-            max_num_seqs=cfg.engine.max_num_seqs,
-            enforce_eager=cfg.engine.enforce_eager,
-            enable_lora=True,
-            max_lora_rank=compat.lora_rank_slot(cfg.lora.rank),
-            max_loras=1,
-            max_cpu_loras=2,
-            seed=cfg.seed,
-            logprobs_mode="processed_logprobs",
-            quantization=quantization,
-        )
-        if compat.on_cuda():
-            kwargs["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
-            # Sleep mode puts weights and KV cache in CuMemAllocator pools, which is what lets the KV
-            # cache be unmapped while the (shared) weights stay where they are.
-            kwargs["enable_sleep_mode"] = bool(cfg.engine.kv_release)
-        elif self.precision != "bf16":
-            # The CPU FP8 paths run the kernels' float64-exact references; vLLM's start-up profile
-            # pass runs a full `max_num_batched_tokens` batch through them. Chunked prefill keeps
-            # long prompts working with a small token budget.
-            kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
-        kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "quantization"}
+        kwargs = _llm_kwargs(cfg, self.model_path, quantization)
         kwargs.update(llm_overrides)
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
