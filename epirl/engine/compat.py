@@ -176,8 +176,14 @@ def lora_load_context(mgr) -> dict[str, Any]:
     adapter_mgr = mgr._adapter_manager
     model_ = adapter_mgr.model
     mapper = getattr(model_, "hf_to_vllm_mapper", None)
-    if mapper is not None and hasattr(mapper, "get_rename_mapper"):
-        mapper = mapper.get_rename_mapper()
+    # The model's mapper also fuses names (q_proj → qkv_proj); LoRA tensors must keep the constituent
+    # names so the manager packs them per slice. 0.26 strips the fusion maps with
+    # `get_unstacked_mapper()`, later versions with `get_rename_mapper()`; with the raw mapper, q/k/v
+    # would land under one unpacked `qkv_proj` entry and `set_lora` fails (seen on 0.26, H200).
+    for strip in ("get_unstacked_mapper", "get_rename_mapper"):
+        if mapper is not None and hasattr(mapper, strip):
+            mapper = getattr(mapper, strip)()
+            break
     return {
         "dtype": mgr.lora_config.lora_dtype,
         "model_vocab_size": getattr(mgr, "vocab_size", None),
