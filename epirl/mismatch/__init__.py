@@ -106,6 +106,9 @@ def build_config(args, lora: dict):
     cfg.model.path = args.model
     cfg.seed = args.seed
     cfg.data.source = args.prompts
+    # The measurement starts one engine per precision in this process; vLLM's sleep-mode allocator
+    # (used for KV release) allows one instance per process (seen on 0.26), and nothing trains here.
+    cfg.engine.kv_release = False
     if lora:
         cfg.lora.rank, cfg.lora.alpha = lora["rank"], lora["alpha"]
         if lora["targets"]:
