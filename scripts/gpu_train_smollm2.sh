@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # On the lent H200 with vLLM staged (../shared/device/README.md, kit built with WITH_SMOLLM2=1):
-# the SmolLM2 arithmetic recipe with real vLLM on the GPU, for each engine/trainer pairing, then a table of
-# seconds per phase. Usage: bash scripts/gpu_train_smollm2.sh [steps]
+# the SmolLM2 arithmetic recipe with real vLLM on the GPU for each engine/trainer pairing, each followed by
+# its table (reward curve, engine-trainer KL, probe, seconds per phase).
+# Usage: bash scripts/gpu_train_smollm2.sh [steps] [pairing ...]   pairings: bf16 w8a16 w8a8 (default all)
 set -o pipefail
 source scripts/device_env.sh
-STEPS=${1:-6}
+STEPS=${1:-6}; shift || true
+PAIRINGS=("${@:-bf16 w8a16 w8a8}"); PAIRINGS=(${PAIRINGS[@]})
 python3 -P -m epirl.model.smollm2 >/dev/null || { echo "SmolLM2 conversion failed"; exit 1; }
 COMMON=(rl.steps=$STEPS output_dir=$OUT/runs tracking.wandb=disabled engine.gpu_memory_utilization=0.25
         engine.enforce_eager=true checkpoint.every=0 model.max_model_len=512)
-run() {  # name, overrides...
-  local name=$1; shift
-  local t0=$(date +%s)
-  python3 -P -m epirl.cli train recipes/smollm2_arith_cpu.yaml name=$name "${COMMON[@]}" "$@" \
-    > "$OUT/$name.log" 2>&1 && echo "$name: ok in $(( $(date +%s) - t0 )) s" \
-    || { echo "$name: FAILED (tail of log follows)"; tail -n 25 "$OUT/$name.log"; }
-}
-run bf16_engine_bf16_trainer engine.precision=bf16 trainer.base=bf16 rl.correction=tis engine.probe_tolerance=0.1
-run w8a16_engine_fp8_trainer engine.precision=w8a16 trainer.base=fp8 rl.correction=none engine.probe_tolerance=0.05
-run w8a8_engine_fp8_trainer engine.precision=w8a8 trainer.base=fp8 rl.correction=tis engine.probe_tolerance=0.3
-for d in "$OUT"/runs/*/; do [ -f "$d/metrics.jsonl" ] && python3 -P scripts/summarize_run.py "$d"; done
+declare -A OVERRIDES=(
+  [bf16]="engine.precision=bf16 trainer.base=bf16 rl.correction=tis engine.probe_tolerance=0.1"
+  [w8a16]="engine.precision=w8a16 trainer.base=fp8 rl.correction=none engine.probe_tolerance=0.05"
+  [w8a8]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis engine.probe_tolerance=0.3"
+)
+for pairing in "${PAIRINGS[@]}"; do
+  name=${pairing}_engine; log=/tmp/$name.log; t0=$(date +%s)
+  if python3 -P -m epirl.cli train recipes/smollm2_arith_cpu.yaml name=$name "${COMMON[@]}" ${OVERRIDES[$pairing]} > $log 2>&1; then
+    echo "$name: ok in $(( $(date +%s) - t0 )) s ($(grep -o 'started in [0-9.]* s' $log | head -1))"
+  else
+    echo "$name: FAILED after $(( $(date +%s) - t0 )) s"; grep -v '^\[rank0\]:\s*[~^]*$' $log | grep -E "Error|error|Traceback|File \"/tmp/epirl" | tail -n 12
+  fi
+  [ -s "$OUT/runs/$name/metrics.jsonl" ] && python3 -P scripts/summarize_run.py "$OUT/runs/$name"
+done
