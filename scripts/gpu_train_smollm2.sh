@@ -12,7 +12,7 @@ COMMON=(rl.steps=$STEPS output_dir=$OUT/runs tracking.wandb=disabled engine.gpu_
         engine.enforce_eager=true checkpoint.every=0 model.max_model_len=512)
 declare -A OVERRIDES=(
   [bf16]="engine.precision=bf16 trainer.base=bf16 rl.correction=tis engine.probe_tolerance=0.1"
-  [w8a16]="engine.precision=w8a16 trainer.base=fp8 rl.correction=none engine.probe_tolerance=0.05"
+  [w8a16]="engine.precision=w8a16 trainer.base=fp8 rl.correction=none engine.probe_tolerance=0.1"
   [w8a8]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis engine.probe_tolerance=0.3"
 )
 for pairing in "${PAIRINGS[@]}"; do
