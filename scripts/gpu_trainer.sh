@@ -1,21 +1,10 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root: the trainer-side model's gpu tests, then bench_trainer.py.
-# epirl is not pip-installed there: build a throwaway package tree mapping epirl.kernels -> kernels/
-# (pytest and python run with -P so the checkout's epirl/ folder, which lacks kernels, is not first on sys.path).
+# epirl is not pip-installed there: scripts/device_env.sh maps the package; pytest and python run with -P so
+# the checkout's epirl/ folder (which lacks kernels/) is not first on sys.path.
 # Budget: tests ~1-2 min, benchmark ~3-4 min (Qwen3.5 without flash-linear-attention takes the torch fallback).
 set -o pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-ROOT=$(pwd)
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl_kernels ]; then  # carried pytest wheels, in case the image lacks pytest
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_kernels/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-PKG=/tmp/epirl_pkg; rm -rf $PKG; mkdir -p $PKG/epirl
-for f in "$ROOT"/epirl/*; do ln -s "$f" $PKG/epirl/; done
-ln -s "$ROOT/kernels" $PKG/epirl/kernels
-[ -d "$ROOT/rewards" ] && ln -s "$ROOT/rewards" $PKG/epirl/rewards
-export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH}
+source scripts/device_env.sh  # package tree for epirl.kernels/rewards/eval, carried wheels, $OUT
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers, importlib.util as u; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', u.find_spec('peft') is not None, 'fla', u.find_spec('fla') is not None)"
 timeout 240 python3 -P -m pytest -q -rs tests/test_model_gpu.py \
