@@ -144,3 +144,17 @@ def test_deduplicate_keeps_first():
     problems = arithmetic_problems(200, 2, ["+"], seed=0, instruction="")
     unique = deduplicate(problems)
     assert len(unique) == 9 and unique[0] == problems[0]
+
+
+def test_in_training_eval_loads_local_benchmarks(tmp_path):
+    from epirl.rl.hooks import PeriodicEval
+
+    path = tmp_path / "math500.jsonl"
+    path.write_text("\n".join(json.dumps({"problem": f"{i}+1?", "answer": str(i + 1), "unique_id": f"p{i}"})
+                              for i in range(10)))
+    cfg = load_config(None, ["rl.eval_every=5", f"rl.eval_benchmarks=[math500={path}]", "rl.eval_limit=4"])
+    hook = PeriodicEval(cfg, tmp_path)
+    assert [len(b.problems) for b in hook.benchmarks] == [4]
+    assert hook.due(5) and hook.due(10) and not hook.due(3)
+    off = PeriodicEval(load_config(None, []), tmp_path)
+    assert off.benchmarks is None and not off.due(5)
