@@ -9,7 +9,7 @@ Per step:
   5. train         release the engine's KV cache, recompute log-probs on the trainer (same base weights),
                    DAPO loss with truncated importance sampling against the engine's log-probs, AdamW;
   6. publish       the adapter goes to the engine in memory under a new name; KV cache re-acquired;
-  7. probe         re-score a few of this step's sequences with engine and trainer: they must agree;
+  7. probe         the engine continues a fixed set of prompts, the trainer re-scores them: they must agree;
   8. log / save    metrics to JSONL + W&B, checkpoints for exact resume.
 Shapes: P prompts, G samples per prompt, B = P·G sequences, T tokens.
 """
@@ -25,7 +25,7 @@ import torch
 
 from epirl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from epirl.config import EpirlConfig, dump_config
-from epirl.data import Prompt, PromptStream, load_problems
+from epirl.data import Prompt, PromptStream, load_problems, render_prompt
 from epirl.rl.advantages import group_advantages, informative_groups
 from epirl.rl.hooks import PeriodicEval, periodic_mismatch
 from epirl.trainer import build_batch, build_optimizer, train_step
@@ -157,11 +157,10 @@ def groups_to_batch(groups: list[Group], cfg: EpirlConfig, pad_id: int):
 
 
 @torch.no_grad()
-def probe(engine, policy, groups: list[Group], cfg: EpirlConfig, device, pad_id: int) -> dict[str, float]:
-    """After a publish, the engine (new adapter) continues a few of this step's prompts and the trainer
-    re-scores the same tokens: their log-probs must agree, else the publish did not take (or the arithmetic
-    drifted). Uses generate-time log-probs rather than prompt log-probs, which vLLM's CPU LoRA path lacks."""
-    prompts = [g.prompt.token_ids for g in groups[: cfg.engine.probe_prompts]]
+def probe(engine, policy, prompts: list[list[int]], cfg: EpirlConfig, device, pad_id: int) -> dict[str, float]:
+    """After a publish, the engine (new adapter) continues a fixed set of prompts and the trainer re-scores
+    the same tokens: their log-probs must agree, else the publish did not take (or the arithmetic drifted).
+    Uses generate-time log-probs rather than prompt log-probs, which vLLM's CPU LoRA path lacks."""
     if not prompts:
         return {}
     torch.manual_seed(cfg.seed)
@@ -195,27 +194,42 @@ def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
 def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     """Run (or resume) a GRPO/DAPO training job; returns the run folder."""
     from epirl.engine import RolloutEngine
-    from epirl.model import load_policy, save_adapter
-    from epirl.rewards import RewardPool
 
     device = resolve_runtime(cfg)
     if device.type == "cuda":
         preflight(cfg, device)
     run_dir = Path(resume) if resume else cfg.run_dir
+    if resume and latest_checkpoint(run_dir) is None:  # before anything is written or started
+        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
     tracker = Tracker(cfg, run_dir, resume=resume is not None)
-    engine = RolloutEngine(cfg)
+    engine = None
+    try:
+        engine = RolloutEngine(cfg)
+        _train_with(cfg, run_dir, resume, engine, tracker, device, progress)
+    finally:
+        tracker.close()
+        if engine is not None:
+            engine.close()
+    return run_dir
+
+
+def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracker, device, progress) -> None:
+    from epirl.model import load_policy, save_adapter
+    from epirl.rewards import RewardPool
+
     policy = load_policy(cfg, device, engine=engine)
     optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
     problems = load_problems(cfg.data, cfg.seed)
     stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
                           thinking=cfg.model.thinking, max_prompt_tokens=cfg.data.max_prompt_tokens)
     pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+    # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
+    probe_prompts = [render_prompt(engine.tokenizer, p.messages, cfg.model.thinking)
+                     for p in problems[: cfg.engine.probe_prompts]]
     start_step = 0
     checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
-        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler)
         stream.load_state_dict(state["data"])
@@ -225,32 +239,29 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     tracker.summary(policy.memory_report())
     evaluate = PeriodicEval(cfg, run_dir)
     timer = PhaseTimer()
-    try:
-        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
-            for step in range(start_step, cfg.rl.steps):
-                metrics = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id)
-                samples, prompt_ids = metrics.pop("_samples"), metrics.pop("_prompt_ids")
-                if evaluate.due(step + 1):
-                    metrics |= evaluate(step + 1, engine, pool)
-                metrics |= periodic_mismatch(step + 1, cfg, engine, policy, prompt_ids, device)
-                tracker.log(step + 1, metrics)
-                if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0:
-                    tracker.log_samples(step + 1, samples)
-                if progress is not None:
-                    progress(step + 1, metrics)
-                last = step + 1 == cfg.rl.steps
-                if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-                    save_checkpoint(run_dir, step + 1, policy=policy, cfg=cfg, optimizer=optimizer,
-                                    scheduler=scheduler, data_state=stream.state_dict(),
-                                    keep_last=cfg.checkpoint.keep_last)
-        save_adapter(policy, run_dir / "adapter", cfg)
-    finally:
-        tracker.close()
-        engine.close()
-    return run_dir
+    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+        for step in range(start_step, cfg.rl.steps):
+            metrics = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device,
+                               pad_id, probe_prompts)
+            samples, prompt_ids = metrics.pop("_samples"), metrics.pop("_prompt_ids")
+            if evaluate.due(step + 1):
+                metrics |= evaluate(step + 1, engine, pool)
+            metrics |= periodic_mismatch(step + 1, cfg, engine, policy, prompt_ids, device)
+            tracker.log(step + 1, metrics)
+            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0:
+                tracker.log_samples(step + 1, samples)
+            if progress is not None:
+                progress(step + 1, metrics)
+            last = step + 1 == cfg.rl.steps
+            if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
+                save_checkpoint(run_dir, step + 1, policy=policy, cfg=cfg, optimizer=optimizer,
+                                scheduler=scheduler, data_state=stream.state_dict(),
+                                keep_last=cfg.checkpoint.keep_last)
+    save_adapter(policy, run_dir / "adapter", cfg)
 
 
-def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id) -> dict:
+def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id,
+             probe_prompts: list[list[int]] = ()) -> dict:
     with timer("generate"):
         groups, metrics = collect_rollouts(engine, stream, pool, cfg, step)
     batch = groups_to_batch(groups, cfg, pad_id)
@@ -270,7 +281,7 @@ def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, time
         metrics |= engine.reacquire_kv()
     if cfg.engine.probe_prompts:
         with timer("probe"):
-            metrics |= probe(engine, policy, groups, cfg, device, pad_id)
+            metrics |= probe(engine, policy, probe_prompts, cfg, device, pad_id)
     metrics |= timer.pop() | memory_metrics()
     metrics |= {f"mem/trainer_{k}": float(v) for k, v in policy.memory_report().items() if isinstance(v, (int, float))}
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
