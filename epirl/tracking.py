@@ -11,6 +11,7 @@ import logging
 import os
 import resource
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,8 @@ class Tracker:
             import wandb
 
             run_id_file = run_dir / "wandb_id"
-            run_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else wandb.util.generate_id()
+            # Our own id (wandb.util.generate_id is gone in recent wandb); kept so a resumed run continues.
+            run_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else uuid.uuid4().hex[:12]
             run_id_file.write_text(run_id)
             return wandb.init(project=self.cfg.tracking.project, name=self.cfg.name, id=run_id, mode=mode,
                               dir=str(run_dir), config=self.cfg.model_dump(mode="json"),

@@ -1,0 +1,41 @@
+"""Metrics always reach metrics.jsonl; W&B offline gets the config, metrics and the samples table."""
+
+import json
+
+from epirl.config import load_config
+from epirl.tracking import PhaseTimer, Tracker, wandb_mode
+
+
+def test_wandb_mode_auto(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode("auto") == "online"
+    assert wandb_mode("disabled") == "disabled"
+
+
+def test_tracker_writes_jsonl_and_an_offline_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(None, ["tracking.wandb=offline", "name=t"])
+    tracker = Tracker(cfg, tmp_path)
+    assert tracker._wandb is not None, "an offline W&B run must start without network or key"
+    tracker.log(1, {"reward/mean": 0.5})
+    tracker.log_samples(1, [{"prompt": "p", "completion": "c", "ground_truth": "1", "reward": 1.0}])
+    tracker.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[0]["reward/mean"] == 0.5
+    assert json.loads((tmp_path / "samples.jsonl").read_text())["completion"] == "c"
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "offline run folder (for `wandb sync`)"
+    assert (tmp_path / "wandb_id").read_text()
+
+
+def test_phase_timer_accumulates():
+    timer = PhaseTimer()
+    for _ in range(2):
+        with timer("train"):
+            pass
+    times = timer.pop()
+    assert set(times) == {"time/train_s"} and times["time/train_s"] >= 0.0
+    assert timer.pop() == {}
