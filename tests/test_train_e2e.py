@@ -24,7 +24,7 @@ TINY = ["rl.prompts_per_step=3", "rl.samples_per_prompt=4", "rl.max_tokens=12", 
         "tracking.wandb=disabled", "engine.probe_prompts=2", "engine.probe_tolerance=0.01",
         "model.max_model_len=256", "engine.enforce_eager=true"]
 
-NONDETERMINISTIC = ("time/", "mem/", "engine/publish", "engine/kv", "engine/weight")
+NONDETERMINISTIC = ("time/", "mem/", "engine/publish", "engine/kv", "engine/weight", "engine/adapter_id")
 
 
 def tiny_config(tmp_path, *extra):
@@ -50,10 +50,12 @@ def test_two_grpo_steps_publish_moves_engine_onto_trainer(tmp_path):
         pad = engine.tokenizer.pad_token_id
         engine.publish(policy.lora_state_dict(), step=0)
         names = [engine.adapter.request.lora_name]
+        probe_prompts = [p.token_ids for p in stream.take(2)]
         all_metrics = []
         with RewardPool(1, 5.0) as pool:
             for step in range(2):
-                m = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, PhaseTimer(), device, pad)
+                m = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, PhaseTimer(), device, pad,
+                             probe_prompts)
                 all_metrics.append(m)
                 names.append(engine.adapter.request.lora_name)
         assert len(set(names)) == 3, "every publish needs a new adapter name (vLLM's prefix cache is keyed by it)"
