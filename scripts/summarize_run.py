@@ -11,7 +11,7 @@ from pathlib import Path
 
 COLUMNS = [("reward/accuracy", "acc", "{:.3f}"), ("reward/mean", "reward", "{:+.3f}"),
            ("response/length_mean", "len", "{:.1f}"), ("rollout/groups_kept", "kept", "{:.0f}"),
-           ("mismatch/k3_kl", "kl(eng|trn)", "{:.2e}"), ("is/clipped_frac", "tis_clip", "{:.3f}"),
+           ("mismatch/k3_kl", "kl(eng‖trn)", "{:.2e}"), ("is/clipped_frac", "tis_clip", "{:.3f}"),
            ("probe/mean_abs_logp_diff", "probe", "{:.1e}"), ("time/generate_s", "gen_s", "{:.2f}"),
            ("time/train_s", "train_s", "{:.2f}"), ("time/publish_s", "publish_s", "{:.3f}"),
            ("time/release_kv_s", "rel_kv_s", "{:.3f}"), ("time/reacquire_kv_s", "acq_kv_s", "{:.3f}"),
