@@ -238,8 +238,18 @@ def _allocator():
     return CuMemAllocator.get_instance()
 
 
-def _kv_allocations() -> list[Any]:
-    return [d for d in _allocator().pointer_to_data.values() if d.tag == "kv_cache"]
+def _kv_allocations(llm) -> list[Any]:
+    """The allocations that back the KV-cache tensors themselves.
+
+    On 0.26–0.27 the `kv_cache` memory-pool tag also covers buffers built in the same call
+    (`initialize_kv_cache`: the persistent input batch / block tables, attention-metadata builders). Those
+    must survive a release: re-mapped pages hold garbage, and garbage block tables are an illegal memory
+    access at the next step. So only allocations that contain a KV tensor's storage are released.
+    """
+    tagged = [d for d in _allocator().pointer_to_data.values() if d.tag == "kv_cache"]
+    kv_ptrs = {t.untyped_storage().data_ptr() for t in getattr(model_runner(llm), "kv_caches", [])
+               if isinstance(t, torch.Tensor)}
+    return [d for d in tagged if any(d.handle[2] <= p < d.handle[2] + d.handle[1] for p in kv_ptrs)]
 
 
 def kv_release_mode(llm) -> str:
@@ -252,10 +262,11 @@ def kv_release_mode(llm) -> str:
 
     if hasattr(CuMemAllocator, "discard"):
         return "discard"
-    # 0.26–0.27 have no public way to drop only the KV cache; unmapping its allocations by hand freed the
-    # memory (34 GiB in 0.03 s) but the engine then hit an illegal memory access after the re-map in our
-    # H200 runs (2026-11-29, vLLM 0.26, SmolLM2 recipe). Until that is understood it is opt-in: the KV cache
-    # otherwise stays resident (a logged no-op), which is correct, only less memory for the trainer.
+    # 0.26–0.27 have no public way to drop only the KV cache. Unmapping every `kv_cache`-tagged allocation
+    # freed 34 GiB in 0.03 s on the H200 but the engine then hit an illegal memory access (2026-11-29,
+    # vLLM 0.26): that tag also covers the input batch / block tables. `_kv_allocations` now releases only
+    # the KV tensors' own allocations — not yet verified on a GPU, hence opt-in; by default the KV cache
+    # stays resident (a logged no-op), which is correct, only less memory for the trainer.
     if os.environ.get("EPIRL_KV_RELEASE_MANUAL") == "1":
         return "manual"
     _warn_once("vLLM %s: KV-cache release disabled (set EPIRL_KV_RELEASE_MANUAL=1 to try the manual unmap)",
@@ -288,7 +299,7 @@ def release_kv(llm) -> dict[str, float]:
     else:
         from vllm.device_allocator.cumem import unmap_and_release
 
-        for data in _kv_allocations():
+        for data in _kv_allocations(llm):
             unmap_and_release(data.handle)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -311,7 +322,7 @@ def reacquire_kv(llm) -> dict[str, float]:
     else:
         from vllm.device_allocator.cumem import create_and_map
 
-        for data in _kv_allocations():
+        for data in _kv_allocations(llm):
             create_and_map(data.handle)
     # The re-mapped pages hold garbage: no cached prefix may be reused from them.
     llm.reset_prefix_cache()
