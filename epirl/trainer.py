@@ -95,17 +95,18 @@ def train_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlConfig
             logprobs_B_T, old_logprobs_B_T, micro.advantages_B, micro.mask_B_T,
             clip_low=rl.clip_low, clip_high=rl.clip_high, is_weights_B_T=weights_B_T,
             loss_agg=rl.loss_agg, total_tokens=total_tokens if rl.loss_agg == "token-mean" else None)
-        if rl.loss_agg != "token-mean":  # per-sequence means: weight micro-batches by their sequence count
-            loss = loss * micro.num_sequences / batch.num_sequences
-        loss.backward()
+        # token-mean already divides by the whole step's token count; per-sequence means are weighted by the
+        # micro-batch's share of the sequences, so any micro-batching sums to the same step loss.
+        micro_weight = 1.0 if rl.loss_agg == "token-mean" else micro.num_sequences / batch.num_sequences
+        (loss * micro_weight).backward()
         tokens = float(micro.mask_B_T.sum().item())
         share = tokens / max(total_tokens, 1.0)
         with torch.no_grad():
             mask = micro.mask_B_T
             entropy = (entropy_B_T * mask).sum().item() / max(tokens, 1.0) if entropy_B_T is not None else 0.0
         for key, value in {**is_metrics, **loss_metrics, "train/entropy": entropy}.items():
-            if key in ("loss/pg",):
-                sums[key] = sums.get(key, 0.0) + value * (1.0 if rl.loss_agg == "token-mean" else micro.num_sequences / batch.num_sequences)
+            if key == "loss/pg":
+                sums[key] = sums.get(key, 0.0) + value * micro_weight
             elif key == "mismatch/max_abs_logratio":
                 sums[key] = max(sums.get(key, 0.0), value)
             else:

@@ -26,6 +26,7 @@ import torch
 from epirl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from epirl.config import EpirlConfig, dump_config
 from epirl.data import Prompt, PromptStream, load_problems, render_prompt
+from epirl.rewards import overlong_penalty
 from epirl.rl.advantages import group_advantages, informative_groups
 from epirl.rl.hooks import PeriodicEval, periodic_mismatch
 from epirl.trainer import build_batch, build_optimizer, train_step
@@ -91,9 +92,8 @@ def grade_groups(prompts: list[Prompt], completions_P_G: list[list], pool, cfg: 
     G = cfg.rl.samples_per_prompt
     correct_P_G = torch.tensor(correct, dtype=torch.float32).view(len(prompts), G)
     lengths_P_G = torch.tensor([len(c.token_ids) for group in completions_P_G for c in group]).view(len(prompts), G)
-    from epirl.rewards import overlong_penalty
-
-    shaping_P_G = lengths_P_G.float().apply_(lambda n: overlong_penalty(int(n), cfg.rl.max_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty))
+    shaping_P_G = torch.tensor([overlong_penalty(n, cfg.rl.max_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+                                for n in lengths_P_G.flatten().tolist()]).view(len(prompts), G)
     rewards_P_G = correct_P_G + shaping_P_G
     groups = [Group(p, comps, correct_P_G[i], rewards_P_G[i]) for i, (p, comps) in enumerate(zip(prompts, completions_P_G))]
     return groups, stats
