@@ -16,7 +16,8 @@ Sections (each in its own try/except: one failure prints its error and the rest 
             identical every cycle, weight checksums verified by the engine after each wake
   smollm2   real SmolLM2 weights (kit built with WITH_SMOLLM2=1): matched engine vs the FP8 trainer
             (epirl.model.load_policy, trainer.base=shared) log-probs, bitwise / max |Δ|, vs w8a8
-Prints one table at the end and writes it as JSON to $OUT/gpu_engine.json when $OUT is set.
+Prints one table at the end and writes it as JSON to $OUT/gpu_engine_<tag>.json when $OUT is set.
+Run `kv` in its own process (`--sections kv`, with EPIRL_KV_RELEASE_MANUAL=1 on vLLM 0.26-0.27).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def section_8b(args, model_dir: str, precision: str) -> None:
     from epirl.engine import RolloutEngine
 
     try:
-        engine = RolloutEngine(make_cfg(model_dir, precision, rank=64), load_format="dummy", skip_tokenizer_init=True)
+        engine = RolloutEngine(make_cfg(model_dir, precision, rank=64, eager=args.eager), load_format="dummy",
+                               skip_tokenizer_init=True)
     except Exception as e:  # e.g. torch.compile / graph capture of the plugin op: keep the evidence coming
         row(precision, "ERROR starting with CUDA graphs (retrying eager)", f"{type(e).__name__}: {str(e)[:200]}")
         traceback.print_exc()
@@ -63,12 +65,14 @@ def section_8b(args, model_dir: str, precision: str) -> None:
     row(precision, "engine start s", f"{engine.start_s:.1f} (eager={engine.cfg.engine.enforce_eager})")
     try:
         adapter = random_adapter(QWEN3_8B, 64, "cuda")
-        for name, fn in [("publish", lambda: _publish(engine, adapter, precision)),
-                         ("tpot", lambda: _tpot(engine, precision) if not args.skip_tpot else None),
-                         ("layer", lambda: _layer_bitwise(engine, adapter) if precision == "w8a16" else None),
-                         ("shared", lambda: _shared(engine) if precision == "w8a16" else None),
-                         ("kv", lambda: _kv_cycles(engine, precision) if precision == "w8a16" or args.kv_all else None)]:
-            _guard(f"{precision}/{name}", fn)
+        sections = [("publish", lambda: _publish(engine, adapter, precision)),
+                    ("tpot", lambda: _tpot(engine, precision) if not args.skip_tpot else None),
+                    ("layer", lambda: _layer_bitwise(engine, adapter) if precision == "w8a16" else None),
+                    ("shared", lambda: _shared(engine) if precision == "w8a16" else None),
+                    ("kv", lambda: _kv_cycles(engine, precision) if precision == "w8a16" or args.kv_all else None)]
+        for name, fn in sections:
+            if name in args.sections.split(","):
+                _guard(f"{precision}/{name}", fn)
     finally:
         engine.close()
         del engine
@@ -242,6 +246,11 @@ def main() -> None:
     parser.add_argument("--skip-smollm2", action="store_true")
     parser.add_argument("--kv-all", action="store_true", help="KV cycles on the w8a8 engine too")
     parser.add_argument("--precisions", default="w8a16,w8a8")
+    parser.add_argument("--sections", default="publish,tpot,layer,shared,kv",
+                        help="8B-shape sections to run; run `kv` in its own process: a failed KV re-map can "
+                             "poison the CUDA context for everything after it")
+    parser.add_argument("--tag", default="main", help="suffix of $OUT/gpu_engine_<tag>.json")
+    parser.add_argument("--eager", action="store_true", help="engines without CUDA graphs (faster start)")
     args = parser.parse_args()
     ensure_epirl_kernels()
     import torch
@@ -259,7 +268,7 @@ def main() -> None:
     for section, metric, value in ROWS:
         print(f"| {section} | {metric} | {value} |")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_engine.json").write_text(json.dumps(ROWS, indent=1, default=str))
+        Path(os.environ["OUT"], f"gpu_engine_{args.tag}.json").write_text(json.dumps(ROWS, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "runs") + "/mismatch")
     parser.add_argument("--quick", action="store_true", help="16 prompts × 2 samples, 128 tokens")
     parser.add_argument("--engines", default="bf16,w8a8,w8a16")
+    parser.add_argument("--eager", action="store_true",
+                        help="engines without torch.compile / CUDA graphs (starts in ~15 s instead of ~60-90 s; "
+                             "the engine's kernels then differ from a graph-captured run's fused ones)")
     parser.add_argument("--dtype", default="bfloat16", help="model.dtype for engines and trainer")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -38,14 +41,15 @@ def main() -> int:
     sizes = ["--n-prompts", "16", "--samples", "2", "--max-tokens", "128"] if args.quick else \
         ["--n-prompts", "128", "--samples", "4", "--max-tokens", "256"]
     argv = ["mismatch", "--model", args.model, "--engines", args.engines, "--out", args.out, *sizes,
-            f"model.dtype={args.dtype}", "engine.gpu_memory_utilization=0.35"]
+            f"model.dtype={args.dtype}", "engine.gpu_memory_utilization=0.35",
+            f"engine.enforce_eager={str(args.eager).lower()}"]
     t0 = time.perf_counter()
     status = epirl_main(argv)
     if status != 0:
         return status
     summary = json.loads((Path(args.out) / "mismatch.json").read_text())
     header = (f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, `python scripts/gpu_mismatch.py"
-              f"{' --quick' if args.quick else ''}` ({time.perf_counter() - t0:.0f} s)")
+              f"{' --quick' if args.quick else ''}{' --eager' if args.eager else ''}` ({time.perf_counter() - t0:.0f} s)")
     table = markdown_table(summary)
     (Path(args.out) / "mismatch.md").write_text(header + "\n\n" + table + "\n")
     print(header)

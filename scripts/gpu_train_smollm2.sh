@@ -2,25 +2,38 @@
 # On the lent H200 with vLLM staged (../shared/device/README.md, kit built with WITH_SMOLLM2=1):
 # the SmolLM2 arithmetic recipe with real vLLM on the GPU for each engine/trainer pairing, each followed by
 # its table (reward curve, engine-trainer KL, probe, seconds per phase).
-# Usage: bash scripts/gpu_train_smollm2.sh [steps] [pairing ...]   pairings: bf16 w8a16 w8a8 (default all)
+# Usage: bash scripts/gpu_train_smollm2.sh [steps] [pairing ...]
+#   pairings: bf16 w8a16 w8a8 (default: these three), w8a16_kv (w8a16 with the manual KV-cache release of
+#   vLLM 0.26-0.27 switched on: EPIRL_KV_RELEASE_MANUAL=1). Each run's table (and, when it failed, the end of
+#   its log without progress bars) is kept as $OUT/train_<pairing>.md; runs live in /tmp/runs.
 set -o pipefail
 source scripts/device_env.sh
 STEPS=${1:-6}; shift || true
 PAIRINGS=("${@:-bf16 w8a16 w8a8}"); PAIRINGS=(${PAIRINGS[@]})
 python3 -P -m epirl.model.smollm2 >/dev/null || { echo "SmolLM2 conversion failed"; exit 1; }
-COMMON=(rl.steps=$STEPS output_dir=$OUT/runs tracking.wandb=disabled engine.gpu_memory_utilization=0.25
+COMMON=(rl.steps=$STEPS output_dir=/tmp/runs tracking.wandb=disabled engine.gpu_memory_utilization=0.25
         engine.enforce_eager=true checkpoint.every=0 model.max_model_len=512)
 declare -A OVERRIDES=(
   [bf16]="engine.precision=bf16 trainer.base=bf16 rl.correction=tis engine.probe_tolerance=0.1"
   [w8a16]="engine.precision=w8a16 trainer.base=fp8 rl.correction=none engine.probe_tolerance=0.1"
   [w8a8]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis engine.probe_tolerance=0.3"
+  [w8a16_kv]="engine.precision=w8a16 trainer.base=fp8 rl.correction=none engine.probe_tolerance=0.1"
 )
 for pairing in "${PAIRINGS[@]}"; do
   name=${pairing}_engine; log=/tmp/$name.log; t0=$(date +%s)
-  if python3 -P -m epirl.cli train recipes/smollm2_arith_cpu.yaml name=$name "${COMMON[@]}" ${OVERRIDES[$pairing]} > $log 2>&1; then
-    echo "$name: ok in $(( $(date +%s) - t0 )) s ($(grep -o 'started in [0-9.]* s' $log | head -1))"
+  manual_kv=0; [ "$pairing" = w8a16_kv ] && manual_kv=1
+  report=$OUT/train_$pairing.md
+  if EPIRL_KV_RELEASE_MANUAL=$manual_kv timeout 420 python3 -P -m epirl.cli train recipes/smollm2_arith_cpu.yaml \
+      name=$name "${COMMON[@]}" ${OVERRIDES[$pairing]} > $log 2>&1; then
+    echo "$name: ok in $(( $(date +%s) - t0 )) s ($(grep -o 'started in [0-9.]* s' $log | head -1))" | tee $report
   else
-    echo "$name: FAILED after $(( $(date +%s) - t0 )) s"; grep -v '^\[rank0\]:\s*[~^]*$' $log | grep -E "Error|error|Traceback|File \"/tmp/epirl" | tail -n 12
+    echo "$name: FAILED after $(( $(date +%s) - t0 )) s" | tee $report
+    grep -v '^\[rank0\]:\s*[~^]*$' $log | grep -E "Error|error|Traceback|File \"/tmp/epirl" | tail -n 12
+    { echo '```'; grep -v -E 'it/s|s/it|^\s*$' $log | cut -c1-300 | tail -n 300; echo '```'; } >> $report
   fi
-  [ -s "$OUT/runs/$name/metrics.jsonl" ] && python3 -P scripts/summarize_run.py "$OUT/runs/$name"
+  grep -E "KV|kv_cache|checksum" $log | cut -c1-240 | head -n 4
+  if [ -s "/tmp/runs/$name/metrics.jsonl" ]; then
+    python3 -P scripts/summarize_run.py "/tmp/runs/$name" > /tmp/$name.md; cat /tmp/$name.md >> $report
+    sed -n 2p /tmp/$name.md; tail -n 4 /tmp/$name.md  # header, last steps, phase means
+  fi
 done
