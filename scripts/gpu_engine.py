@@ -107,8 +107,13 @@ def _layer_bitwise(engine, adapter):
     from epirl.kernels import w8a16_lora
 
     engine.publish(adapter, step=100)
-    mods = dict(compat.model(engine.llm).named_modules())
-    names = ["model.layers.5.self_attn.qkv_proj", "model.layers.5.mlp.down_proj"]
+    # Forward hooks do not fire inside CUDA-graph replay or compiled regions: run this with --eager. The
+    # model may sit inside a wrapper (prefix differs by vLLM version), so layers are found by suffix.
+    wanted = ["model.layers.5.self_attn.qkv_proj", "model.layers.5.mlp.down_proj"]
+    by_suffix = {w: (n, m) for n, m in compat.model(engine.llm).named_modules() for w in wanted
+                 if n == w or n.endswith("." + w)}
+    names = wanted
+    mods = {w: by_suffix[w][1] for w in wanted}
     cap = {}
     def capture(name):
         def hook(module, args, out):  # must return None: a returned value would replace the output

@@ -203,3 +203,17 @@ def test_publish_matches_lora_reference_tightly_in_fp32(engine_pool, hf_referenc
           f"adapter moved {moved:.3f}")
     assert err_base < FP32_TOL and err < FP32_TOL
     assert moved > 100 * FP32_TOL
+
+
+def test_publish_is_allowed_while_kv_released_but_sampling_is_not(engine_bf16, samples, smollm2_dir):
+    """The loop's order is release -> train -> publish -> re-acquire (the GPU run of 2026-11-29 hit a
+    publish guard here): publishing touches adapter slots only; sampling needs the KV cache."""
+    prompts, _ = samples
+    engine_bf16._kv_released = True  # what release_kv() leaves behind on CUDA (a no-op on CPU)
+    try:
+        engine_bf16.publish(random_lora(smollm2_dir, rank=8, seed=4), step=30)
+        with pytest.raises(RuntimeError, match="KV cache is released"):
+            engine_bf16.generate(prompts[:1], n=1, max_tokens=2, temperature=0.0)
+    finally:
+        engine_bf16._kv_released = False
+    assert engine_bf16.generate(prompts[:1], n=1, max_tokens=2, temperature=0.0)[0][0].token_ids

@@ -194,8 +194,11 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------------
 
     def publish(self, lora_tensors: dict[str, torch.Tensor], step: int) -> dict[str, float]:
-        """Publish the trainer's adapter in memory (clones; new name and id). Returns metrics."""
-        self._check_awake()
+        """Publish the trainer's adapter in memory (clones; new name and id). Returns metrics.
+
+        Allowed while the KV cache is released: the loop publishes right after training, before the
+        re-acquire, and the adapter slots are weights-side memory that a release never touches.
+        """
         return self._publisher.publish(lora_tensors, step)
 
     def load_adapter_dir(self, path: str) -> None:
