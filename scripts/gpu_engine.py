@@ -17,7 +17,7 @@ Sections (each in its own try/except: one failure prints its error and the rest 
   smollm2   real SmolLM2 weights (kit built with WITH_SMOLLM2=1): matched engine vs the FP8 trainer
             (epirl.model.load_policy, trainer.base=shared) log-probs, bitwise / max |Δ|, vs w8a8
 Prints one table at the end and writes it as JSON to $OUT/gpu_engine_<tag>.json when $OUT is set.
-Run `kv` in its own process (`--sections kv`, with EPIRL_KV_RELEASE_MANUAL=1 on vLLM 0.26-0.27).
+Run `kv` in its own process (`--sections kv`): a failed re-map would poison the CUDA context.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ COLUMNS = [("reward/accuracy", "acc", "{:.3f}"), ("reward/mean", "reward", "{:+.
            ("mismatch/k3_kl", "kl(eng‖trn)", "{:.2e}"), ("is/clipped_frac", "tis_clip", "{:.3f}"),
            ("probe/mean_abs_logp_diff", "probe", "{:.1e}"), ("time/generate_s", "gen_s", "{:.2f}"),
            ("time/train_s", "train_s", "{:.2f}"), ("time/publish_s", "publish_s", "{:.3f}"),
-           ("time/release_kv_s", "rel_kv_s", "{:.3f}"), ("time/reacquire_kv_s", "acq_kv_s", "{:.3f}"),
+           ("engine/kv_released_bytes", "kv_freed_GiB", "{:.2f}"), ("time/release_kv_s", "rel_kv_s", "{:.3f}"), ("time/reacquire_kv_s", "acq_kv_s", "{:.3f}"),
            ("time/step_s", "step_s", "{:.2f}")]
 
 
@@ -23,7 +23,8 @@ def summarize(run_dir: Path) -> str:
     lines = [f"## {run_dir}", "| step | " + " | ".join(c[1] for c in COLUMNS) + " |",
              "|---" * (len(COLUMNS) + 1) + "|"]
     for row in rows:
-        cells = [fmt.format(row[key]) if key in row else "–" for key, _, fmt in COLUMNS]
+        cells = [fmt.format(row[key] / (2**30 if key.endswith("_bytes") else 1)) if key in row else "–"
+                 for key, _, fmt in COLUMNS]
         lines.append(f"| {row['step']} | " + " | ".join(cells) + " |")
     if rows:
         n = len(rows)

