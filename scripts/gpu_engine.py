@@ -213,6 +213,13 @@ def section_smollm2() -> None:
         try:
             policy = load_policy(cfg, torch.device("cuda"), engine=engine) if precision == "w8a16" else results["policy"]
             results.setdefault("policy", policy)
+            if precision == "w8a16":
+                emb = policy.model.get_input_embeddings().weight
+                report = policy.memory_report()
+                row("smollm2", "trainer embedding = engine's (data_ptr)",
+                    emb.data_ptr() == engine.embedding_views()["input"].data_ptr())
+                row("smollm2", "trainer base owned / engine-shared MiB",
+                    f"{report['base_weight_bytes'] / 2**20:.2f} / {report['base_shared_bytes'] / 2**20:.1f}")
             tensors = policy.lora_state_dict()
             if precision == "w8a16":  # non-zero B (fixed seed) so the adapter matters; same for w8a8
                 gen = torch.Generator(device="cpu").manual_seed(0)

@@ -62,3 +62,24 @@ def test_shared_policy_scores_like_the_matched_engine(engine_pool):
     assert sum(deltas) / len(deltas) < 0.08 and max(deltas) < 0.3
     # ...and the agreement is not vacuous: the published adapter moves the engine by more than that.
     assert sum(adapter_effect) / len(adapter_effect) > 3 * sum(deltas) / len(deltas)
+
+
+def test_shared_policy_maps_the_engine_embedding(engine_pool, smollm2_dir):
+    """SmolLM2 ties its embeddings: the trainer's embedding and LM head are one prefix view of vLLM's
+    (vocab-padded) embedding weight, equal to the checkpoint's tensor."""
+    from safetensors import safe_open
+
+    from epirl.model import load_policy
+
+    engine = engine_pool.get("w8a16")
+    policy = load_policy(engine_test_config("w8a16", trainer={"base": "shared"}), "cpu", engine=engine)
+    views = engine.embedding_views()
+    emb = policy.model.get_input_embeddings().weight
+    assert emb.data_ptr() == views["input"].data_ptr()
+    assert policy.model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    with safe_open(f"{smollm2_dir}/model.safetensors", "pt") as f:
+        checkpoint = f.get_tensor("model.embed_tokens.weight").to(emb.dtype)
+    assert torch.equal(emb, checkpoint)
+    report = policy.memory_report()
+    assert report["base_shared_bytes"] >= emb.numel() * emb.element_size()
+    assert report["base_other_bytes"] < emb.numel() * emb.element_size()  # only norms (and buffers) left

@@ -202,6 +202,46 @@ def test_shared_base_uses_the_engine_codes_without_copying(tiny_dirs):
         load_policy(make_cfg(tiny_dirs["qwen3"], "shared"), "cpu")
 
 
+def test_shared_base_maps_the_engine_embeddings_and_lm_head(tiny_dirs):
+    """Untied Qwen3: both the token embedding and the LM head are prefix views of the engine's vocab-padded
+    weights; the memory report counts them (and the FP8 codes) as the engine's, not the trainer's."""
+    fp8 = load_policy(make_cfg(tiny_dirs["qwen3"], "fp8"), "cpu")
+    codes = {n + ".weight": (m.codes, m.scale) for n, m in projections(fp8.model).items()}
+
+    def padded(weight):  # vLLM pads the vocabulary to a multiple of 64 with zero rows
+        return torch.cat([weight.detach(), torch.zeros(64 - weight.shape[0] % 64, weight.shape[1])])
+
+    embeddings = {"input": padded(fp8.model.get_input_embeddings().weight),
+                  "output": padded(fp8.model.get_output_embeddings().weight)}
+    engine = NS(base_weight_views=lambda: codes, embedding_views=lambda: embeddings)
+    shared = load_policy(make_cfg(tiny_dirs["qwen3"], "shared"), "cpu", engine=engine)
+    emb, head = shared.model.get_input_embeddings().weight, shared.model.get_output_embeddings().weight
+    assert emb.data_ptr() == embeddings["input"].data_ptr() and head.data_ptr() == embeddings["output"].data_ptr()
+    assert emb.shape == fp8.model.get_input_embeddings().weight.shape and not emb.requires_grad
+    input_ids, targets = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(shared.token_logprobs(input_ids, targets, 1.0, 16)[0],
+                                   fp8.token_logprobs(input_ids, targets, 1.0, 16)[0], rtol=0, atol=0)
+    own, mapped = fp8.memory_report(), shared.memory_report()
+    vocab_bytes = sum(t.untyped_storage().nbytes() for t in embeddings.values())
+    assert own["base_other_bytes"] - mapped["base_other_bytes"] == sum(
+        t.untyped_storage().nbytes() for t in (fp8.model.get_input_embeddings().weight,
+                                                fp8.model.get_output_embeddings().weight))
+    assert mapped["base_projection_bytes"] == 0 and own["base_shared_bytes"] == 0
+    assert mapped["base_shared_bytes"] == own["base_projection_bytes"] + vocab_bytes
+
+
+def test_shared_base_loads_its_own_embedding_when_the_engine_one_does_not_fit(tiny_dirs):
+    fp8 = load_policy(make_cfg(tiny_dirs["qwen3"], "fp8"), "cpu")
+    codes = {n + ".weight": (m.codes, m.scale) for n, m in projections(fp8.model).items()}
+    wrong_dtype = {"input": fp8.model.get_input_embeddings().weight.detach().to(torch.bfloat16)}
+    engine = NS(base_weight_views=lambda: codes, embedding_views=lambda: wrong_dtype)
+    shared = load_policy(make_cfg(tiny_dirs["qwen3"], "shared"), "cpu", engine=engine)
+    emb = shared.model.get_input_embeddings().weight
+    assert emb.dtype == torch.float32 and emb.data_ptr() != wrong_dtype["input"].data_ptr()
+    assert torch.equal(emb, fp8.model.get_input_embeddings().weight)
+
+
 def test_memory_report_counts_fp8_projections_at_one_byte(tiny_dirs):
     fp8 = load_policy(make_cfg(tiny_dirs["qwen3"], "fp8"), "cpu").memory_report()
     full = load_policy(make_cfg(tiny_dirs["qwen3"], "bf16"), "cpu").memory_report()  # fp32 on CPU

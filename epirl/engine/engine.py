@@ -269,6 +269,13 @@ class RolloutEngine:
 
         return plugin.fp8_base_views(compat.model(self.llm))
 
+    def embedding_views(self) -> dict[str, torch.Tensor]:
+        """The engine's token embedding / LM head weights ({"input", "output"}: [V_padded, H], zero-copy),
+        for `trainer.base: shared` to map instead of loading its own 16-bit copies."""
+        from epirl.engine import plugin
+
+        return plugin.embedding_views(compat.model(self.llm))
+
     def close(self) -> None:
         """Shut vLLM down and free its memory (so a next engine can start in this process)."""
         llm = getattr(self, "llm", None)

@@ -350,3 +350,26 @@ def fp8_base_views(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             views[hf_name] = (codes[start:start + width], scale)
             start += width
     return views
+
+
+def embedding_views(model) -> dict[str, torch.Tensor]:
+    """{"input": [V_padded, H], "output": [V_padded, H]}: the engine's token embedding and LM head weights.
+
+    vLLM pads the vocabulary (rows past the checkpoint's are zero); the trainer takes the first V rows.
+    With tied embeddings vLLM may hold one module for both (then only "input" is returned). Absent entries
+    (e.g. a quantized LM head) mean "not shareable": the trainer then loads its own copy.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    found: dict[str, torch.Tensor] = {}
+    for _, module in model.named_modules():
+        if not isinstance(module, VocabParallelEmbedding):
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            continue
+        role = "output" if isinstance(module, ParallelLMHead) else "input"
+        if role in found and found[role].data_ptr() != weight.data_ptr():
+            raise RuntimeError(f"engine model has two different {role} embedding weights; cannot share")
+        found[role] = weight.data
+    return found

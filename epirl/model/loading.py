@@ -6,7 +6,8 @@ Every path starts from a skeleton on the meta device (no memory) and materialise
 - with `fp8`: quantized exactly as vLLM's online `fp8_per_tensor` (DESIGN.md contract 1) with ONE scale per
   fused module (vLLM's `packed_modules_mapping`, below): all members of a group are read into one packed
   bf16 buffer, quantized together, and dropped. Peak memory = the FP8 model + one packed group in bf16.
-- with `shared`: zero-copy views of the rollout engine's FP8 codes and scales.
+- with `shared`: zero-copy views of the rollout engine's FP8 codes and scales, and of its token embedding
+  and LM head (vLLM's vocab-padded weights, first V rows): no second copy of any large base tensor.
 """
 
 from __future__ import annotations
@@ -91,14 +92,19 @@ def _set_tensor(model: nn.Module, qualified_name: str, tensor: torch.Tensor) -> 
 
 
 def materialize_params(model: nn.Module, source, device: torch.device, dtype: torch.dtype,
-                       skip_modules: set[str]) -> None:
-    """Load every meta parameter outside `skip_modules` from `source`; tie embeddings; move buffers."""
+                       skip_modules: set[str], mapped: dict[str, torch.Tensor] | None = None) -> None:
+    """Load every meta parameter outside `skip_modules` from `source` (or take it from `mapped`: tensors
+    the engine already holds); tie embeddings; move buffers."""
     tied = getattr(model.config, "tie_word_embeddings", False)
+    mapped = mapped or {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if name.rpartition(".")[0] in skip_modules or not param.is_meta:
             continue
         if tied and name == "lm_head.weight":
             continue  # tied below to the embedding (SmolLM2 / Llama checkpoints have no lm_head tensor)
+        if name in mapped:
+            _set_tensor(model, name, mapped[name])
+            continue
         if name not in source:
             raise KeyError(f"checkpoint has no tensor for {name}")
         _set_tensor(model, name, source.get(name, param.shape, dtype, device))
@@ -145,6 +151,32 @@ def _fp8_module(name: str, linear: nn.Module, codes_N_K: torch.Tensor, scale: to
                          alpha / rank, bias=bias)
 
 
+def mapped_embeddings(model: nn.Module, views: dict[str, torch.Tensor] | None, device: torch.device,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """{parameter name: the engine's tensor, first V rows} for the token embedding and (untied) LM head.
+
+    `views` is `engine.embedding_views()` ({"input", "output"}: vLLM's vocab-padded weights). A view
+    that does not fit (other dtype or device, a quantized or missing head) is skipped with a log line:
+    the trainer then loads its own copy, which is correct, only larger.
+    """
+    if not views:
+        return {}
+    names = {id(module): name for name, module in model.named_modules()}
+    roles = [("input", model.get_input_embeddings())]
+    if not getattr(model.config, "tie_word_embeddings", False):
+        roles.append(("output", model.get_output_embeddings()))
+    mapped = {}
+    for role, module in roles:
+        view, (rows, width) = views.get(role), tuple(module.weight.shape)
+        if view is None or view.dtype != dtype or view.device != device or view.ndim != 2 \
+                or view.shape[1] != width or view.shape[0] < rows:
+            log.info("trainer.base=shared: loading an own copy of the %s embedding (engine's: %s)", role,
+                     None if view is None else f"{tuple(view.shape)} {view.dtype} on {view.device}")
+            continue
+        mapped[names[id(module)] + ".weight"] = view[:rows]  # vLLM pads the vocabulary; a prefix view
+    return mapped
+
+
 def normalize_view_names(views: dict) -> dict:
     """Engine view keys as this model's module names (drop `.weight`, map checkpoint prefixes)."""
     normalized = {}
@@ -178,8 +210,12 @@ def install_fp8_projections(model: nn.Module, source, device: torch.device, dtyp
 
 def build_policy(config: PretrainedConfig, source, base: str, device: torch.device, dtype: torch.dtype,
                  rank: int, alpha: float, targets: list[str], seed: int, model_path: str,
-                 gradient_checkpointing: bool = False, engine_views: dict | None = None) -> Policy:
-    """Skeleton → materialised base (bf16 / fp8 / shared) → LoRA on `targets` → Policy."""
+                 gradient_checkpointing: bool = False, engine_views: dict | None = None,
+                 engine_embeddings: dict | None = None) -> Policy:
+    """Skeleton → materialised base (bf16 / fp8 / shared) → LoRA on `targets` → Policy.
+
+    `engine_views` / `engine_embeddings` (shared base): the engine's FP8 projection codes and its token
+    embedding / LM head weights, mapped zero-copy instead of loaded."""
     if base not in ("bf16", "fp8", "shared"):
         raise ValueError(f"trainer.base must be bf16, fp8 or shared, got {base!r}")
     unknown = set(targets) - set(ALL_PROJECTIONS)
@@ -191,7 +227,8 @@ def build_policy(config: PretrainedConfig, source, base: str, device: torch.devi
         inject_lora(model, targets, rank, alpha, seed)
     else:
         projections = {name for name, _ in projection_modules(model)}
-        materialize_params(model, source, device, dtype, skip_modules=projections)
+        mapped = mapped_embeddings(model, engine_embeddings, device, dtype) if base == "shared" else {}
+        materialize_params(model, source, device, dtype, skip_modules=projections, mapped=mapped)
         for param in model.parameters():
             param.requires_grad_(False)
         install_fp8_projections(model, source, device, dtype, targets, rank, alpha, seed, engine_views)
@@ -203,7 +240,11 @@ def build_policy(config: PretrainedConfig, source, base: str, device: torch.devi
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     _warn_if_slow_linear_attention(config, device)
-    return Policy(model, base, rank, alpha, targets, model_path)
+    policy = Policy(model, base, rank, alpha, targets, model_path)
+    if base == "shared":  # storages the engine owns: the memory report counts them apart
+        engine_tensors = [t for pair in (engine_views or {}).values() for t in pair] + list(mapped.values())
+        policy.engine_storages = {t.untyped_storage().data_ptr() for t in engine_tensors}
+    return policy
 
 
 def _warn_if_slow_linear_attention(config: PretrainedConfig, device: torch.device) -> None:
@@ -219,15 +260,16 @@ def load_policy(cfg, device, engine=None) -> Policy:
     device = torch.device(device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     model_dir = local_model_dir(cfg.model.path)
-    engine_views = None
+    engine_views = engine_embeddings = None
     if cfg.trainer.base == "shared":
         if engine is None:
             raise ValueError("trainer.base=shared needs the rollout engine (its FP8 weights are the base)")
         engine_views = engine.base_weight_views()
+        engine_embeddings = engine.embedding_views() if hasattr(engine, "embedding_views") else None
     return build_policy(load_text_config(model_dir), SafetensorsSource(model_dir), cfg.trainer.base, device,
                         dtype, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets), cfg.seed,
                         model_path=str(cfg.model.path), gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-                        engine_views=engine_views)
+                        engine_views=engine_views, engine_embeddings=engine_embeddings)
 
 
 def random_policy(config: PretrainedConfig, base: str, device, rank: int, alpha: float, targets: list[str],

@@ -31,7 +31,8 @@ def _is_projection(module_name: str, module: nn.Module) -> bool:
 def policy_memory_report(policy) -> dict:
     """Bytes held by the policy: base projections (and their dtype), other base tensors, LoRA, optimizer."""
     seen: set[int] = set()
-    totals = {"base_projection_bytes": 0, "base_other_bytes": 0, "lora_param_bytes": 0}
+    totals = {"base_projection_bytes": 0, "base_other_bytes": 0, "base_shared_bytes": 0, "lora_param_bytes": 0}
+    engine_storages = getattr(policy, "engine_storages", set())
     projection_dtypes: set[str] = set()
     lora_elements = 0
     for module_name, module in policy.model.named_modules():
@@ -42,7 +43,9 @@ def policy_memory_report(policy) -> dict:
                 continue
             seen.add(_storage_key(t))
             nbytes = t.untyped_storage().nbytes()
-            if is_lora_module(module) and name in ("lora_A", "lora_B"):
+            if _storage_key(t) in engine_storages:  # mapped from the engine: no bytes of the trainer's
+                totals["base_shared_bytes"] += nbytes
+            elif is_lora_module(module) and name in ("lora_A", "lora_B"):
                 totals["lora_param_bytes"] += nbytes
                 lora_elements += t.numel() if t.requires_grad else 0
             elif projection:

@@ -70,6 +70,8 @@ class Policy:
         self.targets = list(targets)
         self.model_path = model_path
         self._lora_modules = find_lora_modules(model)
+        # Storage pointers of base tensors the rollout engine owns (`trainer.base: shared`).
+        self.engine_storages: set[int] = set()
 
     @property
     def device(self) -> torch.device:
@@ -132,7 +134,8 @@ class Policy:
         return logprobs_N.view(batch, seq), entropy_B_T
 
     def memory_report(self) -> dict:
-        """Bytes: base_projection (+ _dtype), base_other (embeddings, LM head, norms), base_weight, lora_param,
+        """Bytes: base_projection (+ _dtype), base_other (embeddings, LM head, norms), base_weight (all three
+        count only what the trainer owns), base_shared (engine-owned storages it maps), lora_param,
         lora_grad, optimizer_bytes_est (AdamW), static; on CUDA also cuda_peak_allocated and
         peak_activation_bytes_est (peak − static: reset the peak stats before a step to get that step's)."""
         from epirl.model.memory import policy_memory_report
