@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("--skip-tpot", action="store_true")
     parser.add_argument("--skip-smollm2", action="store_true")
     parser.add_argument("--kv-all", action="store_true", help="KV cycles on the w8a8 engine too")
-    parser.add_argument("--precisions", default="w8a16,w8a8")
+    parser.add_argument("--precisions", default="w8a16,w8a8", help="8B-shape engines; `none`: SmolLM2 section only")
     parser.add_argument("--sections", default="publish,tpot,layer,shared,kv",
                         help="8B-shape sections to run; run `kv` in its own process: a failed KV re-map can "
                              "poison the CUDA context for everything after it")
@@ -271,7 +271,7 @@ def main() -> None:
     row("env", "vllm / torch / gpu", f"{vllm.__version__} / {torch.__version__} / {torch.cuda.get_device_name()}")
     model_dir = qwen3_8b_dir()
     t0 = time.perf_counter()
-    for precision in args.precisions.split(","):
+    for precision in [p for p in args.precisions.split(",") if p not in ("", "none")]:
         _guard(f"{precision}/engine", lambda: section_8b(args, model_dir, precision))
     if not args.skip_smollm2:
         _guard("smollm2", section_smollm2)

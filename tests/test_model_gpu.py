@@ -107,3 +107,13 @@ def test_8b_fp8_step_keeps_the_base_at_fp8_size_and_never_dequantizes():
     assert extra < 3 * activations + 2 * report["lora_param_bytes"], (extra / 2 ** 30, activations / 2 ** 30)
     print(f"\n8B fp8: base {report['base_weight_bytes'] / 2**30:.2f} GiB, load peak {load_peak / 2**30:.2f} GiB, "
           f"step peak {step_peak / 2**30:.2f} GiB (activation estimate {activations / 2**30:.2f} GiB)")
+
+
+def test_same_device_treats_cuda_and_cuda0_alike():
+    """The engine's tensors live on `cuda:0`, the trainer asks for `cuda`: torch.device compares fields,
+    and a plain `!=` made `trainer.base: shared` silently load its own embeddings (H200, 2026-11-29)."""
+    from epirl.model.loading import same_device
+
+    assert same_device(torch.device("cuda:0"), torch.device("cuda"))
+    assert same_device(torch.zeros(1, device="cuda").device, torch.device("cuda"))
+    assert not same_device(torch.device("cuda:0"), torch.device("cpu"))

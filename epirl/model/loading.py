@@ -151,6 +151,12 @@ def _fp8_module(name: str, linear: nn.Module, codes_N_K: torch.Tensor, scale: to
                          alpha / rank, bias=bias)
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` and `cuda:0` are the same device when the current device is 0 (torch.device compares fields)."""
+    index = lambda d: d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else 0)
+    return a.type == b.type and index(a) == index(b)
+
+
 def mapped_embeddings(model: nn.Module, views: dict[str, torch.Tensor] | None, device: torch.device,
                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """{parameter name: the engine's tensor, first V rows} for the token embedding and (untied) LM head.
@@ -168,7 +174,7 @@ def mapped_embeddings(model: nn.Module, views: dict[str, torch.Tensor] | None, d
     mapped = {}
     for role, module in roles:
         view, (rows, width) = views.get(role), tuple(module.weight.shape)
-        if view is None or view.dtype != dtype or view.device != device or view.ndim != 2 \
+        if view is None or view.dtype != dtype or not same_device(view.device, device) or view.ndim != 2 \
                 or view.shape[1] != width or view.shape[0] < rows:
             log.info("trainer.base=shared: loading an own copy of the %s embedding (engine's: %s)", role,
                      None if view is None else f"{tuple(view.shape)} {view.dtype} on {view.device}")
