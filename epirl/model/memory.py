@@ -82,15 +82,20 @@ class TrainerEstimate:
         return self.base_projection_bytes + self.base_other_bytes + self.lora_total_bytes + self.activation_bytes
 
 
-def count_parameters(config) -> tuple[dict[str, tuple[int, int]], int]:
-    """({projection name: (out, in)}, non-projection element count) from a meta-device skeleton."""
+def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str, tuple[int, int]], int]:
+    """({projection name: (out, in)}, non-projection element count) from a meta-device skeleton.
+
+    `exclude_embeddings`: leave the token embedding and LM head out of the count (`trainer.base: shared`
+    maps them from the engine)."""
     from epirl.model.loading import build_skeleton
 
     model = build_skeleton(config, torch.bfloat16)
     projections = {n: tuple(m.weight.shape) for n, m in model.named_modules()
                    if isinstance(m, nn.Linear) and _is_projection(n, m)}
-    projection_ids = {id(model.get_submodule(n).weight) for n in projections}
-    other = sum(p.numel() for p in model.parameters() if id(p) not in projection_ids)
+    skipped = {id(model.get_submodule(n).weight) for n in projections}
+    if exclude_embeddings:
+        skipped |= {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    other = sum(p.numel() for p in model.parameters() if id(p) not in skipped)
     return projections, other
 
 
@@ -113,7 +118,7 @@ def activation_bytes_per_token(config, gradient_checkpointing: bool, dtype_bytes
 
 def estimate_trainer_bytes(config, base: str, rank: int, targets: list[str], micro_batch_tokens: int,
                            gradient_checkpointing: bool, logprob_chunk_tokens: int) -> TrainerEstimate:
-    projections, other_elements = count_parameters(config)
+    projections, other_elements = count_parameters(config, exclude_embeddings=base == "shared")
     projection_elements = sum(o * i for o, i in projections.values())
     bytes_per_code = {"bf16": 2, "fp8": 1, "shared": 0}[base]  # shared: the engine already holds them
     lora_elements = sum(rank * (o + i) for n, (o, i) in projections.items() if n.rpartition(".")[2] in targets)
