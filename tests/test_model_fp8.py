@@ -400,3 +400,20 @@ def test_production_shapes_base_bytes_match_the_paper_anchor():
     assert round(base_gib(config, "fp8"), 1) == 10.2 and round(base_gib(config, "bf16"), 1) == 16.7
     projections_by_name, _ = count_parameters(qwen3_8b_config(num_hidden_layers=1))
     assert sum(o * i for o, i in projections_by_name.values()) / 1e6 == pytest.approx(192.9, abs=0.05)
+
+
+def test_loop_preflight_reserves_the_engine_weights_under_a_shared_base(tiny_dirs, monkeypatch):
+    """A shared trainer owns no base bytes, but the engine's weights stay on the GPU while it trains."""
+    import epirl.model
+    from epirl.config import EpirlConfig
+    from epirl.rl.loop import preflight
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: NS(total_memory=80 * 1024 ** 3))
+    monkeypatch.setattr(epirl.model, "preflight_check",
+                        lambda cfg, total, reserved_bytes, hf_config: seen.__setitem__(cfg.trainer.base, reserved_bytes))
+    for base in ("fp8", "shared"):
+        cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": base},
+                                          "engine": {"precision": "w8a16", "kv_release": True}})
+        preflight(cfg, torch.device("cuda"))
+    assert seen["shared"] == seen["fp8"] > 0

@@ -131,3 +131,19 @@ def test_cli_writes_the_run_folder(tmp_path):
     assert config["r"] == 8 and config["lora_alpha"] == 16
     assert (adapter / "adapter_model.safetensors").exists()
     assert (run / "checkpoints" / "step_000001" / "state.json").exists()
+
+
+@pytest.mark.timeout(900)
+def test_one_step_with_the_matched_engine_and_a_shared_base(tmp_path):
+    """The paper's setup end to end on CPU: matched W8A16 engine, trainer on the engine's own FP8 codes and
+    embeddings (no second copy), no correction; the post-publish probe checks that they agree."""
+    from epirl.rl.loop import train
+
+    run = train(tiny_config(tmp_path, "name=shared", "rl.steps=1", "checkpoint.every=0", "engine.precision=w8a16",
+                            "trainer.base=shared", "rl.correction=none", "rl.prompts_per_step=2",
+                            "rl.samples_per_prompt=2", "rl.max_tokens=6", "engine.probe_prompts=1",
+                            "engine.probe_tolerance=0.05", "model.dtype=float32"))
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    # Only norms are the trainer's own; codes, scales and the (tied) embedding are the engine's.
+    assert record["mem/trainer_base_weight_bytes"] < 0.01 * record["mem/trainer_base_shared_bytes"]
+    assert record["probe/mean_abs_logp_diff"] < 0.05

@@ -71,11 +71,12 @@ def preflight(cfg: EpirlConfig, device: torch.device) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     reserved = cfg.engine.gpu_memory_utilization * total  # the engine's whole budget, KV cache included
-    if cfg.engine.kv_release:  # during training the engine keeps only its weights (none extra when shared)
+    if cfg.engine.kv_release:  # during training the engine keeps only its weights
+        # (with trainer.base=shared the trainer's estimate counts none of them: they are counted here, once)
         engine_base = "bf16" if cfg.engine.precision == "bf16" else "fp8"
         est = estimate_trainer_bytes(hf_config.get_text_config(), engine_base, cfg.lora.rank, list(cfg.lora.targets),
                                      1, False, cfg.trainer.logprob_chunk_tokens)
-        reserved = 0 if cfg.trainer.base == "shared" else est.base_projection_bytes + est.base_other_bytes
+        reserved = est.base_projection_bytes + est.base_other_bytes
     preflight_check(cfg, total, reserved_bytes=int(reserved), hf_config=hf_config)
 
 
