@@ -56,3 +56,24 @@ def test_plugin_op_is_the_kernel_per_slice():
     zeros_a, zeros_b = [torch.zeros_like(t) for t in a], [torch.zeros_like(t) for t in b]
     assert torch.equal(torch.ops.epirl.w8a16_lora_slices(x, codes, scale, zeros_a, zeros_b, widths, 2.0, None),
                        w8a16_lora(x, codes, scale))
+
+
+def test_reacquire_empties_the_trainer_cache_and_names_the_settings_when_the_kv_pool_does_not_fit(monkeypatch):
+    """CUDA-only logic, exercised without a GPU: before mapping the KV cache back, the trainer's cached blocks
+    are returned (empty_cache) and a pool that no longer fits is a one-line error naming what to change."""
+    from epirl.engine import RolloutEngine
+
+    calls = []
+    engine = object.__new__(RolloutEngine)  # no vLLM behind it: only the re-acquire bookkeeping runs
+    engine._kv_released, engine._kv_released_bytes, engine.llm = True, 40 * 2**30, None
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(compat, "reacquire_kv", lambda llm: calls.append("map") or {})
+    with pytest.raises(RuntimeError, match=r"needs 40.00 GiB, 30.00 GiB free.*trainer\.micro_batch_size"):
+        engine.reacquire_kv()
+    assert calls == ["empty_cache"] and engine._kv_released  # nothing mapped, state unchanged
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (50 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(engine, "_checksum_weights", lambda: {})
+    engine._weight_checksums = {}
+    engine.reacquire_kv()
+    assert calls == ["empty_cache", "empty_cache", "map"] and not engine._kv_released

@@ -123,6 +123,7 @@ class RolloutEngine:
         self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
         plugin.attach(self)  # w8a16: fused LoRA path reads the live adapter; no-op for other precisions
         self._kv_released = False
+        self._kv_released_bytes = 0
         self._weight_checksums = self._checksum_weights() if compat.kv_release_mode(self.llm) != "none" else {}
 
     # ------------------------------------------------------------------------------------------------
@@ -217,6 +218,7 @@ class RolloutEngine:
             return {"engine/kv_released_bytes": 0.0, "engine/kv_release_s": 0.0}
         metrics = compat.release_kv(self.llm)
         self._kv_released = True
+        self._kv_released_bytes = int(metrics["engine/kv_released_bytes"])
         log.info("released KV cache (%s): %.2f GiB in %.3f s", mode,
                  metrics["engine/kv_released_bytes"] / 2**30, metrics["engine/kv_release_s"])
         return metrics
@@ -225,6 +227,7 @@ class RolloutEngine:
         """Map the KV cache back and verify the resident weights were not touched (fails loudly)."""
         if not self._kv_released:
             return {"engine/kv_reacquired_bytes": 0.0, "engine/kv_reacquire_s": 0.0}
+        self._check_room_for_kv()
         metrics = compat.reacquire_kv(self.llm)
         self._kv_released = False
         t0 = time.perf_counter()
@@ -234,6 +237,21 @@ class RolloutEngine:
             raise RuntimeError(f"engine weights changed across KV release/re-acquire: {bad}")
         metrics["engine/weight_check_s"] = time.perf_counter() - t0
         return metrics
+
+    def _check_room_for_kv(self) -> None:
+        """The trainer's cached blocks go back to the driver first; then the KV pool must fit again.
+
+        Without the empty_cache(), PyTorch's caching allocator keeps the training peak reserved and
+        mapping the KV cache back fails with an opaque CUDA error in the middle of a run.
+        """
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info()[0]
+        needed = self._kv_released_bytes
+        if free < needed:
+            raise RuntimeError(
+                f"cannot re-acquire the KV cache: it needs {needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free after "
+                "training; lower trainer.micro_batch_size or engine.gpu_memory_utilization, or set "
+                "trainer.gradient_checkpointing=true")
 
     def _check_awake(self) -> None:
         if self._kv_released:
