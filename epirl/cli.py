@@ -87,9 +87,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from epirl.rl.loop import train
 
+    from epirl.model.memory import PreflightError
+
     progress, update = _progress_printer(cfg.rl.steps, 0)
-    with progress:
-        out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
+    try:
+        with progress:
+            out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
+    except (ConfigError, PreflightError) as exc:  # found once the model / vLLM are known: still one line
+        console.print(f"[red]error:[/] {exc}")
+        return 2
     console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
     return 0
 

@@ -60,6 +60,11 @@ class EngineConfig(Section):
     the trainer re-scores the same tokens; 0 = off."""
     probe_tolerance: float = Field(0.1, gt=0.0)
     """Fail the run when the probe's mean |log p_engine - log p_trainer| over its tokens exceeds this."""
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for `vllm.LLM`, e.g. `{gdn_prefill_backend: triton}` where FlashInfer is
+    missing (`engine.vllm_args.gdn_prefill_backend=triton` on the command line). Names must be fields of the
+    installed vLLM's EngineArgs; arguments epirl sets itself (dtype, LoRA slot, log-prob mode, quantization,
+    sleep mode, the fields above) are refused: change them through their own config field."""
 
 
 class TrainerConfig(Section):

@@ -1,6 +1,7 @@
 """Config errors (one line naming the field or file), overrides, and prompt sources."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -158,3 +159,14 @@ def test_in_training_eval_loads_local_benchmarks(tmp_path):
     assert hook.due(5) and hook.due(10) and not hook.due(3)
     off = PeriodicEval(load_config(None, []), tmp_path)
     assert off.benchmarks is None and not off.due(5)
+
+
+def test_cli_unknown_vllm_arg_exits_2_with_one_line(tmp_path):
+    """`engine.vllm_args` names are checked against the installed vLLM when the engine starts: still one line."""
+    recipe = RECIPES / "smollm2_arith_cpu.yaml"
+    proc = subprocess.run([sys.executable, "-m", "epirl.cli", "train", str(recipe), f"output_dir={tmp_path}",
+                           "tracking.wandb=disabled", "engine.vllm_args.not_a_vllm_arg=1"],
+                          capture_output=True, text=True, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "engine.vllm_args.not_a_vllm_arg: not an argument of vLLM" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -77,3 +77,27 @@ def test_reacquire_empties_the_trainer_cache_and_names_the_settings_when_the_kv_
     engine._weight_checksums = {}
     engine.reacquire_kv()
     assert calls == ["empty_cache", "empty_cache", "map"] and not engine._kv_released
+
+
+def test_vllm_args_pass_through_checked_and_vl_checkpoints_load_the_language_model_only(tmp_path):
+    import json
+
+    from epirl.config import EpirlConfig
+    from epirl.engine.engine import _llm_kwargs
+
+    def kwargs(model_dir, **vllm_args):
+        cfg = EpirlConfig.model_validate({"model": {"path": str(model_dir)}, "engine": {"vllm_args": vllm_args}})
+        return _llm_kwargs(cfg, str(model_dir), None)
+
+    text, vl = tmp_path / "text", tmp_path / "vl"
+    for folder, config in ((text, {"model_type": "qwen3"}), (vl, {"model_type": "qwen3_5", "vision_config": {}})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    assert kwargs(text, gdn_prefill_backend="triton")["gdn_prefill_backend"] == "triton"
+    assert "language_model_only" not in kwargs(text)
+    assert kwargs(vl)["language_model_only"] is True
+    assert kwargs(vl, language_model_only=False)["language_model_only"] is False  # the user's word wins
+    with pytest.raises(ValueError, match=r"^engine\.vllm_args\.not_a_vllm_arg: not an argument of vLLM"):
+        kwargs(text, not_a_vllm_arg=1)
+    with pytest.raises(ValueError, match=r"^engine\.vllm_args\.enable_lora: epirl sets this"):
+        kwargs(text, enable_lora=False)

@@ -10,9 +10,11 @@ W8A16 method and the CPU W8A8 emulation live in `plugin`.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,7 +88,38 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
         # runs a full `max_num_batched_tokens` batch through them. Chunked prefill keeps long prompts
         # working with a small token budget.
         kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
+    kwargs.update(_extra_llm_kwargs(cfg, model_path, set(kwargs)))
     return kwargs
+
+
+def _extra_llm_kwargs(cfg: Any, model_path: str, owned: set[str]) -> dict[str, Any]:
+    """`engine.vllm_args` (checked against this vLLM's EngineArgs), plus `language_model_only` for a
+    multimodal checkpoint (Qwen3.5 ships as one): RL on text needs no vision tower in memory or profiling."""
+    from epirl.config import ConfigError
+
+    extra = dict(getattr(cfg.engine, "vllm_args", None) or {})
+    taken = sorted(set(extra) & owned)
+    if taken:
+        raise ConfigError(f"engine.vllm_args.{taken[0]}: epirl sets this vLLM argument itself; use its config "
+                         "field (model.* / engine.* / lora.*) instead")
+    unknown = [name for name, ok in compat.llm_kwargs_supported(sorted(extra)).items() if not ok]
+    if unknown:
+        raise ConfigError(f"engine.vllm_args.{unknown[0]}: not an argument of vLLM {compat.vllm_version()}")
+    if _is_multimodal(model_path) and compat.llm_kwargs_supported(["language_model_only"])["language_model_only"]:
+        extra.setdefault("language_model_only", True)
+    return extra
+
+
+def _is_multimodal(model_path: str) -> bool:
+    config_file = Path(model_path, "config.json")
+    if config_file.is_file():
+        return "vision_config" in json.loads(config_file.read_text())
+    try:  # a hub id: the config vLLM is about to read (cached or downloaded)
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
+    except Exception:  # noqa: BLE001 - unknown here; vLLM will say what is wrong with the model itself
+        return False
 
 
 class RolloutEngine:
