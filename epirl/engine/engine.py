@@ -92,6 +92,11 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
     return kwargs
 
 
+def check_vllm_args(cfg: Any) -> None:
+    """Raise ConfigError (one line) now, before any model loads, for `engine.vllm_args` vLLM would refuse."""
+    _llm_kwargs(cfg, "", None)
+
+
 def _extra_llm_kwargs(cfg: Any, model_path: str, owned: set[str]) -> dict[str, Any]:
     """`engine.vllm_args` (checked against this vLLM's EngineArgs), plus `language_model_only` for a
     multimodal checkpoint (Qwen3.5 ships as one): RL on text needs no vision tower in memory or profiling."""
@@ -102,10 +107,10 @@ def _extra_llm_kwargs(cfg: Any, model_path: str, owned: set[str]) -> dict[str, A
     if taken:
         raise ConfigError(f"engine.vllm_args.{taken[0]}: epirl sets this vLLM argument itself; use its config "
                          "field (model.* / engine.* / lora.*) instead")
-    unknown = [name for name, ok in compat.llm_kwargs_supported(sorted(extra)).items() if not ok]
+    unknown = [name for name, ok in compat.llm_kwargs_supported(sorted(extra)).items() if not ok] if extra else []
     if unknown:
         raise ConfigError(f"engine.vllm_args.{unknown[0]}: not an argument of vLLM {compat.vllm_version()}")
-    if _is_multimodal(model_path) and compat.llm_kwargs_supported(["language_model_only"])["language_model_only"]:
+    if model_path and _is_multimodal(model_path) and compat.llm_kwargs_supported(["language_model_only"])["language_model_only"]:
         extra.setdefault("language_model_only", True)
     return extra
 

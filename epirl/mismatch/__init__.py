@@ -99,8 +99,11 @@ def build_config(args, lora: dict):
     """EpirlConfig for the measurement: overrides, then the command's own options."""
     from epirl.config import ConfigError, load_config
 
+    from epirl.engine.engine import check_vllm_args
+
     try:
         cfg = load_config(None, list(args.overrides))
+        check_vllm_args(cfg)
     except ConfigError as exc:
         raise MismatchInputError(str(exc)) from None
     cfg.model.path = args.model
