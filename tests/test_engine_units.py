@@ -101,3 +101,33 @@ def test_vllm_args_pass_through_checked_and_vl_checkpoints_load_the_language_mod
         kwargs(text, not_a_vllm_arg=1)
     with pytest.raises(ValueError, match=r"^engine\.vllm_args\.enable_lora: epirl sets this"):
         kwargs(text, enable_lora=False)
+
+
+@pytest.mark.parametrize("layout", ["cutlass_transposed_view", "row_major", "square_row_major", "copy_needed"])
+def test_fp8_base_views_are_zero_copy_in_either_vllm_weight_layout(layout):
+    """The shared base takes vLLM's FP8 weight whichever way a version holds it, never copying it."""
+    from torch import nn
+
+    from epirl.engine.plugin import fp8_base_views
+
+    n, k = (6, 6) if layout == "square_row_major" else (10, 6)
+    codes_N_K = torch.randn(n, k).to(torch.float8_e4m3fn)
+    qkv = nn.Module()
+    qkv.logical_widths, qkv.output_size_per_partition = [4, 3, 3] if n == 10 else [2, 2, 2], n
+    qkv.weight_scale = torch.tensor([0.5])
+    if layout == "cutlass_transposed_view":
+        qkv.weight = codes_N_K.t()  # [K, N], stride (1, K): what vLLM's CUTLASS path keeps
+    elif layout == "copy_needed":
+        qkv.weight = codes_N_K.t().contiguous()  # [K, N] row-major: sharing would need a transpose copy
+    else:
+        qkv.weight = codes_N_K
+    model = nn.Module()
+    model.add_module("qkv_proj", qkv)
+    if layout == "copy_needed":
+        with pytest.raises(RuntimeError, match="qkv_proj: engine FP8 weight .* cannot share it zero-copy"):
+            fp8_base_views(model)
+        return
+    views = fp8_base_views(model)
+    assert list(views) == ["q_proj", "k_proj", "v_proj"]
+    assert views["q_proj"][0].data_ptr() == codes_N_K.data_ptr()
+    assert torch.equal(torch.cat([views[m][0] for m in ("q_proj", "k_proj", "v_proj")]).float(), codes_N_K.float())

@@ -341,15 +341,29 @@ def fp8_base_views(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             continue
         if scale.numel() != 1:
             raise NotImplementedError(f"{name}: weight_scale has {scale.numel()} entries, want per-tensor")
-        codes = weight.t()
-        if not codes.is_contiguous():
-            raise RuntimeError(f"{name}: engine codes are not [N, K] row-major; cannot share zero-copy")
+        codes = _row_major_codes(name, module, weight)
         widths = list(getattr(module, "logical_widths", None) or [codes.shape[0]])
         start = 0
         for hf_name, width in zip(_hf_names(name, widths, mapping), widths):
             views[hf_name] = (codes[start:start + width], scale)
             start += width
     return views
+
+
+def _row_major_codes(name: str, module, weight: torch.Tensor) -> torch.Tensor:
+    """The [N, K] row-major codes behind a vLLM FP8 weight, zero-copy, whichever way this version holds it.
+
+    vLLM's CUTLASS / torch._scaled_mm paths keep `weight` as the [K, N] transposed view of row-major codes
+    (stride (1, K)); a version that keeps the loaded [N, K] tensor as is has it contiguous already. Never a
+    copy: a layout that is neither cannot be shared and says so.
+    """
+    if weight.t().is_contiguous():
+        return weight.t()
+    out_features = getattr(module, "output_size_per_partition", None) or getattr(module, "output_size", None)
+    if weight.is_contiguous() and (out_features is None or weight.shape[0] == out_features):
+        return weight
+    raise RuntimeError(f"{name}: engine FP8 weight {tuple(weight.shape)} with strides {weight.stride()} is neither "
+                       "[N, K] row-major nor its transpose; cannot share it zero-copy (use trainer.base=fp8)")
 
 
 def embedding_views(model) -> dict[str, torch.Tensor]:
