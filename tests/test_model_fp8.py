@@ -403,17 +403,29 @@ def test_production_shapes_base_bytes_match_the_paper_anchor():
 
 
 def test_loop_preflight_reserves_the_engine_weights_under_a_shared_base(tiny_dirs, monkeypatch):
-    """A shared trainer owns no base bytes, but the engine's weights stay on the GPU while it trains."""
-    import epirl.model
+    """A shared trainer owns no base bytes, but the engine's weights stay on the GPU while it trains; and
+    between steps the engine's whole budget sits beside the trainer's LoRA and optimizer state."""
+    import epirl.model.memory as memory
     from epirl.config import EpirlConfig
-    from epirl.rl.loop import preflight
 
     seen = {}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: NS(total_memory=80 * 1024 ** 3))
-    monkeypatch.setattr(epirl.model, "preflight_check",
-                        lambda cfg, total, reserved_bytes, hf_config: seen.__setitem__(cfg.trainer.base, reserved_bytes))
+    real_check = memory.preflight_check
+
+    def recording_check(cfg, total, reserved_bytes, hf_config):
+        seen[cfg.trainer.base] = reserved_bytes
+        return real_check(cfg, total, reserved_bytes=reserved_bytes, hf_config=hf_config)
+
+    monkeypatch.setattr(memory, "preflight_check", recording_check)
+
+    def cfg(base, utilization=0.5):
+        return EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": base},
+                                           "lora": {"rank": 1024},
+                                           "engine": {"precision": "w8a16", "kv_release": True,
+                                                      "gpu_memory_utilization": utilization}})
+
     for base in ("fp8", "shared"):
-        cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": base},
-                                          "engine": {"precision": "w8a16", "kv_release": True}})
-        preflight(cfg, torch.device("cuda"))
+        memory.preflight_beside_engine(cfg(base), torch.device("cuda"))
     assert seen["shared"] == seen["fp8"] > 0
+    with pytest.raises(PreflightError, match=r"^engine\.gpu_memory_utilization=0\.98 leaves .* between steps"):
+        memory.preflight_beside_engine(cfg("shared", 0.98), torch.device("cuda"))

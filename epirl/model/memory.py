@@ -170,6 +170,32 @@ def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safet
         f"{tokens} tokens/micro-batch) but only {max(budget, 0) / GiB:.1f} GiB is available: {hint}")
 
 
+def preflight_beside_engine(cfg, device: torch.device) -> None:
+    """Fail in seconds, not after the engine has loaded, when the trainer cannot fit beside the engine."""
+    from transformers import AutoConfig
+
+    from epirl.config import resolve_model_path
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    reserved = cfg.engine.gpu_memory_utilization * total  # the engine's whole budget, KV cache included
+    if cfg.engine.kv_release:  # during training the engine keeps only its weights
+        # (with trainer.base=shared the trainer's estimate counts none of them: they are counted here, once)
+        engine_base = "bf16" if cfg.engine.precision == "bf16" else "fp8"
+        est = estimate_trainer_bytes(hf_config.get_text_config(), engine_base, cfg.lora.rank, list(cfg.lora.targets),
+                                     1, False, cfg.trainer.logprob_chunk_tokens)
+        reserved = est.base_projection_bytes + est.base_other_bytes
+    trainer = preflight_check(cfg, total, reserved_bytes=int(reserved), hf_config=hf_config)
+    # While the engine samples, its whole budget (KV cache re-acquired) sits beside what the trainer keeps
+    # between steps: its own base, LoRA, gradients and AdamW moments.
+    persistent = trainer.base_projection_bytes + trainer.base_other_bytes + trainer.lora_total_bytes
+    if cfg.engine.gpu_memory_utilization * total + persistent > 0.98 * total:
+        raise PreflightError(
+            f"engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} leaves "
+            f"{(1 - cfg.engine.gpu_memory_utilization) * total / 2**30:.1f} GiB beside the engine, but the trainer keeps "
+            f"~{persistent / 2**30:.1f} GiB between steps: lower engine.gpu_memory_utilization or use trainer.base=shared")
+
+
 class ProjectionCopyWatcher(TorchDispatchMode):
     """Records every op output shaped like a projection weight ([N, K] or [K, N]) in a 16/32-bit dtype.
 

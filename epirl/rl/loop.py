@@ -60,26 +60,6 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
     return torch.device("cuda" if use_cuda else "cpu")
 
 
-def preflight(cfg: EpirlConfig, device: torch.device) -> None:
-    """Fail in seconds, not after the engine has loaded, when the trainer cannot fit beside the engine."""
-    from transformers import AutoConfig
-
-    from epirl.config import resolve_model_path
-    from epirl.model import preflight_check
-    from epirl.model.memory import estimate_trainer_bytes
-
-    total = torch.cuda.get_device_properties(device).total_memory
-    hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
-    reserved = cfg.engine.gpu_memory_utilization * total  # the engine's whole budget, KV cache included
-    if cfg.engine.kv_release:  # during training the engine keeps only its weights
-        # (with trainer.base=shared the trainer's estimate counts none of them: they are counted here, once)
-        engine_base = "bf16" if cfg.engine.precision == "bf16" else "fp8"
-        est = estimate_trainer_bytes(hf_config.get_text_config(), engine_base, cfg.lora.rank, list(cfg.lora.targets),
-                                     1, False, cfg.trainer.logprob_chunk_tokens)
-        reserved = est.base_projection_bytes + est.base_other_bytes
-    preflight_check(cfg, total, reserved_bytes=int(reserved), hf_config=hf_config)
-
-
 def step_seed(seed: int, step: int, round_: int) -> int:
     # Sampling randomness is a pure function of (seed, step, round): a resumed run samples exactly what the
     # uninterrupted run sampled. vLLM runs in-process, so the global torch generators drive its sampler.
@@ -195,10 +175,11 @@ def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
 def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     """Run (or resume) a GRPO/DAPO training job; returns the run folder."""
     from epirl.engine import RolloutEngine
+    from epirl.model.memory import preflight_beside_engine
 
     device = resolve_runtime(cfg)
-    if device.type == "cuda":
-        preflight(cfg, device)
+    if device.type == "cuda":  # fail in seconds, before the engine loads, when the trainer cannot fit
+        preflight_beside_engine(cfg, device)
     run_dir = Path(resume) if resume else cfg.run_dir
     if resume and latest_checkpoint(run_dir) is None:  # before anything is written or started
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
