@@ -87,13 +87,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from epirl.rl.loop import train
 
+    from epirl.data import DataError
     from epirl.model.memory import PreflightError
 
     progress, update = _progress_printer(cfg.rl.steps, 0)
     try:
         with progress:
             out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
-    except (ConfigError, PreflightError) as exc:  # found once the model / vLLM are known: still one line
+    except (ConfigError, DataError, PreflightError, FileNotFoundError) as exc:  # found once inputs are read
         console.print(f"[red]error:[/] {exc}")
         return 2
     console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")

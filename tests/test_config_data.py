@@ -161,12 +161,19 @@ def test_in_training_eval_loads_local_benchmarks(tmp_path):
     assert off.benchmarks is None and not off.due(5)
 
 
-def test_cli_unknown_vllm_arg_exits_2_with_one_line(tmp_path):
-    """`engine.vllm_args` names are checked against the installed vLLM when the engine starts: still one line."""
+@pytest.mark.parametrize("override, message", [
+    ("engine.vllm_args.not_a_vllm_arg=1", "engine.vllm_args.not_a_vllm_arg: not an argument of vLLM"),
+    ("model.path=/nonexistent/model", "model.path: /nonexistent/model: no such folder"),
+    ("data.source=/nonexistent/data.jsonl", "data file not found: /nonexistent/data.jsonl"),
+])
+def test_cli_bad_inputs_found_at_start_exit_2_with_one_line(tmp_path, override, message):
+    """Inputs only checkable once read (model folder, data file, vLLM's own argument names): still one line,
+    before any engine starts."""
     recipe = RECIPES / "smollm2_arith_cpu.yaml"
     proc = subprocess.run([sys.executable, "-m", "epirl.cli", "train", str(recipe), f"output_dir={tmp_path}",
-                           "tracking.wandb=disabled", "engine.vllm_args.not_a_vllm_arg=1"],
+                           "tracking.wandb=disabled", override],
                           capture_output=True, text=True, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "engine.vllm_args.not_a_vllm_arg: not an argument of vLLM" in proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-2000:]
+    assert message in output and "Traceback" not in output
+    assert "Initializing a V1 LLM engine" not in output  # found before the engine, not after it loaded

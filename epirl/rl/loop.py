@@ -177,6 +177,7 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     from epirl.engine import RolloutEngine
     from epirl.model.memory import preflight_beside_engine
 
+    problems = check_inputs(cfg)  # bad model path, data, vLLM arguments: one line, before anything starts
     device = resolve_runtime(cfg)
     if device.type == "cuda":  # fail in seconds, before the engine loads, when the trainer cannot fit
         preflight_beside_engine(cfg, device)
@@ -189,7 +190,7 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     engine = None
     try:
         engine = RolloutEngine(cfg)
-        _train_with(cfg, run_dir, resume, engine, tracker, device, progress)
+        _train_with(cfg, run_dir, resume, engine, tracker, device, progress, problems)
     finally:
         tracker.close()
         if engine is not None:
@@ -197,13 +198,32 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     return run_dir
 
 
-def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracker, device, progress) -> None:
+def check_inputs(cfg: EpirlConfig) -> list:
+    """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
+
+    Raises ConfigError / DataError with one line naming the field or file."""
+    from epirl.config import ConfigError
+    from epirl.engine.engine import check_vllm_args
+    from epirl.model.loading import local_model_dir
+
+    if cfg.model.path.startswith(("/", ".", "~")) and not Path(cfg.model.path).is_dir():
+        raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
+    try:
+        local_model_dir(cfg.model.path)  # a folder, an alias, or a hub id (downloaded once, as vLLM would)
+    except Exception as exc:  # noqa: BLE001 - missing folder, bad hub id, offline: all one line
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"model.path: {cfg.model.path}: {reason}") from None
+    check_vllm_args(cfg)
+    return load_problems(cfg.data, cfg.seed)
+
+
+def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracker, device, progress,
+                problems: list) -> None:
     from epirl.model import load_policy, save_adapter
     from epirl.rewards import RewardPool
 
     policy = load_policy(cfg, device, engine=engine)
     optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
-    problems = load_problems(cfg.data, cfg.seed)
     stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
                           thinking=cfg.model.thinking, max_prompt_tokens=cfg.data.max_prompt_tokens)
     pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
