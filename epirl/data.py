@@ -185,16 +185,17 @@ class PromptStream:
         return self.problems[self._order(epoch)[offset]]
 
     def take(self, count: int) -> list[Prompt]:
-        prompts, attempts = [], 0
+        prompts, misses = [], 0  # consecutive too-long prompts: a whole pass of them means none fits
         while len(prompts) < count:
-            attempts += 1
-            if attempts > count + len(self.problems):
+            if misses >= len(self.problems):
                 raise DataError(f"every prompt is longer than data.max_prompt_tokens={self.max_prompt_tokens}")
             problem = self._next_problem()
             ids = render_prompt(self.tokenizer, problem.messages, self.thinking)
             if len(ids) > self.max_prompt_tokens:
                 self.skipped_too_long += 1
+                misses += 1
                 continue
+            misses = 0
             prompts.append(Prompt(problem, ids))
         return prompts
 

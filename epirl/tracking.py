@@ -58,6 +58,21 @@ class Tracker:
             log.warning("W&B disabled for this run (%s: %s); metrics still go to %s", type(exc).__name__, exc, self.path)
             return None
 
+    def forget_after(self, step: int) -> None:
+        """On resume: drop rows of steps after the checkpoint (they are about to be re-run and re-logged).
+
+        Rewritten through a temporary file and a rename, so a crash here loses nothing already written."""
+        self._fh.close()
+        for path in (self.path, self.path.parent / "samples.jsonl"):
+            if not path.exists():
+                continue
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        self._fh = self.path.open("a", buffering=1)
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
         self._fh.write(json.dumps(record, default=float) + "\n")

@@ -21,7 +21,9 @@ class TrainBatch:
     """Sequences of one step, right-padded. Position t predicts `targets_B_T[:, t]` from tokens ≤ t.
 
     mask_B_T marks response tokens (the ones the loss sees); engine_logprobs_B_T are the engine's
-    processed log-probs of those tokens (0 elsewhere); advantages_B one per sequence.
+    processed log-probs of those tokens (0 elsewhere); advantages_B one per sequence. old_logprobs_B_T
+    (π_old, when `rl.ppo_epochs` > 1) and ref_logprobs_B_T (the base model, when `rl.kl_coef` > 0) are
+    scored once before the step's first update.
     """
 
     input_ids_B_T: torch.Tensor
@@ -29,20 +31,26 @@ class TrainBatch:
     mask_B_T: torch.Tensor
     engine_logprobs_B_T: torch.Tensor
     advantages_B: torch.Tensor
+    old_logprobs_B_T: torch.Tensor | None = None
+    ref_logprobs_B_T: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
         return self.input_ids_B_T.shape[0]
 
+    def _map(self, fn) -> "TrainBatch":
+        return TrainBatch(*(None if t is None else fn(t) for t in (
+            self.input_ids_B_T, self.targets_B_T, self.mask_B_T, self.engine_logprobs_B_T, self.advantages_B,
+            self.old_logprobs_B_T, self.ref_logprobs_B_T)))
+
     def slice(self, start: int, stop: int) -> "TrainBatch":
         # Trim right padding shared by the whole micro-batch: shorter micro-batches run faster.
-        length = int(self.mask_B_T[start:stop].any(dim=0).nonzero().max().item()) + 1 if self.mask_B_T[start:stop].any() else 1
-        return TrainBatch(*(t[start:stop, :length] if t.ndim == 2 else t[start:stop] for t in (
-            self.input_ids_B_T, self.targets_B_T, self.mask_B_T, self.engine_logprobs_B_T, self.advantages_B)))
+        mask = self.mask_B_T[start:stop]
+        length = int(mask.any(dim=0).nonzero().max().item()) + 1 if mask.any() else 1
+        return self._map(lambda t: t[start:stop, :length] if t.ndim == 2 else t[start:stop])
 
     def to(self, device) -> "TrainBatch":
-        return TrainBatch(*(t.to(device) for t in (
-            self.input_ids_B_T, self.targets_B_T, self.mask_B_T, self.engine_logprobs_B_T, self.advantages_B)))
+        return self._map(lambda t: t.to(device))
 
 
 def build_batch(sequences: list[tuple[list[int], list[int], list[float], float]], pad_id: int) -> TrainBatch:
@@ -77,6 +85,35 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: EpirlConfig):
 
 
 def train_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlConfig, device) -> dict[str, float]:
+    """`rl.ppo_epochs` optimizer steps over the rollout batch; metrics of the last one.
+
+    π_old (for epochs after the first) and the KL reference (the base model: adapter off) are scored once,
+    before the first update; with one epoch π_old is the current trainer itself, detached.
+    """
+    rl = cfg.rl
+    if rl.ppo_epochs > 1:
+        batch.old_logprobs_B_T = score_batch(policy, batch, cfg, device)
+    if rl.kl_coef > 0.0:
+        with policy.adapter_disabled():
+            batch.ref_logprobs_B_T = score_batch(policy, batch, cfg, device)
+    for _ in range(rl.ppo_epochs):
+        metrics = optimizer_step(policy, optimizer, scheduler, batch, cfg, device)
+    return metrics | {"train/epochs": float(rl.ppo_epochs)}
+
+
+@torch.no_grad()
+def score_batch(policy, batch: TrainBatch, cfg: EpirlConfig, device) -> torch.Tensor:
+    """The policy's log-probs of the batch's targets [B, T] (0 past each micro-batch's trimmed length)."""
+    out_B_T = torch.zeros(batch.targets_B_T.shape, dtype=torch.float32)
+    for start in range(0, batch.num_sequences, cfg.trainer.micro_batch_size):
+        micro = batch.slice(start, start + cfg.trainer.micro_batch_size).to(device)
+        logprobs_B_T, _ = policy.token_logprobs(micro.input_ids_B_T, micro.targets_B_T, cfg.rl.temperature,
+                                                cfg.trainer.logprob_chunk_tokens)
+        out_B_T[start:start + micro.num_sequences, :logprobs_B_T.shape[1]] = logprobs_B_T.float().cpu()
+    return out_B_T
+
+
+def optimizer_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlConfig, device) -> dict[str, float]:
     """Forward/backward over micro-batches, clip, step. Returns metrics averaged over the step's tokens."""
     rl, tr = cfg.rl, cfg.trainer
     total_tokens = float(batch.mask_B_T.sum().item())
@@ -87,13 +124,13 @@ def train_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlConfig
         micro = batch.slice(start, start + tr.micro_batch_size).to(device)
         logprobs_B_T, entropy_B_T = policy.token_logprobs(
             micro.input_ids_B_T, micro.targets_B_T, rl.temperature, tr.logprob_chunk_tokens, with_entropy=True)
-        # On-policy (one optimizer step per batch): π_old is the current trainer, detached.
-        old_logprobs_B_T = logprobs_B_T.detach()
+        old_logprobs_B_T = logprobs_B_T.detach() if micro.old_logprobs_B_T is None else micro.old_logprobs_B_T
         weights_B_T, is_metrics = importance_weights(
             old_logprobs_B_T, micro.engine_logprobs_B_T, micro.mask_B_T, rl.correction, rl.tis_cap)
         loss, loss_metrics = dapo_loss(
             logprobs_B_T, old_logprobs_B_T, micro.advantages_B, micro.mask_B_T,
             clip_low=rl.clip_low, clip_high=rl.clip_high, is_weights_B_T=weights_B_T,
+            ref_logprobs_B_T=micro.ref_logprobs_B_T, kl_coef=rl.kl_coef,
             loss_agg=rl.loss_agg, total_tokens=total_tokens if rl.loss_agg == "token-mean" else None)
         # token-mean already divides by the whole step's token count; per-sequence means are weighted by the
         # micro-batch's share of the sequences, so any micro-batching sums to the same step loss.
@@ -114,7 +151,8 @@ def train_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlConfig
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.lora_parameters(), tr.max_grad_norm)
     if not math.isfinite(grad_norm.item()):
         optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()} — the step was skipped")
+        raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}: the run stops before the adapter "
+                                 "is updated (the last checkpoint is intact)")
     optimizer.step()
     scheduler.step()
     return sums | {"train/grad_norm": grad_norm.item(), "train/lr": scheduler.get_last_lr()[0],

@@ -92,3 +92,28 @@ def test_checkpoint_round_trip_is_exact(tiny_dir, tmp_path):
     assert torch.equal(torch.rand(3), expected_rng), "RNG state restored to the save point"
     s1, s2 = optimizer.state_dict()["state"], opt2.state_dict()["state"]
     assert all(torch.equal(s1[i]["exp_avg"], s2[i]["exp_avg"]) for i in s1)
+
+
+def test_ppo_epochs_take_several_clipped_steps_against_a_fixed_pi_old(tiny_dir, tmp_path):
+    """rl.ppo_epochs=3: three optimizer steps per batch; π_old is scored once before the first, so later
+    epochs see ratios ≠ 1 (clip-higher acts) while the first equals the one-epoch step exactly."""
+    torch.manual_seed(0)
+    _, _, s1, m1 = _step(_cfg(tiny_dir, tmp_path, "rl.ppo_epochs=1", "rl.clip_high=0.001", "rl.clip_low=0.001"), 3)
+    torch.manual_seed(0)
+    _, opt3, s3, m3 = _step(_cfg(tiny_dir, tmp_path, "rl.ppo_epochs=3", "rl.clip_high=0.001", "rl.clip_low=0.001"), 3)
+    assert s1.last_epoch == 1 and s3.last_epoch == 3 and m3["train/epochs"] == 3.0
+    assert m1["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m1["loss/clip_frac_high"] == 0.0
+    assert abs(m3["loss/ratio_mean"] - 1.0) > 1e-4
+    assert m3["loss/clip_frac_low"] + m3["loss/clip_frac_high"] > 0.0
+
+
+def test_kl_penalty_pulls_towards_the_base_model(tiny_dir, tmp_path):
+    """rl.kl_coef > 0: the reference is the base model (adapter off); the k3 KL is logged and adds a gradient."""
+    torch.manual_seed(0)
+    policy, _, _, m0 = _step(_cfg(tiny_dir, tmp_path), 3)
+    torch.manual_seed(0)
+    policy_kl, _, _, m1 = _step(_cfg(tiny_dir, tmp_path, "rl.kl_coef=10.0"), 3)
+    assert m0["loss/kl_ref"] == 0.0 and m1["loss/kl_ref"] > 0.0
+    assert m1["train/grad_norm"] != pytest.approx(m0["train/grad_norm"], rel=1e-6)
+    # the context manager restores the adapter: scales are back to alpha / r
+    assert all(m.lora_scale == pytest.approx(2.0) for m in policy_kl.lora_modules().values())

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,11 @@ def test_prompt_stream_is_seeded_resumable_and_filters_long_prompts():
     short = PromptStream(problems, _Tokenizer(), seed=1, shuffle=True, thinking=False, max_prompt_tokens=3)
     with pytest.raises(DataError, match="max_prompt_tokens"):
         short.take(1)
+    # Half the prompts too long and a step that needs more prompts than the data holds: still served.
+    mixed = problems[:5] + [replace(q, messages=[{"role": "user", "content": "x" * 200}]) for q in problems[5:10]]
+    stream = PromptStream(mixed, _Tokenizer(), seed=1, shuffle=True, thinking=False, max_prompt_tokens=100)
+    served = stream.take(16)
+    assert len(served) == 16 and stream.skipped_too_long >= 10
 
 
 def test_deduplicate_keeps_first():

@@ -112,3 +112,16 @@ def test_is_weights_scale_the_policy_gradient():
                         is_weights_B_T=weights)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-1.0, 0.0]]))
+
+
+def test_dynamic_sampling_filters_on_accuracy_not_on_the_overlong_penalty():
+    from epirl.rl.loop import Group, informative
+
+    def group(correct, penalty):
+        correct_G = torch.tensor(correct, dtype=torch.float32)
+        return Group(prompt=None, completions=[], correct_G=correct_G, rewards_G=correct_G + torch.tensor(penalty))
+
+    all_wrong_one_long = group([0, 0, 0, 0], [0, 0, 0, -0.0156])  # spread only from the length penalty
+    mixed = group([0, 1, 0, 0], [0, 0, 0, 0])
+    all_right = group([1, 1, 1, 1], [0, 0, -0.5, 0])
+    assert informative([all_wrong_one_long, mixed, all_right]) == [mixed]

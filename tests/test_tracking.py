@@ -39,3 +39,20 @@ def test_phase_timer_accumulates():
     times = timer.pop()
     assert set(times) == {"time/train_s"} and times["time/train_s"] >= 0.0
     assert timer.pop() == {}
+
+
+def test_resume_forgets_the_rows_of_steps_that_run_again(tmp_path):
+    """A crash after step 4 with the last checkpoint at step 2: steps 3-4 run again and are logged once."""
+    cfg = load_config(None, ["tracking.wandb=disabled", "name=t"])
+    first = Tracker(cfg, tmp_path)
+    for step in range(1, 5):
+        first.log(step, {"reward/mean": step / 10})
+        first.log_samples(step, [{"prompt": "p", "completion": str(step), "ground_truth": "1", "reward": 0.0}])
+    first.close()
+    again = Tracker(cfg, tmp_path, resume=True)
+    again.forget_after(2)
+    again.log(3, {"reward/mean": 0.3})
+    again.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3] and samples == [1, 2]

@@ -8,6 +8,9 @@ logits at a time instead of keeping all of them.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,6 +135,18 @@ class Policy:
             chunk_tokens, with_entropy)
         entropy_B_T = None if entropy_N is None else entropy_N.view(batch, seq)
         return logprobs_N.view(batch, seq), entropy_B_T
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """The base model: every LoRA term scaled by 0 (exactly: σ = 0), restored on exit."""
+        scales = {name: module.lora_scale for name, module in self._lora_modules.items()}
+        try:
+            for module in self._lora_modules.values():
+                module.lora_scale = 0.0
+            yield
+        finally:
+            for name, module in self._lora_modules.items():
+                module.lora_scale = scales[name]
 
     def memory_report(self) -> dict:
         """Bytes: base_projection (+ _dtype), base_other (embeddings, LM head, norms), base_weight (all three

@@ -96,16 +96,20 @@ def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step:
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
         seen += groups
-        if rl.dynamic_sampling:
-            mask = informative_groups(torch.stack([g.rewards_G for g in groups]))
-            kept += [g for g, keep in zip(groups, mask.tolist()) if keep]
-        else:
-            kept += groups
+        kept += informative(groups) if rl.dynamic_sampling else groups
         if len(kept) >= rl.prompts_per_step:
             break
     kept = kept[: rl.prompts_per_step]
     metrics = rollout_metrics(seen, kept, cfg) | totals | {"rollout/rounds": float(round_ + 1)}
     return kept, metrics
+
+
+def informative(groups: list[Group]) -> list[Group]:
+    """DAPO's dynamic-sampling filter, on accuracy: an all-wrong (or all-right) group whose only spread is the
+    overlong penalty carries no correctness signal, and std scaling would blow that length difference up
+    to full-size advantages."""
+    mask = informative_groups(torch.stack([g.correct_G.float() for g in groups]))
+    return [g for g, keep in zip(groups, mask.tolist()) if keep]
 
 
 def rollout_metrics(seen: list[Group], kept: list[Group], cfg: EpirlConfig) -> dict[str, float]:
@@ -236,6 +240,7 @@ def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracke
         state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler)
         stream.load_state_dict(state["data"])
         start_step = state["step"]
+        tracker.forget_after(start_step)  # steps after the checkpoint run again: log them once
         log.info("resumed from %s at step %d", checkpoint, start_step)
     engine.publish(policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
     tracker.summary(policy.memory_report())
