@@ -253,16 +253,14 @@ def _kv_allocations(llm) -> list[Any]:
 
 
 def kv_release_mode(llm) -> str:
-    """`none` (CPU / sleep mode off), `release_api` (≥0.31), `discard` (0.28–0.30), `manual` (0.26–0.27)."""
+    """`none` (CPU / sleep mode off), `release_api` (≥0.31), `manual` (0.26–0.30)."""
     if not on_cuda() or not llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
         return "none"
     if hasattr(llm, "release_kv_cache_memory"):
         return "release_api"
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    if hasattr(CuMemAllocator, "discard"):
-        return "discard"
-    # 0.26–0.27 have no public way to drop only the KV cache: unmap the KV tensors' own allocations
+    # Before 0.31 (`CuMemAllocator.discard` of 0.28–0.30 included) the `kv_cache` pool tag also covers the
+    # input batch / block tables, so dropping the whole tag crashes the next step: release only the KV
+    # tensors' own allocations. 0.26–0.27 have no public way to drop only the KV cache: unmap the KV tensors' own allocations
     # (`_kv_allocations`). Unmapping every `kv_cache`-tagged allocation crashed (that tag also covers the
     # input batch / block tables); the filtered release was verified on the H200 with vLLM 0.26 on
     # 2026-11-29: 50.8 GiB freed in 0.048 s, re-mapped in 0.093 s, greedy output identical across 20
@@ -292,9 +290,11 @@ def release_kv(llm) -> dict[str, float]:
     t0 = time.perf_counter()
     if mode == "release_api":
         llm.sleep(level=0)
-        llm.release_kv_cache_memory()
-    elif mode == "discard":
-        _allocator().discard("kv_cache")
+        try:
+            llm.release_kv_cache_memory()
+        except Exception:
+            llm.wake_up(tags=["scheduling"])  # a paused scheduler would make the next generate wait forever
+            raise
     else:
         from vllm.device_allocator.cumem import unmap_and_release
 
@@ -316,13 +316,16 @@ def reacquire_kv(llm) -> dict[str, float]:
     if mode == "release_api":
         llm.wake_up(tags=["kv_cache"])
         llm.wake_up(tags=["scheduling"])
-    elif mode == "discard":
-        _allocator().wake_up(tags=["kv_cache"])
     else:
         from vllm.device_allocator.cumem import create_and_map
 
         for data in _kv_allocations(llm):
             create_and_map(data.handle)
+        # What vLLM's own KV wake does after re-mapping, where this version has it (block-table layouts of
+        # the v2 model runner, FP8 KV scales).
+        post_wake = getattr(model_runner(llm), "post_kv_cache_wake_up", None)
+        if callable(post_wake):
+            post_wake()
     # The re-mapped pages hold garbage: no cached prefix may be reused from them.
     llm.reset_prefix_cache()
     torch.cuda.synchronize()

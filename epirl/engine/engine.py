@@ -88,6 +88,11 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
         # runs a full `max_num_batched_tokens` batch through them. Chunked prefill keeps long prompts
         # working with a small token budget.
         kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
+    if cfg.engine.precision == "w8a16" and compat.llm_kwargs_supported(["additional_config"])["additional_config"]:
+        # σ = alpha/r enters the fused op as a Python float, which torch.compile bakes into the graph; vLLM's
+        # compile cache is keyed by config hashes that see the rank slot but not alpha. additional_config is
+        # hashed: a run with other LoRA settings never replays a graph compiled with the old σ.
+        kwargs["additional_config"] = {"epirl_w8a16_lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha}}
     kwargs.update(_extra_llm_kwargs(cfg, model_path, set(kwargs)))
     return kwargs
 
@@ -251,6 +256,8 @@ class RolloutEngine:
     def release_kv(self) -> dict[str, float]:
         """Free the KV cache (weights stay). Logged no-op where vLLM has no sleep mode (CPU)."""
         mode = compat.kv_release_mode(self.llm)
+        if self._kv_released:  # a second release would unmap unmapped memory (or raise, by vLLM version)
+            return {"engine/kv_released_bytes": 0.0, "engine/kv_release_s": 0.0}
         if mode == "none" or not self.cfg.engine.kv_release:
             log.debug("release_kv: no-op (mode=%s, kv_release=%s)", mode, self.cfg.engine.kv_release)
             return {"engine/kv_released_bytes": 0.0, "engine/kv_release_s": 0.0}
@@ -307,11 +314,17 @@ class RolloutEngine:
         picks = {params[i * (len(params) - 1) // max(count - 1, 1)] for i in range(count)}
         int_of_width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         out = {}
+        chunk = 1 << 22  # int64 temporaries of 4M elements: ~100 MB however large the tensor (embeddings: GBs)
         for name, p in sorted(picks, key=lambda item: item[0]):
             flat = p.detach().reshape(-1)
-            bits = flat.view(int_of_width[flat.element_size()]).to(torch.int64)
-            position = torch.arange(1, bits.numel() + 1, device=bits.device)
-            out[name] = (int(bits.sum()), int((bits * position).sum()))
+            raw = flat.view(int_of_width[flat.element_size()])
+            plain = weighted = 0
+            for start in range(0, raw.numel(), chunk):
+                bits = raw[start:start + chunk].to(torch.int64)
+                position = torch.arange(start + 1, start + bits.numel() + 1, device=bits.device)
+                plain += int(bits.sum())
+                weighted += int((bits * position).sum())
+            out[name] = (plain, weighted)
         return out
 
     def base_weight_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -144,12 +144,15 @@ class AdapterPublisher:
         engine = self._llm.llm_engine
         if self.current is not None:
             engine.remove_lora(self.current.request.lora_int_id)
-        self._pending[lora_id] = adapter
+        # The live adapter stays loadable by id for as long as it is live: vLLM may reload it (LRU eviction
+        # of its CPU cache) long after add_lora returned.
+        self._pending = {lora_id: adapter}
         try:
             if not engine.add_lora(request):
                 raise RuntimeError(f"vLLM refused adapter {name}")
-        finally:
-            self._pending.pop(lora_id, None)  # vLLM holds its own copy now (or failed)
+        except BaseException:
+            self._pending.pop(lora_id, None)
+            raise
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.current = adapter
