@@ -385,6 +385,20 @@ def test_sharded_vision_language_checkpoint_layout_loads_like_the_text_one(tiny_
         torch.testing.assert_close(vl.token_logprobs(input_ids, targets, 1.0, 16)[0],
                                    plain.token_logprobs(input_ids, targets, 1.0, 16)[0], rtol=0, atol=0)
 
+    # Its adapter files spell modules as the checkpoint does (vLLM maps only that spelling); both load back.
+    from epirl.model import load_adapter, save_adapter
+
+    assert vl.nests_text_model and not plain.nests_text_model
+    with torch.no_grad():
+        for m in vl.lora_modules().values():
+            m.lora_B.add_(0.1)
+    save_adapter(vl, tmp_path / "adapter")
+    keys = list(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
+    assert keys and all(k.startswith("base_model.model.model.language_model.layers.") for k in keys)
+    load_adapter(plain, tmp_path / "adapter")
+    for name, module in plain.lora_modules().items():
+        assert torch.equal(module.lora_B, vl.lora_modules()[name].lora_B), name
+
 
 def test_production_shapes_base_bytes_match_the_paper_anchor():
     """Qwen3.5-9B's trainer base: FP8 projections + bf16 embeddings/LM head/norms = 10.2 GiB, bf16 = 16.7 GiB

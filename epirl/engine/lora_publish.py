@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from epirl.engine import compat
+from epirl.engine.naming import NameMap
+from epirl.model.weights import checkpoint_to_model_name
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,9 @@ class AdapterPublisher:
         self._pending: dict[int, PublishedAdapter] = {}
         self._next_id = 1
         self.current: PublishedAdapter | None = None
+        # The trainer's keys as the checkpoint spells them (Qwen3.5: `model.language_model.`), which is what
+        # vLLM's LoRA loader maps onto its modules; unmapped names would be dropped without a word.
+        self._names = NameMap(compat.model(llm))
         compat.install_adapter_loader(llm, self._load_in_memory)
 
     # -- worker side: called by vLLM (in this process) from inside `_load_adapter` -----------------
@@ -109,7 +114,7 @@ class AdapterPublisher:
         # Clone again at the vLLM boundary: vLLM owns (and scales in place) what it gets; our
         # `adapter.tensors` stay unscaled for the w8a16 path and for inspection.
         device = next(iter(adapter.tensors.values())).device
-        vllm_tensors = {k: v.clone() for k, v in adapter.tensors.items()}
+        vllm_tensors = {self._names.vllm_adapter_key(k): v.clone() for k, v in adapter.tensors.items()}
         return LoRAModel.from_lora_tensors(
             lora_model_id=request.lora_int_id,
             tensors=vllm_tensors,
@@ -185,4 +190,6 @@ class AdapterPublisher:
             cfg = json.load(f)
         tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
         scale = float(cfg["lora_alpha"]) / float(cfg["r"])
-        self.current = PublishedAdapter(request, tensors, scale, -1, modules_of(tensors))
+        # Module keys as the trainer names them (a VL checkpoint's file says `model.language_model.`).
+        modules = {checkpoint_to_model_name(m) or m: pair for m, pair in modules_of(tensors).items()}
+        self.current = PublishedAdapter(request, tensors, scale, -1, modules)

@@ -40,6 +40,8 @@ from typing import Any, Iterator
 
 import torch
 
+from epirl.engine.naming import NameMap
+
 log = logging.getLogger(__name__)
 
 W8A16 = "epirl_w8a16"
@@ -235,36 +237,24 @@ class _LayerLoRA:
 
     def __init__(self, widths: list[int], k: int, rank: int, scale: float, dtype, device):
         self.widths = list(widths)
-        self.hf_names: list[str] = []  # set by attach() once module names are known
+        self.hf_slices: list[tuple[str, int]] = []  # (HF module, first row in it) per slice; set by attach()
         self.lora_a = [torch.zeros(rank, k, dtype=dtype, device=device) for _ in widths]
         self.lora_b = [torch.zeros(w, rank, dtype=dtype, device=device) for w in widths]
         self.scale = scale
 
     def load(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-        """Copy the adapter's tensors in place (a module the adapter lacks gets zeros: no LoRA)."""
-        for name, a_buf, b_buf in zip(self.hf_names, self.lora_a, self.lora_b):
+        """Copy the adapter's tensors in place (a module the adapter lacks gets zeros: no LoRA).
+
+        A slice of a module that spans several slices (Qwen3.5's in_proj_qkv inside in_proj_qkvz) takes the
+        module's A and its rows of B: every output row is computed on its own, so the result is the same."""
+        for (name, row), width, a_buf, b_buf in zip(self.hf_slices, self.widths, self.lora_a, self.lora_b):
             pair = modules.get(name) if modules is not None else None
             if pair is None:
                 a_buf.zero_()
                 b_buf.zero_()
             else:
                 a_buf.copy_(pair[0])
-                b_buf.copy_(pair[1])
-
-
-def _packed_mapping(model) -> dict[str, list[str]]:
-    mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    return mapping or {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-
-
-def _hf_names(vllm_name: str, widths: list[int], mapping: dict[str, list[str]]) -> list[str]:
-    """`model.layers.0.self_attn.qkv_proj` → [..q_proj, ..k_proj, ..v_proj] (by logical widths)."""
-    name = vllm_name.replace(".base_layer", "")
-    parent, _, leaf = name.rpartition(".")
-    subs = mapping.get(leaf)
-    if subs is None or len(subs) != len(widths):
-        return [name]
-    return [f"{parent}.{s}" if parent else s for s in subs]
+                b_buf.copy_(pair[1][row:row + width])
 
 
 def attach(engine) -> None:
@@ -280,13 +270,13 @@ def attach(engine) -> None:
 
     lora_base = compat.lora_linear_base_class()
     model = compat.model(engine.llm)
-    mapping = _packed_mapping(model)
+    names = NameMap(model)
     layers = []
     for name, module in model.named_modules():
         state = getattr(getattr(module, "base_layer", None), "_epirl_lora", None)
         if not isinstance(module, lora_base) or state is None:
             continue
-        state.hf_names = _hf_names(name, state.widths, mapping)
+        state.hf_slices = names.slices(name, state.widths)
         layers.append(state)
     if not layers:
         raise RuntimeError("w8a16 engine: no LoRA-wrapped epirl layers found (enable_lora off or targets empty?)")
@@ -308,6 +298,11 @@ def active_adapter(engine, lora_request) -> Iterator[None]:
         if engine._epirl_loaded != key:  # buffers start zeroed, i.e. key None
             if adapter is not None and abs(adapter.scale - layers[0].scale) > 1e-12 * layers[0].scale:
                 raise ValueError(f"adapter σ={adapter.scale} differs from the engine's fixed σ={layers[0].scale}")
+            if adapter is not None:
+                homeless = set(adapter.modules) - {name for state in layers for name, _ in state.hf_slices}
+                if homeless:  # serving without them would sample from a different policy than the trainer's
+                    raise RuntimeError(f"w8a16 engine has no layer for {len(homeless)} adapter modules, e.g. "
+                                       f"{sorted(homeless)[:3]} (module naming between vLLM and the trainer)")
             for state in layers:
                 state.load(None if adapter is None else adapter.modules)
             engine._epirl_loaded = key
@@ -332,7 +327,7 @@ def fp8_base_views(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     transpose of row-major codes and one `weight_scale` per fused module). Views share storage with
     the engine: no copy of the base is made, so a trainer built on them holds no second base.
     """
-    mapping = _packed_mapping(model)
+    names = NameMap(model)
     views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -343,10 +338,8 @@ def fp8_base_views(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             raise NotImplementedError(f"{name}: weight_scale has {scale.numel()} entries, want per-tensor")
         codes = _row_major_codes(name, module, weight)
         widths = list(getattr(module, "logical_widths", None) or [codes.shape[0]])
-        start = 0
-        for hf_name, width in zip(_hf_names(name, widths, mapping), widths):
-            views[hf_name] = (codes[start:start + width], scale)
-            start += width
+        for hf_name, first, rows in names.module_ranges(name, widths):
+            views[hf_name] = (codes[first:first + rows], scale)
     return views
 
 

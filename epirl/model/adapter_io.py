@@ -1,7 +1,8 @@
 """LoRA adapters in PEFT's on-disk format: `adapter_config.json` + `adapter_model.safetensors`.
 
 That is what `peft.PeftModel.from_pretrained` and vLLM's `LoRARequest` read as is. Tensor names are
-`base_model.model.<module path>.lora_{A,B}.weight` (PEFT drops the adapter name "default" when saving),
+`base_model.model.<module path>.lora_{A,B}.weight` (PEFT drops the adapter name "default" when saving;
+the module path as the checkpoint spells it: `model.language_model.layers...` for Qwen3.5's VL checkpoints),
 A is [r, in], B is [out, r], unscaled: readers apply lora_alpha / r.
 """
 
@@ -46,6 +47,21 @@ def peft_adapter_config(policy: Policy) -> dict:
     }
 
 
+NESTED_STEM, TRAINER_STEM = "base_model.model.model.language_model.", "base_model.model.model."
+
+
+def checkpoint_key(key: str, nested: bool) -> str:
+    """The trainer's PEFT key as the checkpoint spells the module: a vision-language checkpoint (Qwen3.5)
+    nests the text model under `model.language_model.`, and vLLM only maps adapter names spelled that way."""
+    if nested and key.startswith(TRAINER_STEM) and not key.startswith(NESTED_STEM):
+        return NESTED_STEM + key[len(TRAINER_STEM):]
+    return key
+
+
+def trainer_key(key: str) -> str:
+    return TRAINER_STEM + key[len(NESTED_STEM):] if key.startswith(NESTED_STEM) else key
+
+
 def save_adapter(policy: Policy, out_dir: str | os.PathLike, cfg=None) -> Path:
     """Write the adapter atomically enough for a reader: files are written then renamed into place.
 
@@ -56,7 +72,8 @@ def save_adapter(policy: Policy, out_dir: str | os.PathLike, cfg=None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     # safetensors wants contiguous CPU tensors; bf16 is what vLLM and PEFT use for adapters of bf16 models,
     # but the fp32 masters are kept exactly here (readers cast on load).
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in policy.lora_state_dict().items()}
+    tensors = {checkpoint_key(k, policy.nests_text_model): v.detach().to("cpu").contiguous()
+               for k, v in policy.lora_state_dict().items()}
     tmp_weights, tmp_config = out_dir / f".{ADAPTER_WEIGHTS}.tmp", out_dir / f".{ADAPTER_CONFIG}.tmp"
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
     tmp_config.write_text(json.dumps(peft_adapter_config(policy), indent=2))
@@ -78,4 +95,5 @@ def load_adapter(policy: Policy, in_dir: str | os.PathLike) -> None:
     # PEFT checkpoints saved with an explicit adapter name carry it in the key; drop it.
     state = {k.replace(".lora_A.default.weight", ".lora_A.weight").replace(".lora_B.default.weight", ".lora_B.weight"): v
              for k, v in state.items()}
+    state = {trainer_key(k): v for k, v in state.items()}  # either spelling of a nested text model
     policy.load_lora_state_dict({k: v.to(torch.float32) for k, v in state.items()})

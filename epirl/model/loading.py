@@ -272,10 +272,13 @@ def load_policy(cfg, device, engine=None) -> Policy:
             raise ValueError("trainer.base=shared needs the rollout engine (its FP8 weights are the base)")
         engine_views = engine.base_weight_views()
         engine_embeddings = engine.embedding_views() if hasattr(engine, "embedding_views") else None
-    return build_policy(load_text_config(model_dir), SafetensorsSource(model_dir), cfg.trainer.base, device,
-                        dtype, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets), cfg.seed,
-                        model_path=str(cfg.model.path), gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-                        engine_views=engine_views, engine_embeddings=engine_embeddings)
+    source = SafetensorsSource(model_dir)
+    policy = build_policy(load_text_config(model_dir), source, cfg.trainer.base, device, dtype, cfg.lora.rank,
+                          cfg.lora.alpha, list(cfg.lora.targets), cfg.seed, model_path=str(cfg.model.path),
+                          gradient_checkpointing=cfg.trainer.gradient_checkpointing, engine_views=engine_views,
+                          engine_embeddings=engine_embeddings)
+    policy.nests_text_model = source.nests_text_model  # saved adapters are named as this checkpoint is
+    return policy
 
 
 def random_policy(config: PretrainedConfig, base: str, device, rank: int, alpha: float, targets: list[str],

@@ -75,6 +75,8 @@ class Policy:
         self._lora_modules = find_lora_modules(model)
         # Storage pointers of base tensors the rollout engine owns (`trainer.base: shared`).
         self.engine_storages: set[int] = set()
+        # The checkpoint keeps the text model under `model.language_model.` (Qwen3.5): adapter files use it.
+        self.nests_text_model = False
 
     @property
     def device(self) -> torch.device:

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 # Checkpoint prefixes → model prefixes. Qwen3.5 checkpoints are vision-language ones: the text model lives
 # under `model.language_model.`, which vLLM maps to `model.` too; vision tower and MTP head are dropped.
-CHECKPOINT_PREFIX_MAP = (("model.language_model.", "model."),)
+NESTED_TEXT_PREFIX = "model.language_model."
+CHECKPOINT_PREFIX_MAP = ((NESTED_TEXT_PREFIX, "model."),)
 CHECKPOINT_SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.")
 
 
@@ -52,6 +53,11 @@ class SafetensorsSource:
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
+
+    @property
+    def nests_text_model(self) -> bool:
+        """A vision-language checkpoint (Qwen3.5): the text model's tensors live under `model.language_model.`."""
+        return any(ckpt.startswith(NESTED_TEXT_PREFIX) for _, ckpt in self._file_of.values())
 
     def get(self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         shard, ckpt_name = self._file_of[name]
