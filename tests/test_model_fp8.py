@@ -443,3 +443,28 @@ def test_loop_preflight_reserves_the_engine_weights_under_a_shared_base(tiny_dir
     assert seen["shared"] == seen["fp8"] > 0
     with pytest.raises(PreflightError, match=r"^engine\.gpu_memory_utilization=0\.98 leaves .* between steps"):
         memory.preflight_beside_engine(cfg("shared", 0.98), torch.device("cuda"))
+
+
+def test_gdn_decay_stays_fp32_like_vllm(tiny_dirs):
+    """vLLM keeps Qwen3.5's A_log in fp32 (an fp32 checkpoint value stays exact); so does the trainer."""
+    cfg = make_cfg(tiny_dirs["qwen3_5"], "fp8")
+    cfg.model.dtype = "bfloat16"
+    policy = load_policy(cfg, "cpu")
+    a_logs = [p for n, p in policy.model.named_parameters() if n.endswith("A_log")]
+    assert a_logs and all(p.dtype == torch.float32 for p in a_logs)
+    assert policy.model.get_input_embeddings().weight.dtype == torch.bfloat16
+    input_ids, targets = batch(T=8)
+    logprobs, _ = policy.token_logprobs(input_ids, targets, 1.0, 16)
+    logprobs.sum().backward()  # mixed fp32 decay / bf16 activations run forward and backward
+    assert torch.isfinite(logprobs).all()
+
+
+def test_projection_copy_watcher_ignores_lora_factors_shaped_like_a_projection(tiny_dirs):
+    """At a rank equal to a projection's width, lora_A [r, K] has that projection's shape: not a copy."""
+    config = load_text_config(tiny_dirs["qwen3"])
+    rank = config.num_key_value_heads * config.head_dim  # = k_proj's output width
+    policy = load_policy(make_cfg(tiny_dirs["qwen3"], "fp8", rank=rank, alpha=float(rank)), "cpu")
+    input_ids, targets = batch()
+    with ProjectionCopyWatcher.for_policy(policy) as watcher:
+        policy.token_logprobs(input_ids, targets, 1.0, 16)[0].sum().backward()
+    assert watcher.hits == []

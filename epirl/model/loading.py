@@ -91,6 +91,11 @@ def _set_tensor(model: nn.Module, qualified_name: str, tensor: torch.Tensor) -> 
         module._buffers[leaf] = tensor
 
 
+# Parameters vLLM holds in fp32 whatever the model dtype (Qwen3.5 / Qwen3-Next GDN decay: `A_log`); the
+# trainer must hold the same values, and transformers upcasts them in the forward anyway.
+FP32_PARAMS = {"A_log": torch.float32}
+
+
 def materialize_params(model: nn.Module, source, device: torch.device, dtype: torch.dtype,
                        skip_modules: set[str], mapped: dict[str, torch.Tensor] | None = None) -> None:
     """Load every meta parameter outside `skip_modules` from `source` (or take it from `mapped`: tensors
@@ -107,7 +112,8 @@ def materialize_params(model: nn.Module, source, device: torch.device, dtype: to
             continue
         if name not in source:
             raise KeyError(f"checkpoint has no tensor for {name}")
-        _set_tensor(model, name, source.get(name, param.shape, dtype, device))
+        _set_tensor(model, name, source.get(name, param.shape, FP32_PARAMS.get(name.rpartition(".")[2], dtype),
+                                            device))
     if tied:
         model.lm_head.weight = model.get_input_embeddings().weight
     for name, buffer in list(model.named_buffers()):

@@ -65,8 +65,11 @@ def policy_memory_report(policy) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         report["cuda_peak_allocated_bytes"] = peak
-        # Everything above the static footprint at the peak: activations, logits chunks, temporaries.
-        report["peak_activation_bytes_est"] = max(0, peak - static)
+        # Called between steps, what is allocated now is everything that persists — the trainer's static
+        # bytes and, in the colocated loop, the engine's weights and KV cache in the same process. The peak
+        # above it is the step's activations, logits chunks and temporaries (peak - static would count the
+        # engine as activations).
+        report["peak_activation_bytes_est"] = max(0, peak - torch.cuda.memory_allocated(device))
     return report
 
 
@@ -213,7 +216,12 @@ class ProjectionCopyWatcher(TorchDispatchMode):
 
     @classmethod
     def for_policy(cls, policy) -> "ProjectionCopyWatcher":
-        return cls([tuple(m.codes.shape) for m in policy.model.modules() if hasattr(m, "codes")])
+        """Watches the policy's projection shapes, except those a LoRA factor shares (rank = a projection's
+        width, e.g. Qwen3.5's in_proj_b/a at rank 32): a LoRA tensor of that shape is legitimate there."""
+        watcher = cls([tuple(m.codes.shape) for m in policy.model.modules() if hasattr(m, "codes")])
+        lora_shapes = {tuple(p.shape) for p in policy.lora_parameters()}
+        watcher.shapes -= lora_shapes | {tuple(reversed(s)) for s in lora_shapes}
+        return watcher
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

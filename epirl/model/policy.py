@@ -154,7 +154,7 @@ class Policy:
         """Bytes: base_projection (+ _dtype), base_other (embeddings, LM head, norms), base_weight (all three
         count only what the trainer owns), base_shared (engine-owned storages it maps), lora_param,
         lora_grad, optimizer_bytes_est (AdamW), static; on CUDA also cuda_peak_allocated and
-        peak_activation_bytes_est (peak − static: reset the peak stats before a step to get that step's)."""
+        peak_activation_bytes_est (peak − allocated now: call between steps, after resetting the peak stats)."""
         from epirl.model.memory import policy_memory_report
         return policy_memory_report(self)
 
