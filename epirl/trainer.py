@@ -146,6 +146,8 @@ def optimizer_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlCo
                 sums[key] = sums.get(key, 0.0) + value * micro_weight
             elif key == "mismatch/max_abs_logratio":
                 sums[key] = max(sums.get(key, 0.0), value)
+            elif key.startswith("is/") and rl.correction.startswith("seq-"):  # per-sequence fractions
+                sums[key] = sums.get(key, 0.0) + value * micro.num_sequences / batch.num_sequences
             else:
                 sums[key] = sums.get(key, 0.0) + value * share
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.lora_parameters(), tr.max_grad_norm)

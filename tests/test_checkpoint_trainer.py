@@ -117,3 +117,13 @@ def test_kl_penalty_pulls_towards_the_base_model(tiny_dir, tmp_path):
     assert m1["train/grad_norm"] != pytest.approx(m0["train/grad_norm"], rel=1e-6)
     # the context manager restores the adapter: scales are back to alpha / r
     assert all(m.lora_scale == pytest.approx(2.0) for m in policy_kl.lora_modules().values())
+
+
+def test_sequence_level_clip_fraction_does_not_depend_on_micro_batching(tiny_dir, tmp_path):
+    extra = ("rl.correction=seq-tis", "rl.tis_cap=1e-10")  # short sequences exceed it, long ones do not
+    torch.manual_seed(0)
+    *_, whole = _step(_cfg(tiny_dir, tmp_path, *extra), 6)
+    torch.manual_seed(0)
+    *_, split = _step(_cfg(tiny_dir, tmp_path, *extra), 4)  # micro-batches of 4 and 2 sequences
+    assert 0.0 < whole["is/clipped_frac"] < 1.0
+    assert split["is/clipped_frac"] == pytest.approx(whole["is/clipped_frac"], abs=1e-6)
