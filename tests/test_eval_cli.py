@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from epirl.eval_cli import add_eval_args, build_engine_config, validate_args
+from epirl.eval_cli import EvalUsageError, add_eval_args, build_engine_config, validate_args
 
 
 def parse(argv):
@@ -62,13 +62,20 @@ def test_valid_arguments_build_settings_variants_and_engine_config(math500_file,
     other = tmp_path / "other" / "adapter"
     other.mkdir(parents=True)
     (other / "adapter_config.json").write_text(json.dumps({"r": 8}))
-    args = parse(["--model", "org/model", "--benchmarks", math500_file, "--adapter", adapter_dir, "--adapter", str(other),
-                  "--samples", "4", "--temperature", "0.6", "--engine", "w8a16", "--max-tokens", "512", "--thinking"])
-    settings, benchmarks, variants, rank = validate_args(args)
+    both = ["--model", "org/model", "--benchmarks", math500_file, "--adapter", adapter_dir, "--adapter", str(other),
+            "--samples", "4", "--temperature", "0.6", "--max-tokens", "512", "--thinking"]
+    # The matched engine fixes one (r, alpha) at start: two adapter shapes are a usage error, before any engine.
+    with pytest.raises(EvalUsageError, match=r"--engine w8a16 serves one LoRA shape.*\(8, 8.0\), \(32, 64.0\)"):
+        validate_args(parse(both + ["--engine", "w8a16"]))
+    args = parse(both + ["--engine", "w8a8"])
+    settings, benchmarks, variants, lora = validate_args(args)
     assert (settings.samples, settings.temperature, settings.thinking, settings.max_model_len) == (4, 0.6, True, 512 + 2048)
     assert [b.name for b in benchmarks] == ["math500"] and len(benchmarks[0].problems) == 1
     # same folder name twice: labels fall back to the full paths so results do not collide
     assert [v.label for v in variants] == [adapter_dir, str(other)]
-    assert rank == 32  # the engine's adapter slot must hold the larger adapter
-    cfg = build_engine_config(args, settings.max_model_len, rank)
-    assert (cfg.model.path, cfg.engine.precision, cfg.lora.rank, cfg.model.thinking) == ("org/model", "w8a16", 32, True)
+    assert lora == (32, 64.0)  # the engine's adapter slot must hold the larger adapter
+    cfg = build_engine_config(args, settings.max_model_len, lora)
+    assert (cfg.model.path, cfg.engine.precision, cfg.lora.rank, cfg.model.thinking) == ("org/model", "w8a8", 32, True)
+    # one adapter on the matched engine: its alpha too (σ = alpha / r is fixed in the engine)
+    cfg = build_engine_config(args, settings.max_model_len, validate_args(parse(both[:6] + ["--engine", "w8a16"]))[3])
+    assert (cfg.lora.rank, cfg.lora.alpha) == (32, 64.0)

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 
 import pytest
+import torch
 from rich.console import Console
 
 from epirl.eval.benchmarks import Benchmark, EvalProblem
@@ -45,7 +46,9 @@ class ScriptedEngine:
         self.active = path
 
     def generate(self, prompt_ids_P, n, max_tokens, temperature, top_p=1.0, seed=None, use_adapter=True):
-        self.calls.append(dict(prompts=len(prompt_ids_P), n=n, use_adapter=use_adapter, seed=seed))
+        # vLLM in-process samples from torch's generator: record how the runner seeded it
+        self.calls.append(dict(prompts=len(prompt_ids_P), n=n, use_adapter=use_adapter, seed=seed,
+                               torch_seed=torch.initial_seed()))
         outputs = []
         for ids in prompt_ids_P:
             text = "".join(map(chr, ids))
@@ -104,7 +107,8 @@ def test_samples_give_avg_and_pass_at_k_and_base_has_adapter_off(pool):
     report = run_eval(engine, pool, [arithmetic_benchmark("math500", 4)], settings, [Variant("base")], None, quiet_console())
     summary = report["variants"]["base"]["pooled"]
     assert summary["avg@3"] == 1.0 and summary["pass@3"] == 1.0 and summary["ci_method"] == "bootstrap"
-    assert engine.calls == [dict(prompts=4, n=3, use_adapter=False, seed=11)]
+    # no per-request seed (vLLM would give every prompt of a call the same one); the process RNG is seeded
+    assert engine.calls == [dict(prompts=4, n=3, use_adapter=False, seed=None, torch_seed=11 * 1_000_003)]
 
 
 def test_prompt_too_long_is_recorded_as_wrong_not_sent(pool):

@@ -257,3 +257,29 @@ def test_measure_during_training_on_the_live_engine_and_fp8_policy(engine_pool):
         assert math.isfinite(metrics[f"mismatch/probe/{key}"]) and math.isfinite(metrics[f"mismatch/probe/fake_w8a8/{key}"])
     assert metrics["mismatch/probe/delta_A_abs"] > 0
     assert metrics["mismatch/probe/delta_K_abs"] == pytest.approx(metrics["mismatch/probe/fake_w8a8/abs_dlogp"])
+
+
+def test_trainer_variant_scores_are_the_trainers_own_log_probs(tiny_dirs):
+    """score_sequences (chunked head) gives exactly Policy.token_logprobs at T != 1: δ's reference is the
+    trainer's arithmetic, bit for bit (division by T, not multiplication by 1/T)."""
+    from types import SimpleNamespace as NS
+
+    from epirl.model import load_policy
+
+    cfg = NS(model=NS(path=tiny_dirs["qwen3"], dtype="float32"), seed=0,
+             trainer=NS(base="fp8", gradient_checkpointing=False, logprob_chunk_tokens=16),
+             lora=NS(rank=4, alpha=8.0, targets=["q_proj", "v_proj"]))
+    policy = load_policy(cfg, "cpu")
+    g = torch.Generator().manual_seed(0)
+    prompt, completion = torch.randint(3, 300, (7,), generator=g).tolist(), torch.randint(3, 300, (300,), generator=g).tolist()
+    topk_ids = torch.randint(3, 300, (300, 5), generator=g)
+    old_chunk = variants.HEAD_CHUNK_TOKENS
+    variants.HEAD_CHUNK_TOKENS = 64  # several chunks
+    try:
+        scored = variants.score_sequences(policy, [prompt], [completion], [topk_ids], temperature=0.7)[0]
+    finally:
+        variants.HEAD_CHUNK_TOKENS = old_chunk
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        reference, _ = policy.token_logprobs(ids[:, :-1], ids[:, 1:], 0.7, 1024)
+    assert torch.equal(scored.sampled_T, reference[0, len(prompt) - 1:])

@@ -137,10 +137,13 @@ class ScoredSequence:
     topk_T_K: torch.Tensor  # [T, K] fp32 log p(engine's top-k ids)
 
 
-def _head_logprobs(hidden_N_H: torch.Tensor, lm_head: nn.Module, inv_temperature: float) -> torch.Tensor:
-    # Same arithmetic as Policy.token_logprobs (`_chunk_logprobs`): head matmul in the model dtype,
-    # fp32 log-softmax of logits * (1/T) — so variant scores are the trainer's scores.
-    logits_N_V = F.linear(hidden_N_H, lm_head.weight, lm_head.bias).float() * inv_temperature
+HEAD_CHUNK_TOKENS = 256  # fp32 logits of 256 positions × a 248k vocabulary (Qwen3.5) ≈ 0.25 GB
+
+
+def _head_logprobs(hidden_N_H: torch.Tensor, lm_head: nn.Module, temperature: float) -> torch.Tensor:
+    # Same arithmetic as Policy.token_logprobs (`_chunk_logprobs`) and vLLM's sampler: head matmul in the
+    # model dtype, fp32 logits divided (not multiplied by 1/T: the last bit differs) by T, fp32 log-softmax.
+    logits_N_V = F.linear(hidden_N_H, lm_head.weight, lm_head.bias).float() / temperature
     return torch.log_softmax(logits_N_V, dim=-1)
 
 
@@ -174,10 +177,13 @@ def score_sequences(policy, prompt_ids: list[list[int]], completion_ids: list[li
                 continue
             # position t predicts token t + 1: the completion's tokens are predicted from n_prompt - 1 on
             hidden_T_H = hidden_B_L_H[row, n_prompt - 1:n_prompt - 1 + n_completion]
-            logprobs_T_V = _head_logprobs(hidden_T_H, lm_head, 1.0 / temperature)
             targets_T = torch.tensor(completion_ids[i], device=device)
-            sampled_T = logprobs_T_V.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1)
-            topk_T_K = logprobs_T_V.gather(-1, topk_ids[i].to(device))
-            results[i] = ScoredSequence(sampled_T.float().cpu(), topk_T_K.float().cpu())
+            topk_T_K_ids = topk_ids[i].to(device)
+            sampled, topk = [], []
+            for c in range(0, n_completion, HEAD_CHUNK_TOKENS):  # full-vocab fp32 rows, a chunk at a time
+                logprobs_C_V = _head_logprobs(hidden_T_H[c:c + HEAD_CHUNK_TOKENS], lm_head, temperature)
+                sampled.append(logprobs_C_V.gather(-1, targets_T[c:c + HEAD_CHUNK_TOKENS, None]).squeeze(-1))
+                topk.append(logprobs_C_V.gather(-1, topk_T_K_ids[c:c + HEAD_CHUNK_TOKENS]))
+            results[i] = ScoredSequence(torch.cat(sampled).float().cpu(), torch.cat(topk).float().cpu())
         start = stop
     return results  # type: ignore[return-value]
