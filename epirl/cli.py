@@ -81,6 +81,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume is not None and not Path(args.resume).is_dir():
         console.print(f"[red]error:[/] --resume {args.resume}: no such run folder")
         return 2
+    if args.resume is not None:
+        from epirl.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(Path(args.resume)) is None:
+            console.print(f"[red]error:[/] --resume {args.resume}: no complete checkpoint under "
+                          f"{Path(args.resume) / 'checkpoints'}")
+            return 2
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     setup_logging(args.verbose, run_dir / "train.log")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -94,7 +101,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         with progress:
             out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
-    except (ConfigError, DataError, PreflightError, FileNotFoundError) as exc:  # found once inputs are read
+    except (ConfigError, DataError, PreflightError) as exc:  # found once the inputs are read: one line
+        logging.getLogger("epirl").error("%s", exc)  # and in train.log
         console.print(f"[red]error:[/] {exc}")
         return 2
     console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")

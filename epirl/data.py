@@ -185,9 +185,11 @@ class PromptStream:
         return self.problems[self._order(epoch)[offset]]
 
     def take(self, count: int) -> list[Prompt]:
-        prompts, misses = [], 0  # consecutive too-long prompts: a whole pass of them means none fits
+        # Consecutive too-long prompts: any 2N positions in a row hold one whole (shuffled) epoch, so 2N
+        # misses mean no prompt fits (N misses can straddle two epochs and skip the one that does).
+        prompts, misses = [], 0
         while len(prompts) < count:
-            if misses >= len(self.problems):
+            if misses >= 2 * len(self.problems):
                 raise DataError(f"every prompt is longer than data.max_prompt_tokens={self.max_prompt_tokens}")
             problem = self._next_problem()
             ids = render_prompt(self.tokenizer, problem.messages, self.thinking)

@@ -30,6 +30,14 @@ def wandb_mode(setting: str) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def _row_step(line: str) -> float:
+    """The step of a JSONL row; a blank or torn row (the crash that made this a resume) sorts last: dropped."""
+    try:
+        return float(json.loads(line)["step"]) if line.strip() else float("inf")
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class Tracker:
     """Writes one JSON object per step (append-only, flushed) and mirrors it to W&B."""
 
@@ -66,8 +74,7 @@ class Tracker:
         for path in (self.path, self.path.parent / "samples.jsonl"):
             if not path.exists():
                 continue
-            kept = [line for line in path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            kept = [line for line in path.read_text().splitlines(keepends=True) if _row_step(line) <= step]
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(kept))
             os.replace(tmp, path)

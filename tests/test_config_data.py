@@ -183,3 +183,12 @@ def test_cli_bad_inputs_found_at_start_exit_2_with_one_line(tmp_path, override, 
     assert proc.returncode == 2, output[-2000:]
     assert message in output and "Traceback" not in output
     assert "Initializing a V1 LLM engine" not in output  # found before the engine, not after it loaded
+
+
+def test_cli_resume_without_a_checkpoint_exits_2(tmp_path):
+    (tmp_path / "run").mkdir()
+    dump_config(load_config(None, []), tmp_path / "run" / "config.yaml")  # a run that crashed before step 1
+    proc = subprocess.run([sys.executable, "-m", "epirl.cli", "train", "--resume", str(tmp_path / "run")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr

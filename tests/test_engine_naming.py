@@ -121,3 +121,24 @@ def test_matched_engine_refuses_an_adapter_it_cannot_place():
     del adapter.modules["language_model.model.layers.0.mlp.up_proj"]
     with plugin.active_adapter(engine, lora_request=object()):
         assert torch.equal(state.lora_b[0], known[1]) and engine._epirl_loaded == 7
+
+
+def test_adapter_folders_in_the_text_spelling_are_respelled_for_a_vl_checkpoint(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from epirl.engine.lora_publish import AdapterPublisher
+    from epirl.engine.naming import NameMap
+
+    publisher = object.__new__(AdapterPublisher)  # only the naming part; no vLLM behind it
+    publisher._names = NameMap(qwen35_like_vllm_model())
+    tensors = {"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight": torch.ones(2, 3)}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
+    served = publisher._respelled_copy(str(tmp_path), tensors)
+    assert served != str(tmp_path)
+    assert list(load_file(f"{served}/adapter_model.safetensors")) == [
+        "base_model.model.model.language_model.layers.0.mlp.down_proj.lora_A.weight"]
+    nested = {"base_model.model.model.language_model.layers.0.mlp.down_proj.lora_A.weight": torch.ones(2, 3)}
+    assert publisher._respelled_copy(str(tmp_path), nested) == str(tmp_path)  # already spelled right

@@ -103,31 +103,34 @@ def test_vllm_args_pass_through_checked_and_vl_checkpoints_load_the_language_mod
         kwargs(text, enable_lora=False)
 
 
-@pytest.mark.parametrize("layout", ["cutlass_transposed_view", "row_major", "square_row_major", "copy_needed"])
+@pytest.mark.parametrize("layout", ["transposed_view", "row_major", "square_copy_among_views"])
 def test_fp8_base_views_are_zero_copy_in_either_vllm_weight_layout(layout):
-    """The shared base takes vLLM's FP8 weight whichever way a version holds it, never copying it."""
+    """The shared base takes vLLM's FP8 weights whichever way a version holds them (read off a non-square
+    weight), never copying; a square weight held otherwise than the model's layout is refused, not transposed."""
     from torch import nn
 
     from epirl.engine.plugin import fp8_base_views
 
-    n, k = (6, 6) if layout == "square_row_major" else (10, 6)
-    codes_N_K = torch.randn(n, k).to(torch.float8_e4m3fn)
-    qkv = nn.Module()
-    qkv.logical_widths, qkv.output_size_per_partition = [4, 3, 3] if n == 10 else [2, 2, 2], n
-    qkv.weight_scale = torch.tensor([0.5])
-    if layout == "cutlass_transposed_view":
-        qkv.weight = codes_N_K.t()  # [K, N], stride (1, K): what vLLM's CUTLASS path keeps
-    elif layout == "copy_needed":
-        qkv.weight = codes_N_K.t().contiguous()  # [K, N] row-major: sharing would need a transpose copy
-    else:
-        qkv.weight = codes_N_K
+    def fp8_layer(n, k, widths, held):
+        codes_N_K = torch.randn(n, k).to(torch.float8_e4m3fn)
+        layer = nn.Module()
+        layer.logical_widths, layer.output_size_per_partition = widths, n
+        layer.weight_scale = torch.tensor([0.5])
+        layer.weight = {"view": codes_N_K.t(), "row_major": codes_N_K, "copy": codes_N_K.t().contiguous()}[held]
+        return layer, codes_N_K
+
+    held = "row_major" if layout == "row_major" else "view"
     model = nn.Module()
+    qkv, qkv_codes = fp8_layer(10, 6, [4, 3, 3], held)  # non-square: tells the layout
+    o, o_codes = fp8_layer(6, 6, [6], "copy" if layout == "square_copy_among_views" else held)
     model.add_module("qkv_proj", qkv)
-    if layout == "copy_needed":
-        with pytest.raises(RuntimeError, match="qkv_proj: engine FP8 weight .* cannot share it zero-copy"):
+    model.add_module("o_proj", o)
+    if layout == "square_copy_among_views":
+        with pytest.raises(RuntimeError, match="o_proj: engine FP8 weight .* cannot share it zero-copy"):
             fp8_base_views(model)
         return
     views = fp8_base_views(model)
-    assert list(views) == ["q_proj", "k_proj", "v_proj"]
-    assert views["q_proj"][0].data_ptr() == codes_N_K.data_ptr()
-    assert torch.equal(torch.cat([views[m][0] for m in ("q_proj", "k_proj", "v_proj")]).float(), codes_N_K.float())
+    assert sorted(views) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert views["q_proj"][0].data_ptr() == qkv_codes.data_ptr() and views["o_proj"][0].data_ptr() == o_codes.data_ptr()
+    assert torch.equal(torch.cat([views[m][0] for m in ("q_proj", "k_proj", "v_proj")]).float(), qkv_codes.float())
+    assert torch.equal(views["o_proj"][0].float(), o_codes.float())  # the square one, not its transpose

@@ -98,8 +98,15 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
 
 
 def check_vllm_args(cfg: Any) -> None:
-    """Raise ConfigError (one line) now, before any model loads, for `engine.vllm_args` vLLM would refuse."""
-    _llm_kwargs(cfg, "", None)
+    """Raise ConfigError (one line) now, before any model loads, for engine arguments vLLM would refuse."""
+    from epirl.config import ConfigError
+
+    try:
+        _llm_kwargs(cfg, "", None)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # the LoRA rank slot: vLLM allows a fixed set of max_lora_rank values
+        raise ConfigError(f"lora.rank: {exc}") from None
 
 
 def _extra_llm_kwargs(cfg: Any, model_path: str, owned: set[str]) -> dict[str, Any]:

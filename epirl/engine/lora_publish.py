@@ -18,6 +18,7 @@ trainer's tensors would silently rescale the trainer's B every step.
 from __future__ import annotations
 
 import inspect
+import os
 import logging
 import time
 from dataclasses import dataclass, field
@@ -169,10 +170,26 @@ class AdapterPublisher:
             "engine/adapter_id": float(lora_id),
         }
 
+    def _respelled_copy(self, path: str, tensors: dict[str, torch.Tensor]) -> str:
+        """`path`, or a temporary copy whose keys use the checkpoint's spelling (a text-model PEFT adapter on a
+        vision-language checkpoint, e.g. from an older epirl or a text-only PEFT run)."""
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        respelled = {self._names.vllm_adapter_key(k): v for k, v in tensors.items()}
+        if respelled.keys() == tensors.keys():
+            return path
+        folder = tempfile.mkdtemp(prefix="epirl-adapter-")
+        save_file({k: v.contiguous() for k, v in respelled.items()}, os.path.join(folder, "adapter_model.safetensors"))
+        shutil.copy(os.path.join(path, "adapter_config.json"), folder)
+        log.info("adapter %s: module names re-spelled for this checkpoint in %s", path, folder)
+        return folder
+
     def use_directory(self, path: str, name: str | None = None) -> None:
         """Make a PEFT adapter folder on disk the live adapter (vLLM's own file loader)."""
         import json
-        import os
 
         from safetensors.torch import load_file
         from vllm.lora.request import LoRARequest
@@ -180,7 +197,9 @@ class AdapterPublisher:
         lora_id = self._next_id
         self._next_id += 1
         name = name or f"epirl-dir{lora_id}-{os.path.basename(os.path.normpath(path))}"
-        request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=os.path.abspath(path))
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        served = self._respelled_copy(path, tensors)  # vLLM's file loader maps only the checkpoint's spelling
+        request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=os.path.abspath(served))
         engine = self._llm.llm_engine
         if self.current is not None:
             engine.remove_lora(self.current.request.lora_int_id)
@@ -188,7 +207,6 @@ class AdapterPublisher:
             raise RuntimeError(f"vLLM refused adapter dir {path}")
         with open(os.path.join(path, "adapter_config.json")) as f:
             cfg = json.load(f)
-        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
         scale = float(cfg["lora_alpha"]) / float(cfg["r"])
         # Module keys as the trainer names them (a VL checkpoint's file says `model.language_model.`).
         modules = {checkpoint_to_model_name(m) or m: pair for m, pair in modules_of(tensors).items()}

@@ -328,7 +328,7 @@ def fp8_base_views(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     the engine: no copy of the base is made, so a trainer built on them holds no second base.
     """
     names = NameMap(model)
-    views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    layers = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         scale = getattr(module, "weight_scale", None)
@@ -336,27 +336,34 @@ def fp8_base_views(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             continue
         if scale.numel() != 1:
             raise NotImplementedError(f"{name}: weight_scale has {scale.numel()} entries, want per-tensor")
-        codes = _row_major_codes(name, module, weight)
+        layers.append((name, module, weight, scale))
+    # How this vLLM holds FP8 weights, read off a non-square one: a square weight fits either layout.
+    non_square = [w for _, _, w, _ in layers if w.ndim == 2 and w.shape[0] != w.shape[1]]
+    transposed_view = not non_square or non_square[0].t().is_contiguous()
+    views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, module, weight, scale in layers:
+        codes = _row_major_codes(name, module, weight, transposed_view)
         widths = list(getattr(module, "logical_widths", None) or [codes.shape[0]])
         for hf_name, first, rows in names.module_ranges(name, widths):
             views[hf_name] = (codes[first:first + rows], scale)
     return views
 
 
-def _row_major_codes(name: str, module, weight: torch.Tensor) -> torch.Tensor:
-    """The [N, K] row-major codes behind a vLLM FP8 weight, zero-copy, whichever way this version holds it.
+def _row_major_codes(name: str, module, weight: torch.Tensor, transposed_view: bool) -> torch.Tensor:
+    """The [N, K] row-major codes behind a vLLM FP8 weight, zero-copy, in the layout this vLLM uses.
 
     vLLM's CUTLASS / torch._scaled_mm paths keep `weight` as the [K, N] transposed view of row-major codes
-    (stride (1, K)); a version that keeps the loaded [N, K] tensor as is has it contiguous already. Never a
-    copy: a layout that is neither cannot be shared and says so.
+    (stride (1, K)); a version that keeps the loaded [N, K] tensor has it contiguous. Never a copy: a weight
+    that is not in the model's layout (e.g. a contiguous [K, N] transpose) cannot be shared and says so.
     """
-    if weight.t().is_contiguous():
+    if transposed_view and weight.t().is_contiguous():
         return weight.t()
     out_features = getattr(module, "output_size_per_partition", None) or getattr(module, "output_size", None)
-    if weight.is_contiguous() and (out_features is None or weight.shape[0] == out_features):
+    if not transposed_view and weight.is_contiguous() and (out_features is None or weight.shape[0] == out_features):
         return weight
-    raise RuntimeError(f"{name}: engine FP8 weight {tuple(weight.shape)} with strides {weight.stride()} is neither "
-                       "[N, K] row-major nor its transpose; cannot share it zero-copy (use trainer.base=fp8)")
+    raise RuntimeError(f"{name}: engine FP8 weight {tuple(weight.shape)} with strides {weight.stride()} is not in "
+                       "this model's layout ([N, K] row-major or its transpose view); cannot share it zero-copy "
+                       "(use trainer.base=fp8)")
 
 
 def embedding_views(model) -> dict[str, torch.Tensor]:

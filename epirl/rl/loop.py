@@ -206,14 +206,15 @@ def check_inputs(cfg: EpirlConfig) -> list:
     """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
 
     Raises ConfigError / DataError with one line naming the field or file."""
-    from epirl.config import ConfigError
+    from transformers import AutoConfig
+
+    from epirl.config import ConfigError, resolve_model_path
     from epirl.engine.engine import check_vllm_args
-    from epirl.model.loading import local_model_dir
 
     if cfg.model.path.startswith(("/", ".", "~")) and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
-    try:
-        local_model_dir(cfg.model.path)  # a folder, an alias, or a hub id (downloaded once, as vLLM would)
+    try:  # a folder, an alias or a hub id: its config only (the weights come after the memory pre-flight)
+        AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     except Exception as exc:  # noqa: BLE001 - missing folder, bad hub id, offline: all one line
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"model.path: {cfg.model.path}: {reason}") from None
