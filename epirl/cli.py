@@ -15,9 +15,15 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 console = Console(stderr=True)
+
+
+def error_line(message: str) -> None:
+    """One line, however long: rich would hard-wrap at 80 columns when stderr is not a terminal."""
+    console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)  # "[...]" is not markup
 
 
 def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
@@ -76,17 +82,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(recipe, args.overrides)
     except ConfigError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        error_line(str(exc))
         return 2
     if args.resume is not None and not Path(args.resume).is_dir():
-        console.print(f"[red]error:[/] --resume {args.resume}: no such run folder")
+        error_line(f"--resume {args.resume}: no such run folder")
         return 2
     if args.resume is not None:
         from epirl.checkpoint import latest_checkpoint
 
         if latest_checkpoint(Path(args.resume)) is None:
-            console.print(f"[red]error:[/] --resume {args.resume}: no complete checkpoint under "
-                          f"{Path(args.resume) / 'checkpoints'}")
+            error_line(f"--resume {args.resume}: no complete checkpoint under {Path(args.resume) / 'checkpoints'}")
             return 2
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     setup_logging(args.verbose, run_dir / "train.log")
@@ -103,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
     except (ConfigError, DataError, PreflightError) as exc:  # found once the inputs are read: one line
         logging.getLogger("epirl").error("%s", exc)  # and in train.log
-        console.print(f"[red]error:[/] {exc}")
+        error_line(str(exc))
         return 2
     console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
     return 0
