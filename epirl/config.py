@@ -10,13 +10,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 # Aliases for model paths that resolve to local, pip-shipped checkpoints (no hub access needed).
 MODEL_ALIASES = ("smollm2",)
 
 PROJECTIONS_ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROJECTIONS_MLP = ["gate_proj", "up_proj", "down_proj"]
+PROJECTIONS_GDN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]  # Qwen3.5 linear attention
+ALL_PROJECTIONS = tuple(PROJECTIONS_ATTN + PROJECTIONS_MLP + PROJECTIONS_GDN)
 
 
 class Section(BaseModel):
@@ -100,11 +102,15 @@ class LoRAConfig(Section):
     """Module names that get adapters (all linear projections by default; add in_proj_qkv, in_proj_z,
     in_proj_b, in_proj_a, out_proj for Qwen3.5 linear-attention layers)."""
 
-    @model_validator(mode="after")
-    def _targets_nonempty(self) -> "LoRAConfig":
-        if not self.targets:
-            raise ValueError("targets must name at least one module")
-        return self
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, targets: list[str]) -> list[str]:
+        if not targets:
+            raise ValueError("must name at least one module")
+        unknown = sorted(set(targets) - set(ALL_PROJECTIONS))
+        if unknown:
+            raise ValueError(f"unknown projection(s) {unknown}; known: {list(ALL_PROJECTIONS)}")
+        return targets
 
 
 class ArithmeticConfig(Section):
@@ -294,7 +300,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     field = ".".join(str(p) for p in first["loc"]) or "<root>"
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown key '{field}'"
-    return f"{source}: {field}: {first['msg']} (got {first.get('input')!r})"
+    message = first["msg"].removeprefix("Value error, ")  # our validators' own words, without pydantic's tag
+    return f"{source}: {field}: {message} (got {first.get('input')!r})"
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> EpirlConfig:

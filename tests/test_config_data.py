@@ -192,3 +192,8 @@ def test_cli_resume_without_a_checkpoint_exits_2(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_unknown_lora_target_is_a_config_error_naming_the_field():
+    with pytest.raises(ConfigError, match=r"^config: lora\.targets: unknown projection\(s\) \['q_projx'\]; known: "):
+        load_config(None, ["lora.targets=[q_proj, q_projx]"])

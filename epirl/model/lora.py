@@ -16,12 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Every projection epirl knows how to wrap. Qwen3.5's gated-DeltaNet layers add the in_proj_* family and
-# out_proj; Llama / Qwen3 / Qwen3.5 full attention and MLPs use the first seven.
-ALL_PROJECTIONS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-)
+# Every projection epirl knows how to wrap (one list for the config check and the model). Qwen3.5's
+# gated-DeltaNet layers add the in_proj_* family and out_proj; Llama / Qwen3 / Qwen3.5 full attention and
+# MLPs use the first seven.
+from epirl.config import ALL_PROJECTIONS
 
 
 class LoRALinear(nn.Module):
