@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Aliases for model paths that resolve to local, pip-shipped checkpoints (no hub access needed).
 MODEL_ALIASES = ("smollm2",)
@@ -253,6 +253,19 @@ class EpirlConfig(Section):
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
 
+    @property
+    def prompt_token_limit(self) -> int:
+        """Longest prompt the loop sends: data.max_prompt_tokens, but never so long that prompt + response
+        overflow the engine's context (vLLM refuses such requests)."""
+        return min(self.data.max_prompt_tokens, self.model.max_model_len - self.rl.max_tokens)
+
+    @model_validator(mode="after")
+    def _responses_fit(self) -> "EpirlConfig":
+        if self.rl.max_tokens >= self.model.max_model_len:
+            raise ValueError(f"rl.max_tokens={self.rl.max_tokens} leaves no room for a prompt in "
+                             f"model.max_model_len={self.model.max_model_len}")
+        return self
+
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message is one line naming the field or file."""
@@ -301,6 +314,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown key '{field}'"
     message = first["msg"].removeprefix("Value error, ")  # our validators' own words, without pydantic's tag
+    if not first["loc"]:  # a check across sections: its message names the fields itself
+        return f"{source}: {message}"
     return f"{source}: {field}: {message} (got {first.get('input')!r})"
 
 

@@ -190,7 +190,8 @@ class PromptStream:
         prompts, misses = [], 0
         while len(prompts) < count:
             if misses >= 2 * len(self.problems):
-                raise DataError(f"every prompt is longer than data.max_prompt_tokens={self.max_prompt_tokens}")
+                raise DataError(f"every prompt is longer than {self.max_prompt_tokens} tokens (data.max_prompt_tokens, "
+                                "at most model.max_model_len - rl.max_tokens)")
             problem = self._next_problem()
             ids = render_prompt(self.tokenizer, problem.messages, self.thinking)
             if len(ids) > self.max_prompt_tokens:

@@ -63,6 +63,7 @@ def engine_test_config(precision: str = "bf16", **sections):
 
     tree = {
         "model": {"path": "smollm2", "max_model_len": 256, "dtype": "bfloat16"},
+        "rl": {"max_tokens": 64},
         "engine": {"precision": precision, "max_num_seqs": 8, "enforce_eager": True, "cpu_kv_cache_gb": 1},
         "lora": {"rank": 8, "alpha": 16.0},
     }

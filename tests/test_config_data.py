@@ -197,3 +197,11 @@ def test_cli_resume_without_a_checkpoint_exits_2(tmp_path):
 def test_unknown_lora_target_is_a_config_error_naming_the_field():
     with pytest.raises(ConfigError, match=r"^config: lora\.targets: unknown projection\(s\) \['q_projx'\]; known: "):
         load_config(None, ["lora.targets=[q_proj, q_projx]"])
+
+
+def test_responses_must_leave_room_for_a_prompt_and_prompts_are_capped_by_the_context():
+    with pytest.raises(ConfigError, match=r"^config: rl\.max_tokens=512 leaves no room for a prompt in "
+                                          r"model\.max_model_len=512"):
+        load_config(None, ["model.max_model_len=512", "rl.max_tokens=512"])
+    cfg = load_config(None, ["model.max_model_len=512", "rl.max_tokens=32", "data.max_prompt_tokens=1024"])
+    assert cfg.prompt_token_limit == 480

@@ -230,7 +230,7 @@ def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracke
     policy = load_policy(cfg, device, engine=engine)
     optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
     stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                          thinking=cfg.model.thinking, max_prompt_tokens=cfg.data.max_prompt_tokens)
+                          thinking=cfg.model.thinking, max_prompt_tokens=cfg.prompt_token_limit)
     pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
     # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
     probe_prompts = [render_prompt(engine.tokenizer, p.messages, cfg.model.thinking)
