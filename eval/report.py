@@ -129,8 +129,11 @@ def wandb_summary(report: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
-def log_to_wandb(report: dict[str, Any], records: Sequence[dict]) -> bool:
+def log_to_wandb(report: dict[str, Any], records: Sequence[dict], step: int | None = None) -> bool:
     """Summary + a table of failed samples into the active W&B run; False (nothing done) without one.
+
+    `step` (in-training eval): the table goes to that training step and the run summary is left alone (the
+    step's accuracies go through the tracker with the step's other metrics).
 
     wandb is looked up in ``sys.modules`` rather than imported: eval never starts W&B by itself, and
     importing wandb costs seconds.
@@ -139,9 +142,10 @@ def log_to_wandb(report: dict[str, Any], records: Sequence[dict]) -> bool:
     run = getattr(wandb, "run", None) if wandb is not None else None
     if run is None:
         return False
-    run.summary.update(wandb_summary(report))
+    if step is None:
+        run.summary.update(wandb_summary(report))
     columns = ["variant", "benchmark", "problem_id", "sample", "gold", "extracted_answer", "grade_status", "finish_reason", "completion"]
     failures = [record for record in records if not record["correct"]][:MAX_WANDB_FAILURES]
     table = wandb.Table(columns=columns, data=[[record[c] for c in columns] for record in failures])
-    run.log({"eval/failures": table})
+    run.log({"eval/failures": table}, **({} if step is None else {"step": step}))
     return True

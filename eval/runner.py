@@ -172,8 +172,10 @@ def evaluate_variant(
 def run_eval(
     engine: Engine, pool: RewardPool, benchmarks: Sequence[Benchmark], settings: EvalSettings,
     variants: Sequence[Variant], out_dir: str | Path | None = None, console: Console | None = None,
+    wandb_step: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate every variant on every benchmark; print, write (when ``out_dir``) and W&B-log the report."""
+    """Evaluate every variant on every benchmark; print, write (when ``out_dir``) and W&B-log the report
+    (`wandb_step`: inside a training run, at that step)."""
     if not variants:
         raise ValueError("run_eval needs at least one variant")
     if len({variant.label for variant in variants}) != len(variants):
@@ -189,5 +191,5 @@ def run_eval(
     print_report(report, console)
     if out_dir is not None:
         write_outputs(Path(out_dir), report, records)
-    log_to_wandb(report, records)
+    log_to_wandb(report, records, step=wandb_step)
     return report

@@ -149,5 +149,9 @@ def test_wandb_gets_summary_and_failure_table_only_with_an_active_run(pool, tmp_
         assert run.summary["eval/a/math500/accuracy"] == pytest.approx(0.5)
         assert run.summary["eval/a/pooled/ci95_high"] == pytest.approx(report["variants"]["a"]["pooled"]["ci95_high"])
         assert run.summary["eval/failures"]["nrows"] == 2  # problems 1 and 3 are answered wrong
+        # inside training: the table goes to the training step, the run summary is not touched
+        run.log({"train/x": 1.0}, step=6)
+        run_eval(engine, pool, benchmarks, settings, [Variant("b", "dir/a")], None, quiet_console(), wandb_step=7)
+        assert run.step == 7 and "eval/b/math500/accuracy" not in run.summary.keys()
     finally:
         run.finish()

@@ -37,7 +37,7 @@ class PeriodicEval:
                                 seed=cfg.seed, max_model_len=cfg.model.max_model_len)
         label = f"step_{step}"
         report = run_eval(engine, pool, self.benchmarks, settings, [Variant(label, use_adapter=True)],
-                          out_dir=self.run_dir / "eval" / label)
+                          out_dir=self.run_dir / "eval" / label, wandb_step=step)
         summary = report["variants"][label]
         metrics = {f"eval/{name}/accuracy": m["accuracy"] for name, m in summary["benchmarks"].items()}
         metrics[f"eval/{POOLED}/accuracy"] = summary[POOLED]["accuracy"]
