@@ -376,7 +376,8 @@ def embedding_views(model) -> dict[str, torch.Tensor]:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     found: dict[str, torch.Tensor] = {}
-    for _, module in model.named_modules():
+    ambiguous: set[str] = set()
+    for name, module in model.named_modules():
         if not isinstance(module, VocabParallelEmbedding):
             continue
         weight = getattr(module, "weight", None)
@@ -384,6 +385,7 @@ def embedding_views(model) -> dict[str, torch.Tensor]:
             continue
         role = "output" if isinstance(module, ParallelLMHead) else "input"
         if role in found and found[role].data_ptr() != weight.data_ptr():
-            raise RuntimeError(f"engine model has two different {role} embedding weights; cannot share")
+            ambiguous.add(role)  # e.g. a draft/MTP head beside the model's own: which one is ours is unclear
+            log.info("engine has a second %s embedding (%s): the trainer loads its own copy", role, name)
         found[role] = weight.data
-    return found
+    return {role: weight for role, weight in found.items() if role not in ambiguous}
