@@ -29,6 +29,19 @@ FWD_CONFIG = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
 LORA_SPLITS = 16  # K chunks of the LoRA down-projection (fixed per K: batch invariant)
 
 
+@triton.jit
+def _grouped_tile_ids(num_outer, num_inner, GROUP: tl.constexpr):
+    """(outer, inner) tile of this program in grouped order: GROUP outer tiles are swept over every inner
+    tile while they sit in L2 (the same order for the row-major and the weight-transposed kernels)."""
+    pid = tl.program_id(0)
+    group = pid // (GROUP * num_inner)
+    first = group * GROUP
+    size = tl.minimum(num_outer - first, GROUP)
+    outer = first + (pid % (GROUP * num_inner)) % size
+    inner = (pid % (GROUP * num_inner)) // size
+    return outer, inner
+
+
 @triton.jit(do_not_specialize=["M"])
 def _scaled_gemm_lora_kernel(
     x_ptr, w_ptr, y_ptr, w_scale_ptr, x_scale_ptr, xa_ptr, b_ptr, bias_ptr,
@@ -40,14 +53,7 @@ def _scaled_gemm_lora_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # grouped program order: GROUP_M row-tiles share each column tile while it is hot in L2
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = _grouped_tile_ids(tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
 
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -163,15 +169,7 @@ def _wt_epilogue(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_pt
 @triton.jit
 def _wt_tile_ids(M, N, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr):
     # grouped order: GROUP_N weight tiles are swept over all token tiles while they sit in L2
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    num_m = tl.cdiv(M, BM)
-    group = pid // (GROUP_N * num_m)
-    first_n = group * GROUP_N
-    size_n = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % (GROUP_N * num_m)) % size_n
-    pid_m = (pid % (GROUP_N * num_m)) // size_n
-    return pid_n, pid_m
+    return _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
 
 
 @triton.jit(do_not_specialize=["M"])
