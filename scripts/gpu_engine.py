@@ -102,32 +102,15 @@ def _tpot(engine, precision):
 def _layer_bitwise(engine, adapter):
     import torch
 
-    from epirl.engine import compat
+    from epirl.engine import compat, plugin
     from epirl.engine.lora_publish import modules_of
     from epirl.kernels import w8a16_lora
 
     engine.publish(adapter, step=100)
-    # Forward hooks do not fire inside CUDA-graph replay or compiled regions: run this with --eager. The
-    # model may sit inside a wrapper (prefix differs by vLLM version), so layers are found by suffix.
-    wanted = ["model.layers.5.self_attn.qkv_proj", "model.layers.5.mlp.down_proj"]
-    by_suffix = {w: (n, m) for n, m in compat.model(engine.llm).named_modules() for w in wanted
-                 if n == w or n.endswith("." + w)}
-    names = wanted
-    mods = {w: by_suffix[w][1] for w in wanted}
-    cap = {}
-    def capture(name):
-        def hook(module, args, out):  # must return None: a returned value would replace the output
-            if name not in cap:
-                cap[name] = (args[0].clone(), (out[0] if isinstance(out, tuple) else out).clone())
-        return hook
-
-    hooks = [mods[n].register_forward_hook(capture(n)) for n in names]
-    try:
-        prompt = list(range(1000, 1064))
-        engine.score([prompt], [list(range(2000, 2008))])
-    finally:
-        for h in hooks:
-            h.remove()
+    # Forward hooks do not fire inside CUDA-graph replay or compiled regions: run this with --eager.
+    names = ["model.layers.5.self_attn.qkv_proj", "model.layers.5.mlp.down_proj"]
+    with plugin.captured_layer_io(compat.model(engine.llm), names) as cap:
+        engine.score([list(range(1000, 1064))], [list(range(2000, 2008))])
     views, lora = engine.base_weight_views(), modules_of(adapter)
     scale = engine.cfg.lora.alpha / engine.cfg.lora.rank
     for name, subs in [(names[0], ["q_proj", "k_proj", "v_proj"]), (names[1], ["down_proj"])]:

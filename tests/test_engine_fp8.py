@@ -83,28 +83,16 @@ def test_base_weight_views_are_zero_copy(engine_pool):
 
 def test_w8a16_layers_are_bitwise_the_kernel_with_the_live_adapter(engine_pool, adapter):
     """Capture one fused and one plain layer inside the engine; recompute with the kernel: torch.equal."""
-    from epirl.engine import compat
+    from epirl.engine import compat, plugin
     from epirl.engine.lora_publish import modules_of
     from epirl.kernels import w8a16_lora
 
     engine = engine_pool.get("w8a16", dtype=DTYPE)
     engine.publish(adapter, step=1)
-    modules = dict(compat.model(engine.llm).named_modules())
-    captured = {}
     names = ["model.layers.3.self_attn.qkv_proj", "model.layers.3.mlp.down_proj"]
-    def capture(name):
-        def hook(module, args, out):  # must return None: a returned value would replace the output
-            if name not in captured:
-                captured[name] = (args[0].clone(), (out[0] if isinstance(out, tuple) else out).clone())
-        return hook
-
-    hooks = [modules[n].register_forward_hook(capture(n)) for n in names]
-    try:
+    with plugin.captured_layer_io(compat.model(engine.llm), names) as captured:
         p, c = _pairs(engine.tokenizer)[0]
         engine.score([p], [c])
-    finally:
-        for h in hooks:
-            h.remove()
     views, lora = engine.base_weight_views(), modules_of(adapter)
     for name, hf_names in [(names[0], ["q_proj", "k_proj", "v_proj"]), (names[1], ["down_proj"])]:
         x, y = captured[name]

@@ -389,3 +389,28 @@ def embedding_views(model) -> dict[str, torch.Tensor]:
             log.info("engine has a second %s embedding (%s): the trainer loads its own copy", role, name)
         found[role] = weight.data
     return {role: weight for role, weight in found.items() if role not in ambiguous}
+
+
+@contextlib.contextmanager
+def captured_layer_io(model, wanted: list[str]) -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """While active, record the first (input, output) of each named layer (found by name suffix: the model
+    may sit in a wrapper whose prefix differs by vLLM version). For checks of the matched engine's layers
+    against the kernel; hooks do not fire inside CUDA-graph replay, so use an eager engine."""
+    modules = {w: m for n, m in model.named_modules() for w in wanted if n == w or n.endswith("." + w)}
+    missing = [w for w in wanted if w not in modules]
+    if missing:
+        raise KeyError(f"no layer named like {missing}")
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def recorder(name):
+        def hook(module, args, out):  # returns None: a returned value would replace the output
+            if name not in captured:
+                captured[name] = (args[0].clone(), (out[0] if isinstance(out, tuple) else out).clone())
+        return hook
+
+    hooks = [modules[w].register_forward_hook(recorder(w)) for w in wanted]
+    try:
+        yield captured
+    finally:
+        for h in hooks:
+            h.remove()
