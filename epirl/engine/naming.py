@@ -98,8 +98,6 @@ class NameMap:
 
     def vllm_adapter_key(self, peft_key: str) -> str:
         """A trainer PEFT key as the checkpoint would spell it, which is what vLLM's LoRA loader maps."""
-        stem = "base_model.model.model."
-        if self.nests_text_model and peft_key.startswith(stem) and not peft_key.startswith(
-                "base_model.model." + NESTED_TEXT_PREFIX):
-            return "base_model.model." + NESTED_TEXT_PREFIX + peft_key[len(stem):]
-        return peft_key
+        from epirl.model.adapter_io import checkpoint_key
+
+        return checkpoint_key(peft_key, self.nests_text_model)

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from epirl.model.policy import Policy
+from epirl.model.weights import NESTED_TEXT_PREFIX
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -47,7 +48,8 @@ def peft_adapter_config(policy: Policy) -> dict:
     }
 
 
-NESTED_STEM, TRAINER_STEM = "base_model.model.model.language_model.", "base_model.model.model."
+TRAINER_STEM = "base_model.model.model."
+NESTED_STEM = "base_model.model." + NESTED_TEXT_PREFIX  # base_model.model.model.language_model.
 
 
 def checkpoint_key(key: str, nested: bool) -> str:
