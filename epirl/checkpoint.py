@@ -1,5 +1,8 @@
 """Resumable checkpoints: PEFT adapter, optimizer + scheduler, RNG states, data cursor and step.
 
+With several ranks (torchrun) rank 0 writes the checkpoint (adapter and optimizer are identical on every rank)
+with every rank's RNG state; `state.json` records the rank count, and a resume needs the same count.
+
 Layout: `runs/<name>/checkpoints/step_000010/{adapter/, trainer_state.pt, state.json}`. A checkpoint is
 written into a temporary folder and renamed into place, so a crash mid-write never leaves a folder that
 looks complete; `state.json` is written last inside it as a second guard. Older checkpoints are deleted only
@@ -40,7 +43,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, policy, cfg, optimizer, scheduler, data_state: dict,
-                    extra: dict | None = None, keep_last: int = 2) -> Path:
+                    extra: dict | None = None, keep_last: int = 2, rng_by_rank: list[dict] | None = None) -> Path:
+    """`rng_by_rank`: every rank's `rng_state()` (rank order); None = this process is the only rank."""
     from epirl.model import save_adapter
 
     final = checkpoint_dir(run_dir, step)
@@ -48,9 +52,11 @@ def save_checkpoint(run_dir: Path, step: int, *, policy, cfg, optimizer, schedul
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_adapter(policy, tmp / "adapter", cfg)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-               tmp / "trainer_state.pt")
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, "data": data_state, **(extra or {})}, indent=1))
+    rng_by_rank = rng_by_rank or [rng_state()]
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_by_rank[0],
+                "rng_by_rank": rng_by_rank}, tmp / "trainer_state.pt")
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, "data": data_state, "world_size": len(rng_by_rank),
+                                              **(extra or {})}, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _prune(run_dir, keep_last)
@@ -68,8 +74,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def load_checkpoint(path: Path, *, policy, optimizer, scheduler) -> dict:
-    """Restore adapter, optimizer, scheduler and RNG; returns state.json (step, data cursor, ...)."""
+def checkpoint_world_size(path: Path) -> int:
+    """How many ranks wrote the checkpoint (1 for checkpoints from before scale-out)."""
+    return int(json.loads((path / STATE_FILE).read_text()).get("world_size", 1))
+
+
+def load_checkpoint(path: Path, *, policy, optimizer, scheduler, rank: int = 0) -> dict:
+    """Restore adapter, optimizer, scheduler and `rank`'s RNG; returns state.json (step, data cursor, ...)."""
     from epirl.model import load_adapter
 
     state = json.loads((path / STATE_FILE).read_text())
@@ -77,5 +88,5 @@ def load_checkpoint(path: Path, *, policy, optimizer, scheduler) -> dict:
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
-    set_rng_state(trainer_state["rng"])
+    set_rng_state(trainer_state.get("rng_by_rank", [trainer_state["rng"]])[rank])
     return state

@@ -3,11 +3,13 @@
     epirl train recipes/smollm2_arith_cpu.yaml rl.steps=20 engine.precision=w8a16
     epirl train recipes/qwen35_9b_dapo.yaml --resume runs/qwen35_9b_dapo
     epirl train --help-config            # every config key with its default and meaning
+    epirl train recipes/smollm2_arith_cpu.yaml --nproc 2      # = torchrun --nproc-per-node 2 -m epirl train ...
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -67,12 +69,38 @@ def _progress_printer(total: int, start: int):
     return progress, update
 
 
+def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    """`epirl train ... --nproc N` on one node: torchrun running the same command without --nproc
+    (`--standalone`: a free rendezvous port, so two jobs on one host do not collide)."""
+    rest, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            rest.append(item)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "epirl", *rest]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from epirl.config import ConfigError, load_config
+    from epirl.rl.distributed import launched_world
 
     if args.help_config:
         _print_config_reference()
         return 0
+    rank, world, _ = launched_world()
+    if args.nproc is not None and args.nproc < 1:
+        error_line(f"--nproc {args.nproc}: must be at least 1")
+        return 2
+    if args.nproc not in (None, 1) and world == 1:
+        command = torchrun_command(args.nproc, args.argv)
+        os.execv(command[0], command)  # torchrun replaces this process: its exit status is the job's
+    if args.nproc not in (None, world):
+        error_line(f"--nproc {args.nproc} inside a torchrun job of {world} rank(s): give one or the other")
+        return 2
     if args.recipe is None and args.resume is None:
         console.print("[red]error:[/] epirl train needs a recipe (or --resume RUN_DIR)")
         return 2
@@ -94,7 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             error_line(f"--resume {args.resume}: no complete checkpoint under {Path(args.resume) / 'checkpoints'}")
             return 2
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
-    setup_logging(args.verbose, run_dir / "train.log")
+    setup_logging(args.verbose, run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log"))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     from epirl.rl.loop import train
@@ -102,15 +130,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from epirl.data import DataError
     from epirl.model.memory import PreflightError
 
-    progress, update = _progress_printer(cfg.rl.steps, 0)
+    # One progress bar and one summary: rank 0's (every rank logs to its own train[.rank<r>].log).
+    progress, update = _progress_printer(cfg.rl.steps, 0) if rank == 0 else (contextlib.nullcontext(), None)
     try:
         with progress:
             out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
     except (ConfigError, DataError, PreflightError) as exc:  # found once the inputs are read: one line
         logging.getLogger("epirl").error("%s", exc)  # and in train.log
-        error_line(str(exc))
+        if rank == 0:  # every rank read the same inputs
+            error_line(str(exc))
         return 2
-    console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
+    if rank == 0:
+        console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
     return 0
 
 
@@ -133,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rl.steps=5")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--help-config", action="store_true", help="print every config key and exit")
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="N data-parallel ranks on this node, one GPU each (execs torchrun --nproc-per-node N; "
+                            "several nodes: run torchrun yourself, see README)")
     train.set_defaults(func=cmd_train)
 
     try:
@@ -153,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command != "train":
         setup_logging(args.verbose)
     try:

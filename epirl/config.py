@@ -179,6 +179,11 @@ class RLConfig(Section):
     """Drop groups whose rewards are all equal and refill with new prompts (DAPO)."""
     max_refill_rounds: int = Field(2, ge=0, le=100)
     """Extra generation rounds per step to refill dropped groups."""
+    sample_seeding: Literal["step", "prompt"] = "step"
+    """Sampling randomness: `step` seeds the sampler once per step and round (fastest); `prompt` seeds each
+    prompt's samples from the run seed and its position in the prompt stream, so a run samples the same
+    completions whatever the number of ranks or the batch around it (vLLM then draws per-request noise in a
+    Python loop: slower decoding at large batches)."""
     ppo_epochs: int = Field(1, ge=1, le=16)
     """Optimizer passes over each rollout batch (1 = on-policy; the ratio is then the mismatch only)."""
     mismatch_every: int = Field(0, ge=0)
@@ -223,6 +228,13 @@ class CheckpointConfig(Section):
     """Checkpoints kept on disk (older ones are deleted after a new one is complete)."""
 
 
+class DistributedConfig(Section):
+    timeout_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """Timeout of every collective between ranks (`torchrun --nproc-per-node N`): a rank that hangs ends the
+    job after this long (a rank that raises ends it at once). Must exceed rank 0's in-training eval and
+    mismatch measurement, which the other ranks wait for."""
+
+
 class EpirlConfig(Section):
     name: str = "run"
     """Run name: outputs go to `<output_dir>/<name>/`."""
@@ -248,6 +260,8 @@ class EpirlConfig(Section):
     """Weights & Biases and local metrics."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoints and resume."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Several ranks (torchrun): collective timeouts."""
 
     @property
     def run_dir(self) -> Path:

@@ -38,6 +38,8 @@ class Problem:
 class Prompt:
     problem: Problem
     token_ids: list[int] = field(repr=False)
+    position: int = 0
+    """Index of this draw in the stream (across epochs): a name for the draw that no rank count changes."""
 
 
 # ----------------------------------------------------------------------------------------------- readers
@@ -192,6 +194,7 @@ class PromptStream:
             if misses >= 2 * len(self.problems):
                 raise DataError(f"every prompt is longer than {self.max_prompt_tokens} tokens (data.max_prompt_tokens, "
                                 "at most model.max_model_len - rl.max_tokens)")
+            position = self.cursor
             problem = self._next_problem()
             ids = render_prompt(self.tokenizer, problem.messages, self.thinking)
             if len(ids) > self.max_prompt_tokens:
@@ -199,7 +202,7 @@ class PromptStream:
                 misses += 1
                 continue
             misses = 0
-            prompts.append(Prompt(problem, ids))
+            prompts.append(Prompt(problem, ids, position))
         return prompts
 
     def state_dict(self) -> dict[str, int]:

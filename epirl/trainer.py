@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from epirl.config import EpirlConfig
+from epirl.rl.distributed import Ranks
 from epirl.rl.loss import dapo_loss, importance_weights
 
 
@@ -84,20 +85,23 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: EpirlConfig):
     return optimizer, scheduler
 
 
-def train_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlConfig, device) -> dict[str, float]:
+def train_step(policy, optimizer, scheduler, batch: TrainBatch | None, cfg: EpirlConfig, device,
+               ranks: Ranks | None = None) -> dict[str, float]:
     """`rl.ppo_epochs` optimizer steps over the rollout batch; metrics of the last one.
 
     π_old (for epochs after the first) and the KL reference (the base model: adapter off) are scored once,
-    before the first update; with one epoch π_old is the current trainer itself, detached.
+    before the first update; with one epoch π_old is the current trainer itself, detached. With several
+    ranks `batch` is this rank's part of the global batch (None: no sequences here; the rank still joins
+    every collective).
     """
-    rl = cfg.rl
-    if rl.ppo_epochs > 1:
+    rl, ranks = cfg.rl, ranks or Ranks()
+    if rl.ppo_epochs > 1 and batch is not None:
         batch.old_logprobs_B_T = score_batch(policy, batch, cfg, device)
-    if rl.kl_coef > 0.0:
+    if rl.kl_coef > 0.0 and batch is not None:
         with policy.adapter_disabled():
             batch.ref_logprobs_B_T = score_batch(policy, batch, cfg, device)
     for _ in range(rl.ppo_epochs):
-        metrics = optimizer_step(policy, optimizer, scheduler, batch, cfg, device)
+        metrics = optimizer_step(policy, optimizer, scheduler, batch, cfg, device, ranks)
     return metrics | {"train/epochs": float(rl.ppo_epochs)}
 
 
@@ -113,14 +117,21 @@ def score_batch(policy, batch: TrainBatch, cfg: EpirlConfig, device) -> torch.Te
     return out_B_T
 
 
-def optimizer_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlConfig, device) -> dict[str, float]:
-    """Forward/backward over micro-batches, clip, step. Returns metrics averaged over the step's tokens."""
-    rl, tr = cfg.rl, cfg.trainer
-    total_tokens = float(batch.mask_B_T.sum().item())
+def optimizer_step(policy, optimizer, scheduler, batch: TrainBatch | None, cfg: EpirlConfig, device,
+                   ranks: Ranks | None = None) -> dict[str, float]:
+    """Forward/backward over micro-batches, clip, step. Returns metrics averaged over the step's tokens.
+
+    Token and sequence counts are those of the global batch (summed over ranks) and the gradients are summed
+    over ranks before clipping, so any split of the batch over ranks and micro-batches gives the same update;
+    each rank's metrics are then its additive share (see distributed.reduce_metrics)."""
+    rl, tr, ranks = cfg.rl, cfg.trainer, ranks or Ranks()
+    local_sequences = 0 if batch is None else batch.num_sequences
+    total_tokens = ranks.sum(0.0 if batch is None else float(batch.mask_B_T.sum().item()))
+    total_sequences = ranks.sum(float(local_sequences))
     sums: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     policy.model.train()
-    for start in range(0, batch.num_sequences, tr.micro_batch_size):
+    for start in range(0, local_sequences, tr.micro_batch_size):
         micro = batch.slice(start, start + tr.micro_batch_size).to(device)
         logprobs_B_T, entropy_B_T = policy.token_logprobs(
             micro.input_ids_B_T, micro.targets_B_T, rl.temperature, tr.logprob_chunk_tokens, with_entropy=True)
@@ -134,7 +145,7 @@ def optimizer_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlCo
             loss_agg=rl.loss_agg, total_tokens=total_tokens if rl.loss_agg == "token-mean" else None)
         # token-mean already divides by the whole step's token count; per-sequence means are weighted by the
         # micro-batch's share of the sequences, so any micro-batching sums to the same step loss.
-        micro_weight = 1.0 if rl.loss_agg == "token-mean" else micro.num_sequences / batch.num_sequences
+        micro_weight = 1.0 if rl.loss_agg == "token-mean" else micro.num_sequences / total_sequences
         (loss * micro_weight).backward()
         tokens = float(micro.mask_B_T.sum().item())
         share = tokens / max(total_tokens, 1.0)
@@ -147,9 +158,10 @@ def optimizer_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlCo
             elif key == "mismatch/max_abs_logratio":
                 sums[key] = max(sums.get(key, 0.0), value)
             elif key.startswith("is/") and rl.correction.startswith("seq-"):  # per-sequence fractions
-                sums[key] = sums.get(key, 0.0) + value * micro.num_sequences / batch.num_sequences
+                sums[key] = sums.get(key, 0.0) + value * micro.num_sequences / total_sequences
             else:
                 sums[key] = sums.get(key, 0.0) + value * share
+    dist_metrics = ranks.all_reduce_gradients(policy.lora_parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.lora_parameters(), tr.max_grad_norm)
     if not math.isfinite(grad_norm.item()):
         optimizer.zero_grad(set_to_none=True)
@@ -157,5 +169,5 @@ def optimizer_step(policy, optimizer, scheduler, batch: TrainBatch, cfg: EpirlCo
                                  "is updated (the last checkpoint is intact)")
     optimizer.step()
     scheduler.step()
-    return sums | {"train/grad_norm": grad_norm.item(), "train/lr": scheduler.get_last_lr()[0],
-                   "train/tokens": total_tokens, "train/sequences": float(batch.num_sequences)}
+    return sums | dist_metrics | {"train/grad_norm": grad_norm.item(), "train/lr": scheduler.get_last_lr()[0],
+                                  "train/tokens": total_tokens, "train/sequences": total_sequences}

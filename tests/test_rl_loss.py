@@ -124,4 +124,4 @@ def test_dynamic_sampling_filters_on_accuracy_not_on_the_overlong_penalty():
     all_wrong_one_long = group([0, 0, 0, 0], [0, 0, 0, -0.0156])  # spread only from the length penalty
     mixed = group([0, 1, 0, 0], [0, 0, 0, 0])
     all_right = group([1, 1, 1, 1], [0, 0, -0.5, 0])
-    assert informative([all_wrong_one_long, mixed, all_right]) == [mixed]
+    assert informative([all_wrong_one_long, mixed, all_right]) == [False, True, False]

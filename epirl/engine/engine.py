@@ -190,14 +190,19 @@ class RolloutEngine:
         return current.request if (use_adapter and current is not None) else None
 
     def generate(self, prompt_ids_P: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True
-                 ) -> list[list[Completion]]:
-        """n samples per prompt with the sampled tokens' processed log-probs; returns [P][n]."""
+                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
+        """n samples per prompt with the sampled tokens' processed log-probs; returns [P][n].
+
+        `seeds` (one per prompt) give each prompt its own sampler: its samples do not depend on the batch."""
         from vllm import SamplingParams
 
         self._check_awake()
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=seed, logprobs=0, detokenize=self.tokenizer is not None)
+        if seeds is not None and len(seeds) != len(prompt_ids_P):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids_P)} prompts")
+        per_prompt = [seed] * len(prompt_ids_P) if seeds is None else list(seeds)
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 seed=s, logprobs=0, detokenize=self.tokenizer is not None) for s in per_prompt]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids_P]
         lora = self._lora_request(use_adapter)
         with self._active(lora):

@@ -12,6 +12,9 @@ Per step:
   7. probe         the engine continues a fixed set of prompts, the trainer re-scores them: they must agree;
   8. log / save    metrics to JSONL + W&B, checkpoints for exact resume.
 Shapes: P prompts, G samples per prompt, B = P·G sequences, T tokens.
+
+Under torchrun every rank runs this loop with its own engine and trainer on its slice of one global batch;
+the collectives it needs (identities for one process) live in epirl.rl.distributed.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from pathlib import Path
 
 import torch
 
-from epirl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from epirl.config import EpirlConfig, dump_config
+from epirl.checkpoint import checkpoint_world_size, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
+from epirl.config import ConfigError, EpirlConfig, dump_config
 from epirl.data import Prompt, PromptStream, load_problems, render_prompt
 from epirl.rewards import overlong_penalty
+from epirl.rl import distributed
 from epirl.rl.advantages import group_advantages, informative_groups
+from epirl.rl.distributed import Ranks, rank_slice, redistribute, reduce_metrics
 from epirl.rl.hooks import PeriodicEval, periodic_mismatch
 from epirl.trainer import build_batch, build_optimizer, train_step
 from epirl.tracking import PhaseTimer, Tracker, memory_metrics
@@ -44,6 +49,22 @@ class Group:
     correct_G: torch.Tensor
     rewards_G: torch.Tensor
     advantages_G: torch.Tensor | None = None
+
+
+@dataclass
+class GroupSummary:
+    """What every rank learns about every group of a round (all-gathered): enough for the dynamic-sampling
+    decision and the rollout metrics."""
+
+    correct_G: torch.Tensor
+    rewards_G: torch.Tensor
+    lengths_G: torch.Tensor
+    truncated_G: torch.Tensor
+
+    @classmethod
+    def of(cls, g: Group) -> "GroupSummary":
+        return cls(g.correct_G, g.rewards_G, torch.tensor([len(c.token_ids) for c in g.completions], dtype=torch.float32),
+                   torch.tensor([c.finish_reason == "length" for c in g.completions], dtype=torch.float32))
 
 
 class ProbeMismatch(RuntimeError):
@@ -66,6 +87,15 @@ def step_seed(seed: int, step: int, round_: int) -> int:
     return (seed * 1_000_003 + step * 101 + round_) % (2**31 - 1)
 
 
+def prompt_seed(seed: int, position: int) -> int:
+    """`rl.sample_seeding: prompt`: the sampler seed of the prompt drawn at `position` of the stream
+    (splitmix64 of both: vLLM seeds sample i of a prompt with seed + i, so neighbours must not be adjacent)."""
+    mask = 2**64 - 1
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 30)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) % (2**31 - 2**16)
+
+
 def grade_groups(prompts: list[Prompt], completions_P_G: list[list], pool, cfg: EpirlConfig) -> tuple[list[Group], dict]:
     texts = [c.text for group in completions_P_G for c in group]
     truths = [p.problem.ground_truth for p, group in zip(prompts, completions_P_G) for _ in group]
@@ -80,44 +110,63 @@ def grade_groups(prompts: list[Prompt], completions_P_G: list[list], pool, cfg: 
     return groups, stats
 
 
-def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int) -> tuple[list[Group], dict]:
-    """Generate and grade until P informative groups are collected or the refill rounds run out."""
-    rl = cfg.rl
-    kept: list[Group] = []
-    seen: list[Group] = []
+def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int,
+                     ranks: Ranks | None = None) -> tuple[list[Group], dict]:
+    """Generate and grade until P informative groups are collected (over all ranks) or the refill rounds run
+    out; returns this rank's part of the batch. Every rank draws the same prompts and generates its slice;
+    the keep decision is made from all-gathered summaries, so it is the same everywhere."""
+    rl, ranks = cfg.rl, ranks or Ranks()
+    kept: list[tuple[int, int]] = []  # (round, index in the round) of kept groups, global order
+    seen: list[GroupSummary] = []
+    mine: dict[tuple[int, int], Group] = {}
     totals: dict[str, float] = {}
     for round_ in range(rl.max_refill_rounds + 1 if rl.dynamic_sampling else 1):
         need = rl.prompts_per_step - len(kept)
-        prompts = stream.take(need)
-        torch.manual_seed(step_seed(cfg.seed, step, round_))
-        completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
-                                          max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p)
-        groups, stats = grade_groups(prompts, completions_P_G, pool, cfg)
+        part = rank_slice(need, ranks.world, ranks.rank)
+        groups, stats = generate_and_grade(engine, stream.take(need)[part], pool, cfg, step, round_, ranks.rank)
+        mine |= {(round_, part.start + i): g for i, g in enumerate(groups)}
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
-        seen += groups
-        kept += informative(groups) if rl.dynamic_sampling else groups
+        summaries = [s for rank_part in ranks.all_gather_object([GroupSummary.of(g) for g in groups]) for s in rank_part]
+        keep = informative(summaries) if rl.dynamic_sampling else [True] * len(summaries)
+        seen += summaries
+        kept += [(round_, i) for i, k in enumerate(keep) if k]
         if len(kept) >= rl.prompts_per_step:
             break
     kept = kept[: rl.prompts_per_step]
-    metrics = rollout_metrics(seen, kept, cfg) | totals | {"rollout/rounds": float(round_ + 1)}
-    return kept, metrics
+    metrics = rollout_metrics(seen, len(kept)) | totals | {"rollout/rounds": float(round_ + 1)}
+    return redistribute(kept, mine, ranks), metrics
 
 
-def informative(groups: list[Group]) -> list[Group]:
+def generate_and_grade(engine, prompts: list[Prompt], pool, cfg: EpirlConfig, step: int, round_: int,
+                       rank: int) -> tuple[list[Group], dict]:
+    if not prompts:  # more ranks than prompts left to draw
+        return [], {}
+    rl = cfg.rl
+    # Rank 0 samples as a single process does; other ranks seed their own stream (per-step seeding).
+    torch.manual_seed((step_seed(cfg.seed, step, round_) + rank * 104_729) % (2**31 - 1))
+    seeds = [prompt_seed(cfg.seed, p.position) for p in prompts] if rl.sample_seeding == "prompt" else None
+    completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
+                                      max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                                      seeds=seeds)
+    return grade_groups(prompts, completions_P_G, pool, cfg)
+
+
+def informative(groups: list[GroupSummary]) -> list[bool]:
     """DAPO's dynamic-sampling filter, on accuracy: an all-wrong (or all-right) group whose only spread is the
     overlong penalty carries no correctness signal, and std scaling would blow that length difference up
     to full-size advantages."""
-    mask = informative_groups(torch.stack([g.correct_G.float() for g in groups]))
-    return [g for g, keep in zip(groups, mask.tolist()) if keep]
+    if not groups:
+        return []
+    return informative_groups(torch.stack([g.correct_G.float() for g in groups])).tolist()
 
 
-def rollout_metrics(seen: list[Group], kept: list[Group], cfg: EpirlConfig) -> dict[str, float]:
+def rollout_metrics(seen: list[GroupSummary], kept: int) -> dict[str, float]:
     """Reward/accuracy over everything generated this step (the honest curve), lengths, filter stats."""
     rewards = torch.cat([g.rewards_G for g in seen])
     correct = torch.cat([g.correct_G for g in seen])
-    lengths = torch.tensor([len(c.token_ids) for g in seen for c in g.completions], dtype=torch.float32)
-    truncated = torch.tensor([c.finish_reason == "length" for g in seen for c in g.completions], dtype=torch.float32)
+    lengths = torch.cat([g.lengths_G for g in seen])
+    truncated = torch.cat([g.truncated_G for g in seen])
     return {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
@@ -126,8 +175,8 @@ def rollout_metrics(seen: list[Group], kept: list[Group], cfg: EpirlConfig) -> d
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": truncated.mean().item(),
         "rollout/groups_generated": float(len(seen)),
-        "rollout/groups_kept": float(len(kept)),
-        "rollout/informative_frac": len(kept) / max(len(seen), 1),
+        "rollout/groups_kept": float(kept),
+        "rollout/informative_frac": kept / max(len(seen), 1),
     }
 
 
@@ -183,23 +232,39 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
 
     problems = check_inputs(cfg)  # bad model path, data, vLLM arguments: one line, before anything starts
     device = resolve_runtime(cfg)
-    if device.type == "cuda":  # fail in seconds, before the engine loads, when the trainer cannot fit
-        preflight_beside_engine(cfg, device)
     run_dir = Path(resume) if resume else cfg.run_dir
     if resume and latest_checkpoint(run_dir) is None:  # before anything is written or started
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / "config.yaml")
-    tracker = Tracker(cfg, run_dir, resume=resume is not None)
-    engine = None
-    try:
-        engine = RolloutEngine(cfg)
-        _train_with(cfg, run_dir, resume, engine, tracker, device, progress, problems)
+    ranks = distributed.setup(cfg.distributed.timeout_s, device.type == "cuda")
+    tracker = engine = None
+    try:  # every exit path tears the process group down: no rank waits on a collective that never comes
+        check_resume_world(run_dir if resume else None, ranks)
+        if device.type == "cuda":  # fail in seconds, before the engine loads, when the trainer cannot fit
+            preflight_beside_engine(cfg, device)
+        if ranks.is_main:  # one writer of the run folder
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, run_dir / "config.yaml")
+            tracker = Tracker(cfg, run_dir, resume=resume is not None)
+        engine = RolloutEngine(cfg, **distributed.engine_overrides(ranks))
+        _train_with(cfg, run_dir, resume, engine, tracker, device, progress if ranks.is_main else None,
+                    problems, ranks)
     finally:
-        tracker.close()
+        if tracker is not None:
+            tracker.close()
         if engine is not None:
             engine.close()
+        distributed.teardown()
     return run_dir
+
+
+def check_resume_world(run_dir: Path | None, ranks: Ranks) -> None:
+    """A checkpoint continues exactly only with the rank count that wrote it (each rank's RNG state)."""
+    if run_dir is None:
+        return
+    written_by = checkpoint_world_size(latest_checkpoint(run_dir))
+    if written_by != ranks.world:
+        raise ConfigError(f"--resume {run_dir}: the checkpoint was written by {written_by} rank(s), this job has "
+                          f"{ranks.world}; resume with --nproc {written_by} (torchrun --nproc-per-node {written_by})")
 
 
 def check_inputs(cfg: EpirlConfig) -> list:
@@ -222,8 +287,8 @@ def check_inputs(cfg: EpirlConfig) -> list:
     return load_problems(cfg.data, cfg.seed)
 
 
-def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracker, device, progress,
-                problems: list) -> None:
+def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracker | None, device, progress,
+                problems: list, ranks: Ranks) -> None:
     from epirl.model import load_policy, save_adapter
     from epirl.rewards import RewardPool
 
@@ -238,19 +303,23 @@ def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracke
     start_step = 0
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler)
+        state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler, rank=ranks.rank)
         stream.load_state_dict(state["data"])
         start_step = state["step"]
-        tracker.forget_after(start_step)  # steps after the checkpoint run again: log them once
+        if tracker is not None:
+            tracker.forget_after(start_step)  # steps after the checkpoint run again: log them once
         log.info("resumed from %s at step %d", checkpoint, start_step)
     engine.publish(policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
+    if tracker is None:  # ranks other than 0 train and sample; rank 0 measures, logs and saves
+        return _train_rank(cfg, engine, policy, optimizer, scheduler, stream, device, pad_id, probe_prompts,
+                           start_step, ranks)
     tracker.summary(policy.memory_report())
     evaluate = PeriodicEval(cfg, run_dir)
     timer = PhaseTimer()
     with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
         for step in range(start_step, cfg.rl.steps):
             metrics = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device,
-                               pad_id, probe_prompts)
+                               pad_id, probe_prompts, ranks)
             samples, prompt_ids = metrics.pop("_samples"), metrics.pop("_prompt_ids")
             if evaluate.due(step + 1):
                 metrics |= evaluate(step + 1, engine, pool)
@@ -260,29 +329,49 @@ def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracke
                 tracker.log_samples(step + 1, samples)
             if progress is not None:
                 progress(step + 1, metrics)
-            last = step + 1 == cfg.rl.steps
-            if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
+            if checkpoint_due(step, cfg):
                 save_checkpoint(run_dir, step + 1, policy=policy, cfg=cfg, optimizer=optimizer,
                                 scheduler=scheduler, data_state=stream.state_dict(),
-                                keep_last=cfg.checkpoint.keep_last)
+                                keep_last=cfg.checkpoint.keep_last, rng_by_rank=ranks.all_gather_object(rng_state()))
     save_adapter(policy, run_dir / "adapter", cfg)
 
 
+def checkpoint_due(step: int, cfg: EpirlConfig) -> bool:
+    return step + 1 == cfg.rl.steps or bool(cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)
+
+
+def _train_rank(cfg, engine, policy, optimizer, scheduler, stream, device, pad_id, probe_prompts, start_step,
+                ranks: Ranks) -> None:
+    """The loop of a rank other than 0: the same steps and collectives, nothing written."""
+    from epirl.rewards import RewardPool
+
+    timer = PhaseTimer()
+    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+        for step in range(start_step, cfg.rl.steps):
+            run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id,
+                     probe_prompts, ranks)
+            if checkpoint_due(step, cfg):
+                ranks.all_gather_object(rng_state())  # rank 0 stores every rank's RNG state
+
+
 def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id,
-             probe_prompts: list[list[int]] = ()) -> dict:
+             probe_prompts: list[list[int]] = (), ranks: Ranks | None = None) -> dict:
+    ranks = ranks or Ranks()
     with timer("generate"):
-        groups, metrics = collect_rollouts(engine, stream, pool, cfg, step)
+        groups, metrics = collect_rollouts(engine, stream, pool, cfg, step, ranks)
     batch = groups_to_batch(groups, cfg, pad_id)
     with timer("release_kv"):
         metrics |= engine.release_kv()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with timer("train"):
-        if batch is not None and bool((batch.advantages_B != 0).any()):
-            metrics |= train_step(policy, optimizer, scheduler, batch, cfg, device)
+        if ranks.any(batch is not None and bool((batch.advantages_B != 0).any())):
+            metrics |= train_step(policy, optimizer, scheduler, batch, cfg, device, ranks)
             metrics["train/skipped"] = 0.0
         else:  # every group had equal rewards: no gradient signal, keep the adapter as it is
             metrics["train/skipped"] = 1.0
+    if ranks.distributed:  # identical optimizer steps must leave identical adapters
+        metrics["dist/adapter_checksum"] = ranks.check_adapter(policy.lora_parameters(), step + 1)
     with timer("publish"):
         metrics |= engine.publish(policy.lora_state_dict(), step=step + 1)
     with timer("reacquire_kv"):
@@ -294,6 +383,8 @@ def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, time
     metrics |= {f"mem/trainer_{k}": float(v) for k, v in policy.memory_report().items() if isinstance(v, (int, float))}
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
     metrics["data/cursor"] = float(stream.cursor)
+    if ranks.distributed:
+        metrics = reduce_metrics(ranks.all_gather_object(metrics))
     metrics["_samples"] = sample_rows(groups, engine.tokenizer, cfg.tracking.samples_count)
     metrics["_prompt_ids"] = [g.prompt.token_ids for g in groups]
     return metrics
