@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -269,6 +270,23 @@ class EpirlConfig(Section):
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message is one line naming the field or file."""
+
+
+def concrete_dtype(name: str, device_type: str) -> str:
+    """`model.dtype` made concrete for a device: `auto` = bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    return name
+
+
+def resolve_runtime(cfg: EpirlConfig) -> torch.device:
+    """Pick the trainer device and make `model.dtype: auto` concrete, identically for engine and trainer."""
+    use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but CUDA is not available")
+    device = torch.device("cuda" if use_cuda else "cpu")
+    cfg.model.dtype = concrete_dtype(cfg.model.dtype, device.type)
+    return device
 
 
 def resolve_model_path(path: str) -> str:

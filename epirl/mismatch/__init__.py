@@ -137,8 +137,8 @@ def _prepare(args):
     """Validate input and build (cfg, device, prompt ids, engines, adapter dir); MismatchInputError on bad input."""
     from transformers import AutoTokenizer
 
+    from epirl.config import resolve_runtime
     from epirl.model.loading import local_model_dir
-    from epirl.rl.loop import resolve_runtime
 
     engines = parse_engines(args.engines)
     _check_numbers(args)
