@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from epirl.config import concrete_dtype, resolve_model_path
+from epirl.config import check_lora_targets, concrete_dtype, resolve_model_path
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.policy import Policy
@@ -215,9 +215,10 @@ def build_policy(config: PretrainedConfig, source, base: str, device: torch.devi
     embedding / LM head weights, mapped zero-copy instead of loaded."""
     if base not in ("bf16", "fp8", "shared"):
         raise ValueError(f"trainer.base must be bf16, fp8 or shared, got {base!r}")
-    unknown = set(targets) - set(ALL_PROJECTIONS)
-    if unknown:
-        raise ValueError(f"lora.targets: unknown projection(s) {sorted(unknown)}; known: {list(ALL_PROJECTIONS)}")
+    try:
+        check_lora_targets(targets)
+    except ValueError as exc:  # a config built without validation (tests, scripts): same one line
+        raise ValueError(f"lora.targets: {exc}") from None
     model = build_skeleton(config, dtype)
     if base == "bf16":
         materialize_params(model, source, device, dtype, skip_modules=set())
