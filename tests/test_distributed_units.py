@@ -4,7 +4,6 @@ checkpoint's rank count, the torchrun command; and the collectives themselves on
 import os
 import socket
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
