@@ -105,3 +105,21 @@ def w8a8_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale: float = 1.0
     else:
         from .w8a8_lora.reference import w8a8_lora as impl
     return impl(x, codes, scale, lora_a, lora_b, lora_scale, bias)
+
+
+# Subpackage imported before the function of the same name is defined (see the note at the top imports).
+from . import w8a8_multi_lora as _w8a8_multi_pkg  # noqa: E402,F401
+
+__all__.append("w8a8_multi_lora")
+
+
+def w8a8_multi_lora(x, codes, scale, lora_a, lora_b, token_lora, lora_scale=1.0, bias=None,
+                    backend: str | None = None, **triton_options):
+    """Multi-adapter W8A8: x `[M, K]` bf16, codes `[N, K]`, scale `[1]`, lora_a `[L, r, K]`, lora_b `[L, N, r]`,
+    token_lora `[M]` int64 (-1 = no adapter) -> `[M, N]`, each token with `w8a8_lora`'s numerics for its own
+    adapter; lora_scale a float or `[L]`. triton_options (path, config, order) reach the Triton kernels only."""
+    if _dispatch.use_triton(x, backend):
+        from .w8a8_multi_lora.triton import w8a8_multi_lora as impl
+        return impl(x, codes, scale, lora_a, lora_b, token_lora, lora_scale, bias, **triton_options)
+    from .w8a8_multi_lora.reference import w8a8_multi_lora as impl
+    return impl(x, codes, scale, lora_a, lora_b, token_lora, lora_scale, bias)
