@@ -4,7 +4,7 @@ epilogue.
 K1 `quant_shrink`: program (token, K chunk) computes the token's amax over its row, writes the chunk's e4m3 codes
   (and, chunk 0, the scale) with the same ops as fp8_quant.triton (`div_rn`, saturating RNE: bit-exact with
   vLLM), and the fp32 shrink partial x_t[chunk] · A_l[:, chunk]ᵀ of the token's adapter l (none for -1). The
-  chunks are fixed by K alone (`SHRINK_SPLITS`); K2 adds them in chunk order, so h = bf16(Σ partials) never
+  chunks are fixed by K alone (`SHRINK_CHUNK`); K2 adds them in chunk order, so h = bf16(Σ partials) never
   depends on the batch.
 K2 `multi_lora_gemm`: weight-stationary, yᵀ[n, t] = Σ_k codes[n, k] q_x[t, k] on FP8 wgmma (the code tile is the
   A operand, tokens the N dimension, so a 1-token call does 16 columns of work, not 64), tokens taken in adapter
@@ -36,8 +36,9 @@ from .reference import check_args
 DECODE_MAX_TOKENS = 32
 DECODE_CONFIG = dict(BN=64, BT=16, BK=256, num_warps=4, num_stages=4)
 PREFILL_CONFIG = dict(BN=128, BT=128, BK=128, num_warps=8, num_stages=3)
-SHRINK_SPLITS = 8    # K chunks of the shrink (fixed by K: batch invariant)
-SHRINK_BK = 64
+SHRINK_CHUNK = 512   # K chunk of one K1 program (the chunking is fixed by K: batch invariant)
+SHRINK_BK = 128
+QUANT_BK = 1024      # K1's amax pass
 PATHS = ("pdl", "decode", "prefill")
 
 
@@ -65,40 +66,45 @@ def _tile_ids(num_n, num_t, GROUP_N: tl.constexpr):
 def _quant_shrink_kernel(x_ptr, q_ptr, s_ptr, a_ptr, ids_ptr, part_ptr, M, K, R, K_CHUNK,
                          stride_xm, stride_qm, stride_al, stride_ar, stride_ak,
                          QUANT: tl.constexpr, HAS_LORA: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-                         FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    # program (token m, K chunk): codes and (split 0) scale of the chunk, and the shrink partial of the chunk
+                         FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                         QBK: tl.constexpr):
+    # program (token m, K chunk): codes and (chunk 0) scale of the chunk, and the shrink partial of the chunk.
+    # Each loop is branch-free inside so that its loads are software-pipelined (a branch in the loop body cost a
+    # full memory round trip per step, measured 2026-11-30).
     if LAUNCH_DEPENDENTS:  # let K2 launch now: it reads nothing of ours before its gdc_wait
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     rk = tl.arange(0, BK)
     k_lo = split * K_CHUNK
-    scale = 1.0
+    x_row = x_ptr + m * stride_xm
     if QUANT:  # the token's amax over the whole row (fmaxf chain, NaN ignored), as fp8_quant.triton
-        amax = tl.zeros((BK,), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            xv = tl.load(x_ptr + m * stride_xm + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, _abs_nan_to_zero(xv))
+        rq = tl.arange(0, QBK)
+        amax = tl.zeros((QBK,), dtype=tl.float32)
+        for k0 in range(0, K, QBK):
+            amax = tl.maximum(amax, _abs_nan_to_zero(tl.load(x_row + k0 + rq, mask=(k0 + rq) < K,
+                                                              other=0.0).to(tl.float32)))
         scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
         if split == 0:
             tl.store(s_ptr + m, scale)
-    adapter = -1
+        for k0 in range(k_lo, k_lo + K_CHUNK, BK):
+            mask_k = (k0 + rk) < K
+            xv = tl.load(x_row + k0 + rk, mask=mask_k, other=0.0).to(tl.float32)
+            tl.store(q_ptr + m * stride_qm + k0 + rk, _saturating_e4m3(tl.div_rn(xv, scale), FP8_MAX), mask=mask_k)
     if HAS_LORA:
         adapter = tl.load(ids_ptr + m).to(tl.int64)
-    rr = tl.arange(0, BR)
-    mask_r = rr < R
-    acc = tl.zeros((BR, BK), dtype=tl.float32)  # bf16 x bf16 products are exact in fp32
-    for k0 in range(k_lo, k_lo + K_CHUNK, BK):
-        mask_k = (k0 + rk) < K
-        xv = tl.load(x_ptr + m * stride_xm + k0 + rk, mask=mask_k, other=0.0).to(tl.float32)
-        if QUANT:
-            tl.store(q_ptr + m * stride_qm + k0 + rk, _saturating_e4m3(tl.div_rn(xv, scale), FP8_MAX), mask=mask_k)
         if adapter >= 0:
-            a = tl.load(a_ptr + adapter * stride_al + rr[:, None] * stride_ar + (k0 + rk)[None, :] * stride_ak,
-                        mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            acc += a * xv[None, :]
-    if adapter >= 0:
-        tl.store(part_ptr + (split * M + m) * BR + rr, tl.sum(acc, axis=1), mask=mask_r)
+            rr = tl.arange(0, BR)
+            mask_r = rr < R
+            a_rows = a_ptr + adapter * stride_al + rr[:, None] * stride_ar
+            acc = tl.zeros((BR, BK), dtype=tl.float32)  # bf16 x bf16 products are exact in fp32
+            for k0 in range(k_lo, k_lo + K_CHUNK, BK):
+                mask_k = (k0 + rk) < K
+                xv = tl.load(x_row + k0 + rk, mask=mask_k, other=0.0).to(tl.float32)
+                a = tl.load(a_rows + (k0 + rk)[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :],
+                            other=0.0).to(tl.float32)
+                acc += a * xv[None, :]
+            tl.store(part_ptr + (split * M + m) * BR + rr, tl.sum(acc, axis=1), mask=mask_r)
 
 
 @triton.jit
@@ -181,8 +187,8 @@ def _multi_lora_gemm_kernel(
 
 
 def shrink_chunking(K: int) -> tuple[int, int]:
-    """(K_CHUNK, N_SPLITS) of the shrink: a function of K only."""
-    chunk = triton.cdiv(triton.cdiv(K, SHRINK_SPLITS), SHRINK_BK) * SHRINK_BK
+    """(K_CHUNK, N_SPLITS) of K1: a function of K only."""
+    chunk = min(SHRINK_CHUNK, triton.cdiv(K, SHRINK_BK) * SHRINK_BK)
     return chunk, triton.cdiv(K, chunk)
 
 
@@ -204,7 +210,7 @@ def quant_shrink(x2, lora_a, token_lora, quant: bool = True, launch_dependents: 
             part if has_lora else dummy, M, K, R, k_chunk, x2.stride(0), K,
             *(lora_a.stride() if has_lora else (0, 0, 0)),
             QUANT=quant, HAS_LORA=has_lora, LAUNCH_DEPENDENTS=launch_dependents, FP8_MAX=FP8_MAX,
-            MIN_SCALE=MIN_SCALE, BR=BR, BK=SHRINK_BK, num_warps=4, num_stages=3)
+            MIN_SCALE=MIN_SCALE, BR=BR, BK=SHRINK_BK, QBK=QUANT_BK, num_warps=8, num_stages=4)
     return q, s, part
 
 

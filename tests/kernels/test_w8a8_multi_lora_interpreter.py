@@ -16,7 +16,8 @@ import traceback
 import pytest
 
 CASES = ["decode_mixed_vs_reference", "decode_mixed_equals_groups_bitwise", "sorted_tiles_vs_reference",
-         "sorted_tiles_equal_groups_bitwise", "expand_into_vendor_output", "per_adapter_sigma_and_bias"]
+         "sorted_tiles_equal_groups_bitwise", "expand_into_vendor_output", "per_adapter_sigma_and_bias",
+         "several_k1_chunks"]
 ADAPTERS = [0, 1, -1, 2, 3, 0, -1, 3, 1, 2, 2, 0, 3, -1, 1, 0, 2, 3, -1, 0]
 
 
@@ -150,6 +151,25 @@ def case_per_adapter_sigma_and_bias():
     got = w8a8_multi_lora(x, codes, scale, a, b, ids, sigma, bias, backend="triton", path="decode")
     assert close_bf16(got, want)
     assert close_bf16(sorted_gemm(x, codes, scale, a, b, ids, sigma, bias), want)
+
+
+def case_several_k1_chunks():
+    """K = 1100: three K1 chunks (the last ragged) summed by K2 in chunk order; K1's scales vs the reference."""
+    import torch
+
+    from epirl.kernels import quantize_activation_fp8, w8a8_multi_lora
+    from epirl.kernels.w8a8_multi_lora.triton import quant_shrink, shrink_chunking
+
+    assert shrink_chunking(1100)[1] == 3
+    x, codes, scale, a, b, ids = problem(6, 1100, 40, seed=6)
+    got = w8a8_multi_lora(x, codes, scale, a, b, ids, 2.0, backend="triton", path="decode")
+    assert close_bf16(got, reference(x, codes, scale, a, b, ids, 2.0))
+    _, s, part = quant_shrink(x, a, ids)
+    assert torch.equal(s, quantize_activation_fp8(x, backend="reference")[1].reshape(-1))
+    rows = ids >= 0
+    h = part[:, rows, :8].sum(0)  # fp32 partials of the adapter tokens, in chunk order
+    exact = torch.stack([x[t].double() @ a[ids[t]].double().t() for t in rows.nonzero().reshape(-1)])
+    assert torch.allclose(h.double(), exact, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
