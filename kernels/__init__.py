@@ -19,9 +19,10 @@ from .fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize
 from .lora_linear.module import Fp8LoRAFunction, Fp8LoRALinear, lora_linear_backward, peft_lora_init
 from .lora_linear.reference import lora_linear_backward as lora_linear_backward_reference
 
-# Import the op subpackages before the functions of the same names are defined below: a first import of
-# `epirl.kernels.w8a8_lora` (e.g. the lazy `from .w8a8_lora.reference import ...` in the function) sets
-# the package attribute `w8a8_lora` to the subpackage, which would shadow the function from then on.
+# The ops `w8a16_lora` / `w8a8_lora` share their names with their subpackages. Python binds a subpackage
+# to the parent's attribute only on its first import, so importing them here, before the functions below
+# are defined, keeps `epirl.kernels.w8a16_lora` the function for the whole process (no caller needs a
+# guard; tests/kernels/test_gemm_configs.py checks it).
 from . import w8a8_lora as _w8a8_pkg  # noqa: E402,F401
 from . import w8a16_lora as _w8a16_pkg  # noqa: E402,F401
 
