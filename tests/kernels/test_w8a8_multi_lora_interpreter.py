@@ -17,7 +17,7 @@ import pytest
 
 CASES = ["decode_mixed_vs_reference", "decode_mixed_equals_groups_bitwise", "sorted_tiles_vs_reference",
          "sorted_tiles_equal_groups_bitwise", "expand_into_vendor_output", "per_adapter_sigma_and_bias",
-         "several_k1_chunks"]
+         "several_k1_chunks", "fused_slices_one_launch_pair"]
 ADAPTERS = [0, 1, -1, 2, 3, 0, -1, 3, 1, 2, 2, 0, 3, -1, 1, 0, 2, 3, -1, 0]
 
 
@@ -103,13 +103,14 @@ def sorted_gemm(x, codes, scale, a, b, ids, sigma, bias=None):
     import torch
 
     from epirl.kernels import quantize_activation_fp8
-    from epirl.kernels.w8a8_multi_lora.triton import adapter_order, multi_lora_gemm, quant_shrink
+    from epirl.kernels.w8a8_multi_lora.triton import Slices, adapter_order, multi_lora_gemm, quant_shrink
 
     q, s = quantize_activation_fp8(x, backend="reference")
-    _, _, part = quant_shrink(x, a, ids, quant=False)
+    slices = Slices([a], [b], [codes.shape[0]])
+    _, _, part = quant_shrink(x, slices, ids, quant=False)
     y = torch.empty(x.shape[0], codes.shape[0], dtype=torch.bfloat16)
     order = adapter_order(ids, SMALL_TILES["BT"])
-    return multi_lora_gemm(q, codes, scale, y, ids, part, b, sigma, x_scale=s.reshape(-1), order=order,
+    return multi_lora_gemm(q, codes, scale, y, ids, part, slices, sigma, x_scale=s.reshape(-1), order=order,
                            bias=bias, config=SMALL_TILES)
 
 
@@ -158,18 +159,43 @@ def case_several_k1_chunks():
     import torch
 
     from epirl.kernels import quantize_activation_fp8, w8a8_multi_lora
-    from epirl.kernels.w8a8_multi_lora.triton import quant_shrink, shrink_chunking
+    from epirl.kernels.w8a8_multi_lora.triton import Slices, quant_shrink, shrink_chunking
 
     assert shrink_chunking(1100)[1] == 3
     x, codes, scale, a, b, ids = problem(6, 1100, 40, seed=6)
     got = w8a8_multi_lora(x, codes, scale, a, b, ids, 2.0, backend="triton", path="decode")
     assert close_bf16(got, reference(x, codes, scale, a, b, ids, 2.0))
-    _, s, part = quant_shrink(x, a, ids)
+    _, s, part = quant_shrink(x, Slices([a], [b], [40]), ids)
     assert torch.equal(s, quantize_activation_fp8(x, backend="reference")[1].reshape(-1))
     rows = ids >= 0
-    h = part[:, rows, :8].sum(0)  # fp32 partials of the adapter tokens, in chunk order
+    h = part[0][:, rows, :8].sum(0)  # fp32 partials of the adapter tokens, in chunk order
     exact = torch.stack([x[t].double() @ a[ids[t]].double().t() for t in rows.nonzero().reshape(-1)])
     assert torch.allclose(h.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def case_fused_slices_one_launch_pair():
+    """A q/k/v-like layer: slices of 48, 16, 16 rows (a 64-row tile straddles q and k), each slice with its own
+    A/B slot buffers in vLLM's [L, 1, rows, cols] layout: one K1 + K2 == per-slice w8a8_multi_lora, bitwise
+    vs the Triton single-slice call on the same tile rows and close to the reference."""
+    import torch
+
+    from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora, w8a8_multi_lora_slices
+
+    widths = [48, 16, 16]
+    x, codes, scale, _, _, ids = problem(20, 100, sum(widths), seed=8)
+    g = torch.Generator().manual_seed(9)
+    a = [(torch.randn(4, 1, 8, 100, generator=g) * 0.05).bfloat16()[:, 0] for _ in widths]
+    b = [(torch.randn(4, 1, w, 8, generator=g) * 0.1).bfloat16()[:, 0] for w in widths]
+    for path, config in (("decode", None), ("prefill", SMALL_TILES)):
+        fused = w8a8_multi_lora_slices(x, codes, scale, a, b, widths, ids, 2.0, path=path, config=config)
+        start = 0
+        for w, a_s, b_s in zip(widths, a, b):
+            rows = slice(start, start + w)
+            want = reference(x, codes[rows], scale, a_s, b_s, ids, 2.0)
+            assert close_bf16(fused[:, rows], want), (path, start)
+            alone = w8a8_multi_lora(x, codes[rows].contiguous(), scale, a_s, b_s, ids, 2.0, path=path, config=config)
+            assert torch.equal(fused[:, rows], alone), (path, start)
+            start += w
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,6 @@ def test_layers_match_vllms_own_lora_path(served_engine, monkeypatch):
         assert effect > 1e-3, f"{name}: the adapter does not change the layer (slot buffers not read?)"
 
 
-@pytest.mark.slow  # three engine scores through the float64 CPU references (~1 min)
 def test_engine_scores_with_serving_kernels(served_engine, monkeypatch):
     from epirl.engine import serving_lora
 
