@@ -4,7 +4,7 @@ its slices q, k, v / gate, up at once), reading
 vLLM's own adapter slot buffers (`lora_a_stacked` / `lora_b_stacked`, `max_loras` slots) and its per-token slot
 map (`punica_wrapper.token_lora_indices`, -1 = no adapter), so any mix of adapters in a batch works.
 
-One setting: the environment variable `EPIRL_SERVING_KERNELS`
+One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install()` (`set_mode()` changes it later)
   unset / "0"   vLLM's own path (base FP8 GEMM + punica shrink/expand)
   "fused"       always epirl's fused kernels
   "1" / "timed" per projection shape and token bucket, the fastest of {fused, vendor FP8 GEMM + epirl's
@@ -29,15 +29,28 @@ import torch
 log = logging.getLogger(__name__)
 ENV = "EPIRL_SERVING_KERNELS"
 MODES = ("0", "fused", "1", "timed")
-_STATE: dict = {"installed": False, "tables": {}}
+_STATE: dict = {"installed": False, "tables": {}, "mode": "off"}
 
 
-def mode() -> str:
-    """The setting, validated: "off", "fused" or "timed"."""
+def read_mode() -> str:
+    """The setting from the environment, validated: "off", "fused" or "timed"."""
     value = os.environ.get(ENV, "0").strip().lower()
     if value not in MODES:
         raise ValueError(f"{ENV}={value!r}: expected one of {MODES}")
     return {"0": "off", "fused": "fused", "1": "timed", "timed": "timed"}[value]
+
+
+def mode() -> str:
+    """The active mode: read from the environment by `install()`, changed by `set_mode()`. A plain module
+    global, so that torch.compile traces the layer's `apply` without touching os.environ."""
+    return _STATE["mode"]
+
+
+def set_mode(value: str) -> None:
+    """"off" | "fused" | "timed" from now on (takes effect in graphs captured or compiled afterwards)."""
+    if value not in ("off", "fused", "timed"):
+        raise ValueError(f"serving kernels mode {value!r}: expected off, fused or timed")
+    _STATE["mode"] = value
 
 
 def fp8_codes(base_layer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -159,10 +172,10 @@ def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):
 
 def install() -> int:
     """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
-    many classes were wrapped. Takes effect only when EPIRL_SERVING_KERNELS is on (read per model build)."""
+    many classes were wrapped. Reads EPIRL_SERVING_KERNELS (call it before vLLM builds the model)."""
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
-    mode()  # a bad value fails here, at engine start, with the variable's name
+    _STATE["mode"] = read_mode()  # a bad value fails here, at engine start, with the variable's name
     classes, todo = [], [BaseLinearLayerWithLoRA]
     while todo:
         cls = todo.pop()

@@ -115,3 +115,44 @@ def test_dispatch_all_candidates_failing_is_an_error(tmp_path):
 
     with pytest.raises(RuntimeError, match="every candidate failed on qkv_proj"):
         dispatch.load_or_time(tmp_path, "H200", "x", SHAPES[:1], make, timer, ["fused"], (1,))
+
+
+# ---- the serving setting (epirl.engine.serving_lora) --------------------------------------------------
+
+def test_serving_setting_values(monkeypatch):
+    from epirl.engine import serving_lora
+
+    for value, want in (("0", "off"), ("fused", "fused"), ("1", "timed"), ("Timed", "timed")):
+        monkeypatch.setenv(serving_lora.ENV, value)
+        assert serving_lora.read_mode() == want
+    monkeypatch.delenv(serving_lora.ENV)
+    assert serving_lora.read_mode() == "off"
+    monkeypatch.setenv(serving_lora.ENV, "yes")
+    with pytest.raises(ValueError, match="EPIRL_SERVING_KERNELS='yes'"):
+        serving_lora.read_mode()
+    with pytest.raises(ValueError, match="expected off, fused or timed"):
+        serving_lora.set_mode("on")
+
+
+def test_serving_op_on_vllm_shaped_slot_buffers_equals_per_slice_reference():
+    """The custom op on CPU: vLLM's [max_loras, 1, rows, cols] slot buffers, a token map longer than the batch
+    (vLLM's persistent buffer), slices q/k/v -> per-slice w8a8_multi_lora, bitwise."""
+    import epirl.engine.serving_lora as serving_lora
+
+    g = torch.Generator().manual_seed(0)
+    K, widths, L, r, M = 64, [32, 16, 16], 3, 8, 7
+    codes, scale = quantize_weight_fp8(torch.randn(sum(widths), K, generator=g) * 0.05)
+    a = [(torch.randn(L, 1, r, K, generator=g) * 0.1).bfloat16() for _ in widths]
+    b = [(torch.randn(L, 1, w, r, generator=g) * 0.1).bfloat16() for w in widths]
+    x = torch.randn(M, K, generator=g).bfloat16()
+    token_map = torch.tensor([0, 2, -1, 1, 0, 2, -1, 1, 1])
+    bias = torch.randn(sum(widths), generator=g).bfloat16()
+    out = torch.ops.epirl.w8a8_multi_lora_slices(x, codes, scale, serving_lora.slot_views(a),
+                                                 serving_lora.slot_views(b), widths, token_map, None, bias)
+    start = 0
+    for w, a_s, b_s in zip(widths, a, b):
+        rows = slice(start, start + w)
+        want = w8a8_multi_lora(x, codes[rows], scale, a_s[:, 0], b_s[:, 0], token_map[:M], 1.0, bias[rows],
+                               backend="reference")
+        assert torch.equal(out[:, rows], want)
+        start += w

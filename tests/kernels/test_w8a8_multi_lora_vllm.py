@@ -15,11 +15,13 @@ def served_engine(engine_pool, smollm2_dir):
     from epirl.engine import serving_lora
 
     serving_lora.install()
+    serving_lora.set_mode("off")
     engine = engine_pool.get("w8a8", dtype="float32")
     engine.publish(random_lora(smollm2_dir, rank=8, seed=5), step=1)
     tok = engine.tokenizer
     ids = tok("The capital of France is", add_special_tokens=False)["input_ids"]
-    return engine, ids
+    yield engine, ids
+    serving_lora.set_mode("off")
 
 
 def lora_layers(engine):
@@ -30,11 +32,11 @@ def lora_layers(engine):
     return [(n, m) for n, m in compat.model(engine.llm).named_modules() if isinstance(m, BaseLinearLayerWithLoRA)]
 
 
-def test_layers_match_vllms_own_lora_path(served_engine, monkeypatch):
+def test_layers_match_vllms_own_lora_path(served_engine):
     from epirl.engine import serving_lora
 
     engine, ids = served_engine
-    monkeypatch.setenv(serving_lora.ENV, "0")
+    serving_lora.set_mode("off")
     engine.score([ids[:3]], [ids[3:]])  # leaves vLLM's token map at this prompt's tokens, all on the adapter
     layers = lora_layers(engine)
     assert {type(m).__name__ for _, m in layers} >= {"MergedQKVParallelLinearWithLoRA",
@@ -53,15 +55,16 @@ def test_layers_match_vllms_own_lora_path(served_engine, monkeypatch):
         assert effect > 1e-3, f"{name}: the adapter does not change the layer (slot buffers not read?)"
 
 
-def test_engine_scores_with_serving_kernels(served_engine, monkeypatch):
+def test_engine_scores_with_serving_kernels(served_engine):
     from epirl.engine import serving_lora
 
     engine, ids = served_engine
-    monkeypatch.setenv(serving_lora.ENV, "0")
+    serving_lora.set_mode("off")
     vllm_lp = engine.score([ids[:3]], [ids[3:]])[0]
-    monkeypatch.setenv(serving_lora.ENV, "fused")
+    serving_lora.set_mode("fused")
     ours = engine.score([ids[:3]], [ids[3:]])[0]
     base = engine.score([ids[:3]], [ids[3:]], use_adapter=False)[0]
+    serving_lora.set_mode("off")
     diff = max(abs(a - b) for a, b in zip(ours, vllm_lp))
     effect = max(abs(a - b) for a, b in zip(base, vllm_lp))
     assert diff < 1e-3 and effect > 10 * diff, (diff, effect)
