@@ -5,6 +5,8 @@ Variants, all in one run (ratios against `base`):
   base          vendor FP8 linear without adapter: per-token quantization + torch._scaled_mm (cuBLASLt), x4
   fused-pdl     epirl.kernels.w8a8_multi_lora: K1 shrink, K2 as its programmatic dependent (PDL)
   fused         the same without PDL (K2 waits for K1 by stream order)
+  fused-slices  the layer as vLLM holds its adapters: qkv as q, k, v slices and gate_up as gate, up, each with its
+                own rank-64 A/B, served by one K1 + one K2 per module (3 + 2 adapters' worth of LoRA work)
   vendor+epirl  base + epirl's K1 shrink + K2 expand (adds the LoRA term in place)
   vendor+torch  base + σ·(x Aᵀ) Bᵀ through two bf16 cuBLAS matmuls
   floor         bytes of the layer (FP8 weights, bf16 A/B, x, y) / the copy bandwidth measured in this run
@@ -44,14 +46,21 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
+SLICES = {"qkv": [4096, 1024, 1024], "o": [4096], "gate_up": [12288, 12288], "down": [4096]}  # as vLLM holds them
+
+
 def build_layer():
     from epirl.kernels.w8a8_multi_lora.dispatch import Shape
     from epirl.kernels.w8a8_multi_lora.timing import random_projection
 
     layer = []
+    g = torch.Generator(device="cuda").manual_seed(7)
     for i, (name, K, N) in enumerate(LAYER):
         codes, scale, a, b = random_projection(Shape(name, K, N, RANK), seed=i)
-        layer.append(dict(name=name, K=K, N=N, codes=codes, scale=scale, a=a, b=b,
+        # vLLM's LoRA layout: one A [1, r, K] and B [1, N_s, r] per slice (q, k, v / gate, up)
+        a_s = [(torch.randn(1, RANK, K, device="cuda", generator=g) / K ** 0.5).bfloat16() for _ in SLICES[name]]
+        b_s = [(torch.randn(1, w, RANK, device="cuda", generator=g) * 0.02).bfloat16() for w in SLICES[name]]
+        layer.append(dict(name=name, K=K, N=N, codes=codes, scale=scale, a=a, b=b, a_slices=a_s, b_slices=b_s,
                           scale_b=scale.reshape(1, 1).expand(1, N).contiguous()))
     return layer
 
@@ -59,7 +68,7 @@ def build_layer():
 def variants(layer, M, config=None):
     from epirl.kernels import w8a8_multi_lora
     from epirl.kernels.w8a8_multi_lora.timing import vendor_base
-    from epirl.kernels.w8a8_multi_lora.triton import expand_into, pdl_supported
+    from epirl.kernels.w8a8_multi_lora.triton import expand_into, pdl_supported, w8a8_multi_lora_slices
 
     xs = {p["K"]: torch.randn(M, p["K"], device="cuda", dtype=torch.bfloat16) for p in layer}
     ids = torch.zeros(M, device="cuda", dtype=torch.int64)
@@ -76,6 +85,8 @@ def variants(layer, M, config=None):
         "vendor+torch": each(lambda p, x: vendor_base(x, p["codes"], p["scale_b"]).add_(
             (x @ p["a"][0].t()) @ p["b"][0].t(), alpha=SIGMA)),
     }
+    out["fused-slices"] = each(lambda p, x: w8a8_multi_lora_slices(
+        x, p["codes"], p["scale"], p["a_slices"], p["b_slices"], SLICES[p["name"]], ids, SIGMA, config=config))
     if pdl_supported():
         out["fused-pdl"] = each(lambda p, x: w8a8_multi_lora(x, p["codes"], p["scale"], p["a"], p["b"], ids, SIGMA,
                                                              path="pdl", config=config))
@@ -97,7 +108,7 @@ def layer_table(layer, bandwidth):
             row[name] = graph_us(fn)
         rows.append(row)
         print(f"# layer M={M}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items() if k != "M"), flush=True)
-    names = [n for n in ("fused-pdl", "fused", "vendor+epirl", "vendor+torch") if n in rows[0]]
+    names = [n for n in ("fused-pdl", "fused", "fused-slices", "vendor+epirl", "vendor+torch") if n in rows[0]]
     print("\n| tokens | floor µs | base µs | " + " | ".join(f"{n} µs (×base)" for n in names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for r in rows:
@@ -126,6 +137,32 @@ def projection_table(layer):
             rows.append(row)
             print(f"| {p['name']} | {M} | {row['base']:.1f} | {row['fused']:.1f} | {row['fused_no_lora']:.1f} |",
                   flush=True)
+    return rows
+
+
+def numerics_table(layer, M=16):
+    """max / mean |Δ| at M tokens vs the float64-accumulated reference: ours, and the vendor path
+    (quantization + torch._scaled_mm + bf16 LoRA matmuls, a stand-in for vLLM's CUTLASS + punica)."""
+    from epirl.kernels import w8a8_multi_lora
+    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
+
+    rows = []
+    print("\n| projection | ours max / mean abs Δ vs reference | vendor path max / mean abs Δ | mean abs y |")
+    print("|---|---|---|---|")
+    for p in layer:
+        x = torch.randn(M, p["K"], device="cuda", dtype=torch.bfloat16)
+        ids = torch.zeros(M, device="cuda", dtype=torch.int64)
+        ours = w8a8_multi_lora(x, p["codes"], p["scale"], p["a"], p["b"], ids, SIGMA).float().cpu()
+        vendor = vendor_base(x, p["codes"], p["scale_b"]).float().add_(
+            ((x @ p["a"][0].t()) @ p["b"][0].t()).float(), alpha=SIGMA).bfloat16().float().cpu()
+        ref = w8a8_multi_lora(x.cpu(), p["codes"].cpu(), p["scale"].cpu(), p["a"].cpu(), p["b"].cpu(), ids.cpu(),
+                              SIGMA, backend="reference").float()
+        row = dict(proj=p["name"], ours_max=(ours - ref).abs().max().item(), ours_mean=(ours - ref).abs().mean().item(),
+                   vendor_max=(vendor - ref).abs().max().item(), vendor_mean=(vendor - ref).abs().mean().item(),
+                   mean_abs=ref.abs().mean().item())
+        rows.append(row)
+        print(f"| {p['name']} | {row['ours_max']:.2e} / {row['ours_mean']:.2e} | {row['vendor_max']:.2e} / "
+              f"{row['vendor_mean']:.2e} | {row['mean_abs']:.2e} |", flush=True)
     return rows
 
 
@@ -234,9 +271,44 @@ def vllm_child(setting, json_path):
     timed(prompts[:TENANTS], 4, [loras[i % TENANTS] for i in range(TENANTS)])
     elapsed = timed(prompts, TENANT_OUTPUT, [loras[i % TENANTS] for i in range(TENANT_REQUESTS)])
     result["tenants_tok_s"] = TENANT_REQUESTS * TENANT_OUTPUT / elapsed
+    timed([prompt(128)], 1, loras[0])  # leaves vLLM's token map at 128 prefill tokens on the adapter
+    result["layer_numerics"] = llm.apply_model(vllm_layer_numerics)[0]
     print(json.dumps(result), flush=True)
     with open(json_path, "w") as f:
         json.dump(result, f)
+
+
+def vllm_layer_numerics(model):
+    """The first decoder layer's LoRA linears: ours (EPIRL serving op) vs vLLM's own apply (CUTLASS FP8 + punica)
+    on the same slot buffers and token map, max / mean |Δ|; activation codes and scales vs vLLM's scaled_fp8_quant."""
+    from vllm import _custom_ops as vllm_ops
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    from epirl.engine import serving_lora
+    from epirl.kernels import quantize_activation_fp8
+
+    previous, rows = serving_lora.mode(), {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, BaseLinearLayerWithLoRA) or ".layers.0." not in f".{name}.":
+            continue
+        M = layer.punica_wrapper.token_lora_indices.numel()
+        x = torch.randn(M, layer.input_size, device="cuda", dtype=torch.bfloat16)
+        serving_lora.set_mode("fused")
+        ours = serving_lora.serving_apply(layer, x, None)
+        serving_lora.set_mode("off")
+        theirs = layer.apply(x)
+        if ours is None:
+            rows[name] = "not served"
+            continue
+        d = (ours.float() - theirs.float()).abs()
+        q, s = quantize_activation_fp8(x)
+        q_v, s_v = vllm_ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+        rows[name] = dict(max_abs=d.max().item(), mean_abs=d.mean().item(),
+                          mean_abs_y=theirs.float().abs().mean().item(),
+                          codes_bit_exact=bool(torch.equal(q.view(torch.uint8), q_v.view(torch.uint8))),
+                          scales_bit_exact=bool(torch.equal(s.reshape(-1), s_v.reshape(-1))))
+    serving_lora.set_mode(previous)
+    return rows
 
 
 def vllm_mode(json_path):
@@ -256,6 +328,9 @@ def vllm_mode(json_path):
         print(f"| {name} | {r['tpot_ms_adapter']:.2f} | {r['tpot_ms_no_adapter']:.2f} | {r['tenants_tok_s']:.0f} |")
     print(f"\nTPOT ratio (target <= 0.75): {ours['tpot_ms_adapter'] / theirs['tpot_ms_adapter']:.3f}; "
           f"32-tenant throughput ratio (target >= 1.05): {ours['tenants_tok_s'] / theirs['tenants_tok_s']:.3f}")
+    print("\nlayer 0 vs vLLM's own path (CUTLASS + punica), 128 tokens:")
+    for name, r in ours["layer_numerics"].items():
+        print(f"  {name}: {r}")
     with open(json_path, "w") as f:
         json.dump(rows, f, indent=1)
 
@@ -279,6 +354,7 @@ def main():
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth=bandwidth)
     result["layer"] = layer_table(layer, bandwidth)
     result["projections"] = projection_table(layer)
+    result["numerics"] = numerics_table(layer)
     if args.sweep:
         result["sweep"] = sweep_table(layer)
     if args.dispatch:
