@@ -4,7 +4,8 @@ before each call, and the candidate implementations of one projection with one a
 Candidates (same contract: y `[M, N]` bf16 for bf16 x with one adapter):
   fused         epirl's K1 + K2 (decode: PDL when the GPU/Triton support it; prefill: quantize, K1, K2)
   vendor+epirl  epirl's per-token quantization + torch._scaled_mm (cuBLASLt FP8) + epirl's K1 + K2 expand
-  extra         whatever the caller adds (the vLLM integration adds vendor GEMM + vLLM's own LoRA kernels)
+  extra         whatever the caller adds (a hook for vendor GEMM + vLLM's punica kernels, which need a layer's live
+                punica metadata; not wired yet: the --vllm benchmark compares against vLLM's path end to end)
 """
 
 from __future__ import annotations
