@@ -1,8 +1,8 @@
 """Serving adapters with epirl's kernels: vLLM's LoRA linear layers on FP8 (W8A8) models computed by
-`epirl.kernels.w8a8_multi_lora` (base FP8 GEMM + every token's adapter: one K1 + one K2 per fused layer, all of
-its slices q, k, v / gate, up at once), reading
-vLLM's own adapter slot buffers (`lora_a_stacked` / `lora_b_stacked`, `max_loras` slots) and its per-token slot
-map (`punica_wrapper.token_lora_indices`, -1 = no adapter), so any mix of adapters in a batch works.
+`epirl.kernels.w8a8_multi_lora` (base FP8 GEMM + every token's adapter: one K1 + one K2 per fused layer, all of its
+slices q, k, v / gate, up at once), reading vLLM's own adapter slot buffers (`lora_a_stacked` / `lora_b_stacked`,
+`max_loras` slots) and its per-token slot map (`punica_wrapper.token_lora_indices`, -1 = no adapter), so any mix
+of adapters in a batch works.
 
 One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install()` (`set_mode()` changes it later)
   unset / "0"   vLLM's own path (base FP8 GEMM + punica shrink/expand)
@@ -12,10 +12,12 @@ One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install(
                 (key: GPU, vLLM version, shapes) in $EPIRL_CACHE_DIR or ~/.cache/epirl
 `install()` (idempotent) wraps `apply` (and `create_lora_weights`, which registers the layer) of vLLM's
 `BaseLinearLayerWithLoRA` and of every subclass overriding them, before the model is built, so that torch.compile
-and CUDA-graph capture see the custom op `epirl::w8a8_multi_lora_layer`. A layer is taken over only if its base weight is FP8 e4m3 with one per-tensor
-scale and dynamic per-token activations (vLLM's `fp8` online / per-tensor checkpoints, epirl's W8A8 emulation);
-epirl's W8A16 layers and anything else keep their path. vLLM folds σ = alpha/r into B when it loads an adapter,
-so the op uses σ = 1, as vLLM's punica call does.
+and CUDA-graph capture see the custom op `epirl::w8a8_multi_lora_layer`. A layer is taken over only if its base
+weight is FP8 e4m3 with one per-tensor scale and dynamic per-token activations (vLLM's `fp8` online / per-tensor
+checkpoints, epirl's W8A8 emulation); epirl's W8A16 layers and anything else keep their path. vLLM folds
+σ = alpha/r into B when it loads an adapter, so the op uses σ = 1, as vLLM's punica call does.
+Limits: a layer whose slices do not cover its rows (some tensor-parallel shardings) keeps vLLM's path; vLLM's own
+punica kernels are not a dispatch candidate (scripts/bench_serving.py --vllm compares the two end to end).
 """
 
 from __future__ import annotations
