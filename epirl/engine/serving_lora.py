@@ -97,7 +97,7 @@ def _choice(K: int, N: int, r: int, M: int, device) -> str:
 
 def _time_shape(shape):
     from epirl.kernels.w8a8_multi_lora import dispatch
-    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates, graph_us
+    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates, graph_us, release
 
     try:
         import vllm
@@ -105,8 +105,11 @@ def _time_shape(shape):
         vllm_version = vllm.__version__
     except ImportError:
         vllm_version = "none"
-    return dispatch.load_or_time(_cache_dir(), torch.cuda.get_device_name(), vllm_version, [shape], gpu_candidates,
-                                 graph_us, ["fused", "vendor+epirl"])
+    try:
+        return dispatch.load_or_time(_cache_dir(), torch.cuda.get_device_name(), vllm_version, [shape],
+                                     gpu_candidates, graph_us, ["fused", "vendor+epirl"])
+    finally:
+        release()
 
 
 def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):

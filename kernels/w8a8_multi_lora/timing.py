@@ -57,6 +57,12 @@ def graph_us(fn: Callable[[], object], reps: int = 10, flush: bool = True) -> fl
     return max(_graph_ms(flushed, reps) - _graph_ms(buf.zero_, reps), 0.0) * 1e3 / reps
 
 
+def release() -> None:
+    """Free the L2-flush buffer (256 MB): an engine times once at start and must not keep it."""
+    _FLUSH.clear()
+    torch.cuda.empty_cache()
+
+
 def random_projection(shape: Shape, L: int = 1, seed: int = 0):
     """codes/scale of a random FP8 weight and L random rank-r adapters (bf16), on the GPU."""
     from epirl.kernels import quantize_weight_fp8
