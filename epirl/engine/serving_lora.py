@@ -220,7 +220,10 @@ def _wrap_create_lora_weights(cls) -> bool:
 def install() -> int:
     """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
     many classes were wrapped. Reads EPIRL_SERVING_KERNELS (call it before vLLM builds the model)."""
-    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    try:
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    except ImportError:  # vLLM versions that export it from the package only
+        from vllm.lora.layers import BaseLinearLayerWithLoRA
 
     _STATE["mode"] = read_mode()  # a bad value fails here, at engine start, with the variable's name
     classes, todo = [], [BaseLinearLayerWithLoRA]
