@@ -80,19 +80,21 @@ def _quant_shrink_kernel(x_ptr, q_ptr, s_ptr, a_tab, ids_ptr, part_ptr, M, K, R,
     rk = tl.arange(0, BK)
     k_lo = split * K_CHUNK
     x_row = x_ptr + m * stride_xm
-    if QUANT and slice_id == 0:  # the token's amax over the whole row (fmaxf chain, NaN ignored), as fp8_quant.triton
-        rq = tl.arange(0, QBK)
-        amax = tl.zeros((QBK,), dtype=tl.float32)
-        for k0 in range(0, K, QBK):
-            amax = tl.maximum(amax, _abs_nan_to_zero(tl.load(x_row + k0 + rq, mask=(k0 + rq) < K,
-                                                              other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
-        if split == 0:
-            tl.store(s_ptr + m, scale)
-        for k0 in range(k_lo, k_lo + K_CHUNK, BK):
-            mask_k = (k0 + rk) < K
-            xv = tl.load(x_row + k0 + rk, mask=mask_k, other=0.0).to(tl.float32)
-            tl.store(q_ptr + m * stride_qm + k0 + rk, _saturating_e4m3(tl.div_rn(xv, scale), FP8_MAX), mask=mask_k)
+    if QUANT:  # slice 0's programs: the token's amax over the whole row (fmaxf chain, NaN ignored), then codes
+        if slice_id == 0:
+            rq = tl.arange(0, QBK)
+            amax = tl.zeros((QBK,), dtype=tl.float32)
+            for k0 in range(0, K, QBK):
+                amax = tl.maximum(amax, _abs_nan_to_zero(tl.load(x_row + k0 + rq, mask=(k0 + rq) < K,
+                                                                  other=0.0).to(tl.float32)))
+            scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+            if split == 0:
+                tl.store(s_ptr + m, scale)
+            for k0 in range(k_lo, k_lo + K_CHUNK, BK):
+                mask_k = (k0 + rk) < K
+                xv = tl.load(x_row + k0 + rk, mask=mask_k, other=0.0).to(tl.float32)
+                q = _saturating_e4m3(tl.div_rn(xv, scale), FP8_MAX)
+                tl.store(q_ptr + m * stride_qm + k0 + rk, q, mask=mask_k)
     if HAS_LORA:
         adapter = tl.load(ids_ptr + m).to(tl.int64)
         if adapter >= 0:
