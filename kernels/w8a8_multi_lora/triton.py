@@ -70,8 +70,9 @@ def _quant_shrink_kernel(x_ptr, q_ptr, s_ptr, a_tab, ids_ptr, part_ptr, M, K, R,
                          QBK: tl.constexpr):
     # program (token m, K chunk, slice): codes and (chunk 0) scale of the chunk (slice 0 only), and the shrink
     # partial of the chunk with the slice's A (a_tab holds each slice's A base address).
-    # Each loop is branch-free inside so that its loads are software-pipelined (a branch in the loop body cost a
-    # full memory round trip per step, measured 2026-11-30).
+    # Few trips per loop, each moving a lot: the LoRA cost measured on the H200 (2026-11-30) grew with the
+    # trips of this loop (~1.4 µs each: every trip waits for its loads), so chunks are 512 wide in 128-wide steps
+    # (4 trips) and large K is spread over more programs instead of longer loops.
     if LAUNCH_DEPENDENTS:  # let K2 launch now: it reads nothing of ours before its gdc_wait
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0).to(tl.int64)
