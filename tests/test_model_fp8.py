@@ -403,7 +403,7 @@ def test_sharded_vision_language_checkpoint_layout_loads_like_the_text_one(tiny_
 
 def test_production_shapes_base_bytes_match_the_paper_anchor():
     """Qwen3.5-9B's trainer base: FP8 projections + bf16 embeddings/LM head/norms = 10.2 GiB, bf16 = 16.7 GiB
-    (the seed paper's numbers); Qwen3-8B is 192.9 MB of FP8 per decoder layer (DESIGN.md §8)."""
+    (the seed paper's numbers); Qwen3-8B is 192.9 MB of FP8 per decoder layer."""
     from epirl.model.memory import GiB, count_parameters, estimate_trainer_bytes
     from epirl.model.shapes import qwen3_5_9b_config, qwen3_8b_config
 

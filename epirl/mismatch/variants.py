@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epirl.model import load_adapter, load_policy
+
 VARIANTS = {
     "a": "bf16 W, bf16 A",
     "b": "FP8 W, bf16 A",
@@ -116,8 +118,6 @@ def fake_quant_activations(policy) -> Iterator[int]:
 
 def load_variant_policy(cfg, variant: str, device: torch.device, adapter_dir: str | None = None):
     """The policy of variant (a) (bf16 base) or (b)/(c) (FP8 base), with the adapter loaded if given."""
-    from epirl.model import load_adapter, load_policy
-
     if variant not in VARIANTS:
         raise ValueError(f"unknown trainer variant {variant!r}; known: {sorted(VARIANTS)}")
     variant_cfg = copy.deepcopy(cfg)

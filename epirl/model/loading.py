@@ -3,7 +3,7 @@
 Every path starts from a skeleton on the meta device (no memory) and materialises tensors one at a time:
 - embeddings, norms, LM head, Qwen3.5's conv1d / A_log / dt_bias: `model.dtype` (bf16 on GPU), always;
 - projections with `trainer.base: bf16`: the checkpoint weights in `model.dtype`, wrapped by `LoRALinear`;
-- with `fp8`: quantized exactly as vLLM's online `fp8_per_tensor` (DESIGN.md contract 1) with ONE scale per
+- with `fp8`: quantized exactly as vLLM's online `fp8_per_tensor` (kernels/README.md, numerical contracts) with ONE scale per
   fused module (vLLM's `packed_modules_mapping`, below): all members of a group are read into one packed
   bf16 buffer, quantized together, and dropped. Peak memory = the FP8 model + one packed group in bf16.
 - with `shared`: zero-copy views of the rollout engine's FP8 codes and scales, and of its token embedding
@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -51,8 +52,6 @@ def local_model_dir(path: str) -> Path:
     resolved = resolve_model_path(path)
     if Path(resolved).is_dir():
         return Path(resolved)
-    from huggingface_hub import snapshot_download
-
     return Path(snapshot_download(resolved, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
                                                              "*.jinja", "*.tiktoken"]))
 
