@@ -25,15 +25,16 @@ export COLUMNS=250 PYTHONSAFEPATH=1  # torchrun's workers run `python -m epirl` 
 RUNS=$HOME/scaleout; mkdir -p "$RUNS"
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
 
-run_job() {  # name, ranks, limit_s, then `epirl train` arguments
-  local name=$1 ranks=$2 limit=$3; shift 3
+run_job() {  # name, ranks, limit_s, recipe, then `epirl train` overrides and options
+  local name=$1 ranks=$2 limit=$3 recipe=$4; shift 4
   local log=$RUNS/$name.log t0; t0=$(date +%s)
   rm -rf "${RUNS:?}/$name" "${RUNS:?}/$name-benchmark"
+  local args=("$recipe" output_dir="$RUNS" name="$name" "$@")  # overrides before options (argparse)
   if [ "$ranks" = 1 ]; then
-    CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -P -m epirl train "$@" output_dir="$RUNS" name="$name" > "$log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -P -m epirl train "${args[@]}" > "$log" 2>&1
   else
     timeout "$limit" python3 -P -m torch.distributed.run --standalone --nproc-per-node "$ranks" \
-      -m epirl train "$@" output_dir="$RUNS" name="$name" > "$log" 2>&1
+      -m epirl train "${args[@]}" > "$log" 2>&1
   fi
   local rc=$?
   echo "[$name] $ranks rank(s): exit $rc after $(( $(date +%s) - t0 )) s ($(grep -o 'started in [0-9.]* s' "$log" | head -1))"
