@@ -156,3 +156,19 @@ def test_serving_op_on_vllm_shaped_slot_buffers_equals_per_slice_reference():
                                backend="reference")
         assert torch.equal(out[:, rows], want)
         start += w
+
+
+def test_slices_reject_buffers_the_kernels_cannot_read():
+    pytest.importorskip("triton")
+    from epirl.kernels.w8a8_multi_lora.triton import Slices
+
+    a = [torch.zeros(2, 8, 64, dtype=torch.bfloat16) for _ in range(2)]
+    b = [torch.zeros(2, 32, 8, dtype=torch.bfloat16), torch.zeros(2, 16, 8, dtype=torch.bfloat16)]
+    assert Slices(a, b, [32, 16]).widths == [32, 16]
+    with pytest.raises(ValueError, match="lora_b slice 1"):
+        Slices(a, b, [32, 32])
+    with pytest.raises(ValueError, match="lora_a slice 1"):
+        Slices([a[0], torch.zeros(2, 8, 64, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)], b,
+               [32, 16])
+    with pytest.raises(ValueError, match="2 A, 1 B slices"):
+        Slices(a, b[:1], [32, 16])
