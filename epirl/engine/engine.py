@@ -113,7 +113,8 @@ def _extra_llm_kwargs(cfg: Any, model_path: str, owned: set[str]) -> dict[str, A
     unknown = [name for name, ok in engine_args.llm_kwargs_supported(sorted(extra)).items() if not ok] if extra else []
     if unknown:
         raise ConfigError(f"engine.vllm_args.{unknown[0]}: not an argument of vLLM {vllm_version()}")
-    if model_path and _is_multimodal(model_path) and engine_args.llm_kwargs_supported(["language_model_only"])["language_model_only"]:
+    if model_path and _is_multimodal(model_path) \
+            and engine_args.llm_kwargs_supported(["language_model_only"])["language_model_only"]:
         extra.setdefault("language_model_only", True)
     return extra
 

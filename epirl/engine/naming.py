@@ -23,7 +23,7 @@ DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["
 
 
 class NameMap:
-    """The naming facts of one vLLM model instance (root module = what `vllm_compat.model_access.model(llm)` returns)."""
+    """The naming facts of one vLLM model instance (root module: `vllm_compat.model_access.model(llm)`)."""
 
     def __init__(self, model) -> None:
         mapper = getattr(type(model), "hf_to_vllm_mapper", None)

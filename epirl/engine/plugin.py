@@ -42,6 +42,7 @@ from typing import Any, Iterator
 import torch
 
 from epirl.engine.naming import NameMap
+from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
 from epirl.engine.vllm_compat import lora_layers, model_access, quantization
 from epirl.engine.vllm_compat.detect import on_cuda
 
@@ -50,24 +51,6 @@ log = logging.getLogger(__name__)
 W8A16 = "epirl_w8a16"
 
 
-def _kernel_ops() -> dict:
-    """The epirl.kernels ops, bound once at import of this module.
-
-    Guard against a name clash in `epirl.kernels`: the first lazy import of its subpackage
-    `epirl.kernels.w8a8_lora` rebinds the package attribute `w8a8_lora` from the function to the
-    subpackage (seen 2026-11-29), so `from epirl.kernels import w8a8_lora` looked up per call returns a
-    module after the first call. Binding the functions here, before any call, sidesteps it.
-    """
-    import epirl.kernels as kernels
-
-    ops = {name: getattr(kernels, name) for name in ("w8a16_lora", "w8a8_lora", "quantize_weight_fp8")}
-    shadowed = [name for name, fn in ops.items() if not callable(fn)]
-    if shadowed:
-        raise ImportError(f"epirl.kernels.{shadowed} are subpackages, not ops (imported too late?)")
-    return ops
-
-
-_OPS = _kernel_ops()
 W8A8_EMU = "epirl_w8a8_emu"
 _registered = False
 
@@ -145,7 +128,7 @@ def _linear_method_class() -> type:
 
         def process_weights_after_loading(self, layer) -> None:
             dtype, device = layer.weight.dtype, layer.weight.device
-            codes, scale = _OPS["quantize_weight_fp8"](layer.weight.data, group_sizes=layer.logical_widths)
+            codes, scale = quantize_weight_fp8(layer.weight.data, group_sizes=layer.logical_widths)
             # vLLM's layout: `weight` is the [K, N] transpose view of [N, K] row-major codes.
             layer.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
             layer.weight_scale = torch.nn.Parameter(scale.to(torch.float32).reshape(1), requires_grad=False)
@@ -155,7 +138,7 @@ def _linear_method_class() -> type:
 
         def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             if self.activation_fp8:
-                return _OPS["w8a8_lora"](x, layer.weight.t(), layer.weight_scale, bias=bias)
+                return w8a8_lora(x, layer.weight.t(), layer.weight_scale, bias=bias)
             return torch.ops.epirl.w8a16_lora_slices(x, layer.weight.t(), layer.weight_scale, [], [],
                                                      list(layer.logical_widths), 1.0, bias)
 
@@ -179,7 +162,6 @@ def w8a16_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                       lora_b: list[torch.Tensor], widths: list[int], lora_scale: float,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """`w8a16_lora` per logical slice of a fused layer, concatenated (no LoRA when the lists are empty)."""
-    w8a16_lora = _OPS["w8a16_lora"]
     if not lora_a:
         return w8a16_lora(x, codes, scale, bias=bias)
     outs, start = [], 0

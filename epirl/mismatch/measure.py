@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from epirl.engine import RolloutEngine
-from epirl.mismatch.variants import VARIANTS, fake_quant_activations, load_variant_policy, score_sequences
+from epirl.kernels import quantize_activation_fp8, w8a16_lora
+from epirl.mismatch.variants import (VARIANTS, fake_quant_activations, fp8_projections, load_variant_policy,
+                                     score_sequences)
 
 log = logging.getLogger(__name__)
 
@@ -302,9 +304,6 @@ def verify_fake_quant(policy, tokens: int = 8, seed: int = 0) -> dict[str, float
     the FP8-rounded x, the LoRA term the unrounded x. Returns the relative error of (c) against it and,
     for scale, the relative change (c) makes against (b).
     """
-    from epirl.kernels import quantize_activation_fp8, w8a16_lora
-    from epirl.mismatch.variants import fp8_projections
-
     name, module = fp8_projections(policy)[0]
     g = torch.Generator().manual_seed(seed)
     dtype = policy.model.get_input_embeddings().weight.dtype

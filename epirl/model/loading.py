@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from epirl.config import check_lora_targets, concrete_dtype, resolve_model_path
+from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.policy import Policy
@@ -111,8 +112,6 @@ def quantize_group(names: list[str], model: nn.Module, source, device: torch.dev
 
     Returns {member name: (codes view [N_i, K] into the packed codes, shared scale [1])}.
     """
-    from epirl.kernels import quantize_weight_fp8, split_fused
-
     shapes = [model.get_submodule(n).weight.shape for n in names]
     out_sizes = [s[0] for s in shapes]
     packed_W = torch.empty(sum(out_sizes), shapes[0][1], dtype=dtype, device=device)
@@ -128,8 +127,6 @@ def quantize_group(names: list[str], model: nn.Module, source, device: torch.dev
 
 def _fp8_module(name: str, linear: nn.Module, codes_N_K: torch.Tensor, scale: torch.Tensor, trainable: bool,
                 rank: int, alpha: float, seed: int, bias: torch.Tensor | None) -> nn.Module:
-    from epirl.kernels import Fp8LoRALinear
-
     out_features, in_features = codes_N_K.shape
     if (out_features, in_features) != tuple(linear.weight.shape):
         raise ValueError(f"{name}: FP8 codes {tuple(codes_N_K.shape)} != weight {tuple(linear.weight.shape)}")

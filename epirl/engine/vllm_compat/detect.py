@@ -9,10 +9,6 @@ from __future__ import annotations
 import re
 
 
-class VllmSymbolMissing(ImportError):
-    """The installed vLLM lacks something a compat module relies on; the message is one line."""
-
-
 def vllm_version() -> str:
     import vllm
 
