@@ -72,6 +72,10 @@ def load_checkpoint(path: Path, *, policy, optimizer, scheduler) -> dict:
     """Restore adapter, optimizer, scheduler and RNG; returns state.json (step, data cursor, ...)."""
     from epirl.model import load_adapter
 
+    from epirl.model.dummy import refuse_random_weights
+
+    if not getattr(policy, "random_weights", False):  # a random-weights run may resume its own benchmark only
+        refuse_random_weights(path / "adapter", "--resume: checkpoint")
     state = json.loads((path / STATE_FILE).read_text())
     load_adapter(policy, path / "adapter")
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)

@@ -93,6 +93,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         if latest_checkpoint(Path(args.resume)) is None:
             error_line(f"--resume {args.resume}: no complete checkpoint under {Path(args.resume) / 'checkpoints'}")
             return 2
+    benchmark = None
+    if args.benchmark is not None:
+        from epirl.rl.benchmark import BenchmarkSettings
+
+        if args.benchmark < 1 or args.resume is not None:
+            error_line("--benchmark N needs N >= 1 and no --resume")
+            return 2
+        benchmark = BenchmarkSettings(args.benchmark, args.prompt_tokens, args.force_max_tokens, args.benchmark_out)
+        cfg.name = f"{cfg.name}-benchmark"  # never the folder of a real run
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     setup_logging(args.verbose, run_dir / "train.log")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -102,14 +111,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     from epirl.data import DataError
     from epirl.model.memory import PreflightError
 
-    progress, update = _progress_printer(cfg.rl.steps, 0)
+    progress, update = _progress_printer(benchmark.steps if benchmark else cfg.rl.steps, 0)
     try:
         with progress:
-            out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
+            out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update, benchmark=benchmark)
     except (ConfigError, DataError, PreflightError) as exc:  # found once the inputs are read: one line
         logging.getLogger("epirl").error("%s", exc)  # and in train.log
         error_line(str(exc))
         return 2
+    if benchmark is not None:
+        console.print(f"[green]done:[/] benchmark in {benchmark.out or out / 'benchmark.json'} (rewards were a seeded coin)")
+        return 0
     console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
     return 0
 
@@ -133,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rl.steps=5")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--help-config", action="store_true", help="print every config key and exit")
+    train.add_argument("--benchmark", type=int, metavar="N", help="measure the real loop for N steps on synthetic "
+                       "token-id prompts with seeded-coin rewards (no data, no checkpoints); writes benchmark.json")
+    train.add_argument("--prompt-tokens", type=int, default=None, help="--benchmark prompt length (default 256)")
+    train.add_argument("--force-max-tokens", action="store_true", help="--benchmark: every response runs to rl.max_tokens")
+    train.add_argument("--benchmark-out", default=None, help="--benchmark JSON path (default RUN/benchmark.json)")
     train.set_defaults(func=cmd_train)
 
     try:

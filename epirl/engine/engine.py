@@ -88,6 +88,14 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
         # runs a full `max_num_batched_tokens` batch through them. Chunked prefill keeps long prompts
         # working with a small token budget.
         kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
+    if getattr(cfg.model, "load_format", "auto") == "dummy":  # random weights from the config (model.dummy)
+        from epirl.model.dummy import uses_tokenizer
+
+        kwargs["load_format"] = "dummy"
+        if cfg.model.tokenizer is not None:
+            kwargs["tokenizer"] = _resolve_model_path(cfg.model.tokenizer)
+        elif model_path and not uses_tokenizer(cfg):
+            kwargs["skip_tokenizer_init"] = True  # token-id prompts; no text is decoded
     if cfg.engine.precision == "w8a16" and compat.llm_kwargs_supported(["additional_config"])["additional_config"]:
         # σ = alpha/r enters the fused op as a Python float, which torch.compile bakes into the graph; vLLM's
         # compile cache is keyed by config hashes that see the rank slot but not alpha. additional_config is
@@ -190,14 +198,16 @@ class RolloutEngine:
         return current.request if (use_adapter and current is not None) else None
 
     def generate(self, prompt_ids_P: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True
+                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True, ignore_eos: bool = False
                  ) -> list[list[Completion]]:
-        """n samples per prompt with the sampled tokens' processed log-probs; returns [P][n]."""
+        """n samples per prompt with the sampled tokens' processed log-probs; returns [P][n].
+
+        `ignore_eos`: every sample runs to `max_tokens` (benchmarks that force the longest responses)."""
         from vllm import SamplingParams
 
         self._check_awake()
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=seed, logprobs=0, detokenize=self.tokenizer is not None)
+                                seed=seed, logprobs=0, detokenize=self.tokenizer is not None, ignore_eos=ignore_eos)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids_P]
         lora = self._lora_request(use_adapter)
         with self._active(lora):
@@ -208,7 +218,7 @@ class RolloutEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if ids else []
-                group.append(Completion(ids, lps, c.text, c.finish_reason or "length"))
+                group.append(Completion(ids, lps, c.text or "", c.finish_reason or "length"))
             result.append(group)
         return result
 

@@ -9,7 +9,8 @@ Per step:
   5. train         release the engine's KV cache, recompute log-probs on the trainer (same base weights),
                    DAPO loss with truncated importance sampling against the engine's log-probs, AdamW;
   6. publish       the adapter goes to the engine in memory under a new name; KV cache re-acquired;
-  7. probe         the engine continues a fixed set of prompts, the trainer re-scores them: they must agree;
+  7. probe         the engine continues a fixed set of prompts; the trainer scores them under the new adapter,
+                   the previous one and none: the engine must sit nearer the new one (epirl/rl/probe.py);
   8. log / save    metrics to JSONL + W&B, checkpoints for exact resume.
 Shapes: P prompts, G samples per prompt, B = P·G sequences, T tokens.
 """
@@ -29,6 +30,7 @@ from epirl.data import Prompt, PromptStream, load_problems, render_prompt
 from epirl.rewards import overlong_penalty
 from epirl.rl.advantages import group_advantages, informative_groups
 from epirl.rl.hooks import PeriodicEval, periodic_mismatch
+from epirl.rl.probe import ProbeMismatch, PublishProbe  # noqa: F401 - ProbeMismatch is part of the loop's API
 from epirl.trainer import build_batch, build_optimizer, train_step
 from epirl.tracking import PhaseTimer, Tracker, memory_metrics
 
@@ -44,10 +46,6 @@ class Group:
     correct_G: torch.Tensor
     rewards_G: torch.Tensor
     advantages_G: torch.Tensor | None = None
-
-
-class ProbeMismatch(RuntimeError):
-    """Engine and trainer disagree after a publish: the adapter did not arrive, or the arithmetic drifted."""
 
 
 def resolve_runtime(cfg: EpirlConfig) -> torch.device:
@@ -80,9 +78,11 @@ def grade_groups(prompts: list[Prompt], completions_P_G: list[list], pool, cfg: 
     return groups, stats
 
 
-def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int) -> tuple[list[Group], dict]:
+def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int, timer=None,
+                     ignore_eos: bool = False) -> tuple[list[Group], dict]:
     """Generate and grade until P informative groups are collected or the refill rounds run out."""
     rl = cfg.rl
+    timer = timer or PhaseTimer()
     kept: list[Group] = []
     seen: list[Group] = []
     totals: dict[str, float] = {}
@@ -90,9 +90,12 @@ def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step:
         need = rl.prompts_per_step - len(kept)
         prompts = stream.take(need)
         torch.manual_seed(step_seed(cfg.seed, step, round_))
-        completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
-                                          max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p)
-        groups, stats = grade_groups(prompts, completions_P_G, pool, cfg)
+        with timer("generate"):
+            completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
+                                              max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                                              ignore_eos=ignore_eos)
+        with timer("score"):
+            groups, stats = grade_groups(prompts, completions_P_G, pool, cfg)
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
         seen += groups
@@ -125,6 +128,7 @@ def rollout_metrics(seen: list[Group], kept: list[Group], cfg: EpirlConfig) -> d
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": truncated.mean().item(),
+        "rollout/generated_tokens": lengths.sum().item(),
         "rollout/groups_generated": float(len(seen)),
         "rollout/groups_kept": float(len(kept)),
         "rollout/informative_frac": len(kept) / max(len(seen), 1),
@@ -141,33 +145,9 @@ def groups_to_batch(groups: list[Group], cfg: EpirlConfig, pad_id: int):
     return build_batch(sequences, pad_id) if sequences else None
 
 
-@torch.no_grad()
-def probe(engine, policy, prompts: list[list[int]], cfg: EpirlConfig, device, pad_id: int) -> dict[str, float]:
-    """After a publish, the engine (new adapter) continues a fixed set of prompts and the trainer re-scores
-    the same tokens: their log-probs must agree, else the publish did not take (or the arithmetic drifted).
-    Uses generate-time log-probs rather than prompt log-probs, which vLLM's CPU LoRA path lacks."""
-    if not prompts:
-        return {}
-    torch.manual_seed(cfg.seed)
-    outs = engine.generate(prompts, n=1, max_tokens=min(16, cfg.rl.max_tokens), temperature=cfg.rl.temperature)
-    picks = [(p, list(o[0].token_ids), list(o[0].logprobs)) for p, o in zip(prompts, outs) if o[0].token_ids]
-    if not picks:
-        return {}
-    batch = build_batch([(p, c, lp, 0.0) for p, c, lp in picks], pad_id).to(device)
-    policy.model.eval()
-    trainer_lp_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, cfg.rl.temperature,
-                                              cfg.trainer.logprob_chunk_tokens)
-    diff_N = (trainer_lp_B_T.float() - batch.engine_logprobs_B_T).abs()[batch.mask_B_T]
-    mean_diff, max_diff = diff_N.mean().item(), diff_N.max().item()
-    if not math.isfinite(mean_diff) or mean_diff > cfg.engine.probe_tolerance:
-        raise ProbeMismatch(
-            f"engine and trainer disagree after publishing the adapter: mean |Δ log p| = {mean_diff:.4g} > "
-            f"engine.probe_tolerance={cfg.engine.probe_tolerance} (max {max_diff:.4g}, precision "
-            f"{cfg.engine.precision}, trainer.base {cfg.trainer.base})")
-    return {"probe/mean_abs_logp_diff": mean_diff, "probe/max_abs_logp_diff": max_diff}
-
-
 def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
+    if tokenizer is None:  # token-id prompts (random weights without a tokenizer): nothing to read
+        return []
     rows = []
     for g in groups[:count]:
         c = g.completions[0]
@@ -176,13 +156,22 @@ def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
     return rows
 
 
-def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
-    """Run (or resume) a GRPO/DAPO training job; returns the run folder."""
-    from epirl.engine import RolloutEngine
-    from epirl.model.memory import preflight_beside_engine
+def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, benchmark=None) -> Path:
+    """Run (or resume) a GRPO/DAPO training job; returns the run folder.
 
-    problems = check_inputs(cfg)  # bad model path, data, vLLM arguments: one line, before anything starts
+    `benchmark` (epirl.rl.benchmark.BenchmarkSettings): the same loop for `benchmark.steps` steps on synthetic
+    token-id prompts with seeded-coin rewards; writes benchmark.json instead of checkpoints and an adapter."""
+    from epirl.engine import RolloutEngine
+    from epirl.model.memory import log_memory_plan, memory_plan, preflight_beside_engine
+
+    if cfg.model.load_format == "dummy":
+        from epirl.model.dummy import prepare
+
+        prepare(cfg)  # model.path becomes the folder of the architecture's config; one log line
+    problems = check_inputs(cfg, need_data=benchmark is None)
     device = resolve_runtime(cfg)
+    plan = memory_plan(cfg, device)
+    log_memory_plan(plan)  # before the engine starts: what the recipe should take
     if device.type == "cuda":  # fail in seconds, before the engine loads, when the trainer cannot fit
         preflight_beside_engine(cfg, device)
     run_dir = Path(resume) if resume else cfg.run_dir
@@ -194,7 +183,7 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     engine = None
     try:
         engine = RolloutEngine(cfg)
-        _train_with(cfg, run_dir, resume, engine, tracker, device, progress, problems)
+        _train_with(cfg, run_dir, resume, engine, tracker, device, progress, problems, benchmark, plan)
     finally:
         tracker.close()
         if engine is not None:
@@ -202,7 +191,7 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
     return run_dir
 
 
-def check_inputs(cfg: EpirlConfig) -> list:
+def check_inputs(cfg: EpirlConfig, need_data: bool = True) -> list:
     """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
 
     Raises ConfigError / DataError with one line naming the field or file."""
@@ -210,6 +199,7 @@ def check_inputs(cfg: EpirlConfig) -> list:
 
     from epirl.config import ConfigError, resolve_model_path
     from epirl.engine.engine import check_vllm_args
+    from epirl.model.dummy import uses_tokenizer
 
     if cfg.model.path.startswith(("/", ".", "~")) and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
@@ -219,22 +209,39 @@ def check_inputs(cfg: EpirlConfig) -> list:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"model.path: {cfg.model.path}: {reason}") from None
     check_vllm_args(cfg)
+    if not need_data:
+        return []
+    if not uses_tokenizer(cfg):
+        raise ConfigError("model.load_format=dummy: this config has no tokenizer, so prompts can only be token ids: "
+                          "run `epirl train ... --benchmark N`, or set model.tokenizer")
     return load_problems(cfg.data, cfg.seed)
 
 
+def _pad_id(engine, cfg: EpirlConfig) -> int:
+    if engine.tokenizer is not None and engine.tokenizer.pad_token_id is not None:
+        return engine.tokenizer.pad_token_id
+    return 0  # padding positions are masked out of every loss and log-prob
+
+
 def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracker, device, progress,
-                problems: list) -> None:
+                problems: list, benchmark=None, plan: dict | None = None) -> None:
     from epirl.model import load_policy, save_adapter
     from epirl.rewards import RewardPool
+    from epirl.rl import benchmark as bench
 
     policy = load_policy(cfg, device, engine=engine)
     optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
-    stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                          thinking=cfg.model.thinking, max_prompt_tokens=cfg.prompt_token_limit)
-    pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
-    # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
-    probe_prompts = [render_prompt(engine.tokenizer, p.messages, cfg.model.thinking)
-                     for p in problems[: cfg.engine.probe_prompts]]
+    pad_id = _pad_id(engine, cfg)
+    if benchmark is not None:
+        stream, make_pool = bench.SyntheticPrompts(cfg, benchmark), lambda: bench.CoinRewards(cfg.seed)
+        probe_prompts = bench.probe_prompts(cfg, benchmark)
+    else:
+        stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
+                              thinking=cfg.model.thinking, max_prompt_tokens=cfg.prompt_token_limit)
+        make_pool = lambda: RewardPool(cfg.reward.workers, cfg.reward.timeout_s)  # noqa: E731 - started below
+        # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
+        probe_prompts = [render_prompt(engine.tokenizer, p.messages, cfg.model.thinking)
+                         for p in problems[: cfg.engine.probe_prompts]]
     start_step = 0
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if checkpoint is not None:
@@ -243,35 +250,51 @@ def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracke
         start_step = state["step"]
         tracker.forget_after(start_step)  # steps after the checkpoint run again: log them once
         log.info("resumed from %s at step %d", checkpoint, start_step)
+    random_weights = cfg.model.load_format == "dummy"
+    probe = (PublishProbe(cfg, probe_prompts, device, pad_id, enforce=not random_weights)
+             if cfg.engine.probe_prompts else None)
     engine.publish(policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
-    tracker.summary(policy.memory_report())
-    evaluate = PeriodicEval(cfg, run_dir)
+    if probe is not None:
+        probe(engine, policy, None, start_step)  # the noise floor (a fresh adapter is zero: new = base)
+    tracker.summary(policy.memory_report() | {"model/random_weights": float(random_weights)})
+    recorder = bench.Recorder(cfg, benchmark, plan, engine, run_dir) if benchmark is not None else None
+    evaluate = PeriodicEval(cfg, run_dir) if benchmark is None else None
     timer = PhaseTimer()
-    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
-        for step in range(start_step, cfg.rl.steps):
+    last_step = start_step + benchmark.steps if benchmark is not None else cfg.rl.steps
+    with make_pool() as pool:
+        for step in range(start_step, last_step):
             metrics = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device,
-                               pad_id, probe_prompts)
+                               pad_id, probe, ignore_eos=benchmark is not None and benchmark.force_max_tokens)
             samples, prompt_ids = metrics.pop("_samples"), metrics.pop("_prompt_ids")
-            if evaluate.due(step + 1):
-                metrics |= evaluate(step + 1, engine, pool)
-            metrics |= periodic_mismatch(step + 1, cfg, engine, policy, prompt_ids, device)
+            metrics["model/random_weights"] = float(random_weights)
+            if recorder is not None:
+                metrics |= recorder.record(step + 1, metrics, policy, optimizer)
+            else:
+                if evaluate.due(step + 1):
+                    metrics |= evaluate(step + 1, engine, pool)
+                metrics |= periodic_mismatch(step + 1, cfg, engine, policy, prompt_ids, device)
             tracker.log(step + 1, metrics)
-            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0:
+            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0 and samples:
                 tracker.log_samples(step + 1, samples)
             if progress is not None:
                 progress(step + 1, metrics)
-            last = step + 1 == cfg.rl.steps
-            if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-                save_checkpoint(run_dir, step + 1, policy=policy, cfg=cfg, optimizer=optimizer,
-                                scheduler=scheduler, data_state=stream.state_dict(),
-                                keep_last=cfg.checkpoint.keep_last)
-    save_adapter(policy, run_dir / "adapter", cfg)
+            if recorder is None:
+                _maybe_checkpoint(step + 1, cfg, run_dir, policy, optimizer, scheduler, stream)
+    if recorder is not None:
+        recorder.finish()
+    else:
+        save_adapter(policy, run_dir / "adapter", cfg)
+
+
+def _maybe_checkpoint(step: int, cfg: EpirlConfig, run_dir: Path, policy, optimizer, scheduler, stream) -> None:
+    if step == cfg.rl.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+        save_checkpoint(run_dir, step, policy=policy, cfg=cfg, optimizer=optimizer, scheduler=scheduler,
+                        data_state=stream.state_dict(), keep_last=cfg.checkpoint.keep_last)
 
 
 def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id,
-             probe_prompts: list[list[int]] = ()) -> dict:
-    with timer("generate"):
-        groups, metrics = collect_rollouts(engine, stream, pool, cfg, step)
+             probe: PublishProbe | None = None, ignore_eos: bool = False) -> dict:
+    groups, metrics = collect_rollouts(engine, stream, pool, cfg, step, timer, ignore_eos)
     batch = groups_to_batch(groups, cfg, pad_id)
     with timer("release_kv"):
         metrics |= engine.release_kv()
@@ -281,15 +304,17 @@ def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, time
         if batch is not None and bool((batch.advantages_B != 0).any()):
             metrics |= train_step(policy, optimizer, scheduler, batch, cfg, device)
             metrics["train/skipped"] = 0.0
+            metrics["train/processed_tokens"] = float((batch.targets_B_T != pad_id).sum() + batch.num_sequences)
         else:  # every group had equal rewards: no gradient signal, keep the adapter as it is
             metrics["train/skipped"] = 1.0
+    previous = engine.adapter.tensors if engine.adapter is not None else None  # what the probe tells apart
     with timer("publish"):
         metrics |= engine.publish(policy.lora_state_dict(), step=step + 1)
     with timer("reacquire_kv"):
         metrics |= engine.reacquire_kv()
-    if cfg.engine.probe_prompts:
+    if probe is not None:
         with timer("probe"):
-            metrics |= probe(engine, policy, probe_prompts, cfg, device, pad_id)
+            metrics |= probe(engine, policy, previous, step + 1)
     metrics |= timer.pop() | memory_metrics()
     metrics |= {f"mem/trainer_{k}": float(v) for k, v in policy.memory_report().items() if isinstance(v, (int, float))}
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
