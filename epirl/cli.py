@@ -17,6 +17,16 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from epirl.checkpoint import latest_checkpoint
+from epirl.config import ConfigError, describe_fields, load_config
+from epirl.data import DataError
+from epirl.eval_cli import add_eval_args
+from epirl.mismatch.cli import add_mismatch_args
+from epirl.model.memory import PreflightError
+from epirl.rl.benchmark import BenchmarkSettings
+from epirl.rl.loop import train
 
 console = Console(stderr=True)
 
@@ -40,10 +50,6 @@ def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
 
 
 def _print_config_reference() -> None:
-    from rich.table import Table
-
-    from epirl.config import describe_fields
-
     table = Table(title="epirl config keys (recipe YAML or key.sub=value)", show_lines=False)
     for column in ("key", "default", "meaning"):
         table.add_column(column, overflow="fold")
@@ -68,8 +74,6 @@ def _progress_printer(total: int, start: int):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from epirl.config import ConfigError, load_config
-
     if args.help_config:
         _print_config_reference()
         return 0
@@ -88,15 +92,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         error_line(f"--resume {args.resume}: no such run folder")
         return 2
     if args.resume is not None:
-        from epirl.checkpoint import latest_checkpoint
-
         if latest_checkpoint(Path(args.resume)) is None:
             error_line(f"--resume {args.resume}: no complete checkpoint under {Path(args.resume) / 'checkpoints'}")
             return 2
     benchmark = None
     if args.benchmark is not None:
-        from epirl.rl.benchmark import BenchmarkSettings
-
         if args.benchmark < 1 or args.resume is not None:
             error_line("--benchmark N needs N >= 1 and no --resume")
             return 2
@@ -105,11 +105,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     setup_logging(args.verbose, run_dir / "train.log")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-    from epirl.rl.loop import train
-
-    from epirl.data import DataError
-    from epirl.model.memory import PreflightError
 
     progress, update = _progress_printer(benchmark.steps if benchmark else cfg.rl.steps, 0)
     try:
@@ -124,15 +119,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
     return 0
-
-
-def cmd_mismatch(args: argparse.Namespace) -> int:
-    try:
-        from epirl.mismatch import run_mismatch_command
-    except ImportError:
-        console.print("[yellow]epirl mismatch is not implemented yet[/]")
-        return 2
-    return run_mismatch_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,17 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--benchmark-out", default=None, help="--benchmark JSON path (default RUN/benchmark.json)")
     train.set_defaults(func=cmd_train)
 
-    try:
-        from epirl.mismatch import add_mismatch_args
-    except ImportError:
-        mismatch = sub.add_parser("mismatch", help="δW/δA/δK decomposition of the engine–trainer mismatch")
-        mismatch.add_argument("rest", nargs=argparse.REMAINDER)
-        mismatch.set_defaults(func=cmd_mismatch)
-    else:
-        add_mismatch_args(sub)
-
-    from epirl.eval_cli import add_eval_args
-
+    add_mismatch_args(sub)
     add_eval_args(sub)
     return parser
 

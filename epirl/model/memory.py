@@ -7,14 +7,19 @@ model dtype (bf16) under every base: they are reported separately as `base_other
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig
 
+from epirl.config import resolve_model_path
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
+from epirl.model.skeleton import build_skeleton
 
+log = logging.getLogger(__name__)
 GiB = 1024 ** 3
 # AdamW keeps two fp32 moments per trainable element; gradients are the parameters' dtype (fp32 masters).
 ADAM_STATE_BYTES_PER_ELEMENT = 8
@@ -90,8 +95,6 @@ def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str
 
     `exclude_embeddings`: leave the token embedding and LM head out of the count (`trainer.base: shared`
     maps them from the engine)."""
-    from epirl.model.loading import build_skeleton
-
     model = build_skeleton(config, torch.bfloat16)
     projections = {n: tuple(m.weight.shape) for n, m in model.named_modules()
                    if isinstance(m, nn.Linear) and _is_projection(n, m)}
@@ -146,10 +149,6 @@ def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safet
     defaults to the model's config.json (local folder, alias, or hub id).
     """
     if hf_config is None:
-        from transformers import AutoConfig
-
-        from epirl.config import resolve_model_path
-
         hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     config = hf_config.get_text_config()
     tokens = cfg.trainer.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rl.max_tokens)
@@ -175,10 +174,6 @@ def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safet
 
 def preflight_beside_engine(cfg, device: torch.device) -> None:
     """Fail in seconds, not after the engine has loaded, when the trainer cannot fit beside the engine."""
-    from transformers import AutoConfig
-
-    from epirl.config import resolve_model_path
-
     total = torch.cuda.get_device_properties(device).total_memory
     hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     reserved = cfg.engine.gpu_memory_utilization * total  # the engine's whole budget, KV cache included
@@ -216,10 +211,6 @@ def memory_plan(cfg, device: torch.device) -> dict[str, float]:
     CUDA-graph buffers inside it). Trainer: its own base bytes (0 projections under `trainer.base: shared`),
     LoRA parameters + gradients + AdamW moments, and the activation peak of one micro-batch of
     `data.max_prompt_tokens + rl.max_tokens` tokens."""
-    from transformers import AutoConfig
-
-    from epirl.config import resolve_model_path
-
     config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path)).get_text_config()
     engine_base = "bf16" if cfg.engine.precision == "bf16" else "fp8"
     engine = estimate_trainer_bytes(config, engine_base, cfg.lora.rank, list(cfg.lora.targets), 1, False, 1)
@@ -242,10 +233,8 @@ def memory_plan(cfg, device: torch.device) -> dict[str, float]:
 
 
 def log_memory_plan(plan: dict[str, float]) -> None:
-    import logging
-
     g = {k.removeprefix("plan/"): v / GiB for k, v in plan.items() if k.endswith("_bytes")}
-    logging.getLogger(__name__).info(
+    log.info(
         "memory plan: engine weights %.2f GiB + KV pool %.2f GiB (~%d tokens) | trainer base %.2f GiB, LoRA+AdamW "
         "%.2f GiB, activations %.2f GiB (%d tokens/micro-batch) | device %.1f GiB", g["engine_weight_bytes"],
         g["kv_pool_bytes"], plan["plan/kv_tokens"], g["trainer_base_bytes"], g["trainer_lora_optimizer_bytes"],

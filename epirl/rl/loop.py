@@ -18,20 +18,27 @@ Shapes: P prompts, G samples per prompt, B = P·G sequences, T tokens.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from epirl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from epirl.config import EpirlConfig, dump_config
+from epirl.config import ConfigError, EpirlConfig, dump_config, resolve_model_path, resolve_runtime
 from epirl.data import Prompt, PromptStream, load_problems, render_prompt
-from epirl.rewards import overlong_penalty
+from epirl.engine import RolloutEngine
+from epirl.engine.engine import check_vllm_args
+from epirl.model import Policy, load_policy, save_adapter
+from epirl.model.dummy import prepare as prepare_random_weights
+from epirl.model.dummy import uses_tokenizer
+from epirl.model.memory import log_memory_plan, memory_plan, preflight_beside_engine
+from epirl.rewards import RewardPool, overlong_penalty
 from epirl.rl.advantages import group_advantages, informative_groups
+from epirl.rl import benchmark as bench
 from epirl.rl.hooks import PeriodicEval, periodic_mismatch
 from epirl.rl.probe import ProbeMismatch, PublishProbe  # noqa: F401 - ProbeMismatch is part of the loop's API
-from epirl.trainer import build_batch, build_optimizer, train_step
+from epirl.rl.trainer import build_batch, build_optimizer, train_step
 from epirl.tracking import PhaseTimer, Tracker, memory_metrics
 
 log = logging.getLogger(__name__)
@@ -48,14 +55,34 @@ class Group:
     advantages_G: torch.Tensor | None = None
 
 
-def resolve_runtime(cfg: EpirlConfig) -> torch.device:
-    """Pick the trainer device and make `model.dtype: auto` concrete, identically for engine and trainer."""
-    use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
-    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but CUDA is not available")
-    if cfg.model.dtype == "auto":
-        cfg.model.dtype = "bfloat16" if use_cuda else "float32"
-    return torch.device("cuda" if use_cuda else "cpu")
+@dataclass
+class Run:
+    """The live parts of one training run, built once by `start_run` and handed to every step."""
+
+    cfg: EpirlConfig
+    engine: RolloutEngine
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: PromptStream
+    pool: RewardPool
+    device: torch.device
+    pad_id: int
+    probe: PublishProbe | None = None
+    """The post-publish probe (its prompts: the data's first problems, fixed for the whole run); None = off."""
+    tracker: Tracker | None = None
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    benchmark: bench.BenchmarkSettings | None = None
+    """`epirl train --benchmark`: synthetic prompts, coin rewards, no checkpoints (epirl/rl/benchmark.py)."""
+
+
+@dataclass
+class StepResult:
+    """What one step hands back: its metrics, a few sample rows for the tracker, and its prompts."""
+
+    metrics: dict[str, float]
+    samples: list[dict]
+    prompt_ids: list[list[int]]
 
 
 def step_seed(seed: int, step: int, round_: int) -> int:
@@ -78,7 +105,7 @@ def grade_groups(prompts: list[Prompt], completions_P_G: list[list], pool, cfg: 
     return groups, stats
 
 
-def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int, timer=None,
+def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int, timer: PhaseTimer | None = None,
                      ignore_eos: bool = False) -> tuple[list[Group], dict]:
     """Generate and grade until P informative groups are collected or the refill rounds run out."""
     rl = cfg.rl
@@ -156,18 +183,15 @@ def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
     return rows
 
 
-def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, benchmark=None) -> Path:
+def train(cfg: EpirlConfig, resume: Path | None = None, progress=None,
+          benchmark: bench.BenchmarkSettings | None = None) -> Path:
     """Run (or resume) a GRPO/DAPO training job; returns the run folder.
 
-    `benchmark` (epirl.rl.benchmark.BenchmarkSettings): the same loop for `benchmark.steps` steps on synthetic
-    token-id prompts with seeded-coin rewards; writes benchmark.json instead of checkpoints and an adapter."""
-    from epirl.engine import RolloutEngine
-    from epirl.model.memory import log_memory_plan, memory_plan, preflight_beside_engine
-
+    `benchmark`: the same loop for `benchmark.steps` steps on synthetic token-id prompts with seeded-coin
+    rewards; writes benchmark.json instead of checkpoints and an adapter (epirl/rl/benchmark.py)."""
     if cfg.model.load_format == "dummy":
-        from epirl.model.dummy import prepare
-
-        prepare(cfg)  # model.path becomes the folder of the architecture's config; one log line
+        prepare_random_weights(cfg)  # model.path becomes the folder of the architecture's config; one log line
+    # bad model path, data, vLLM arguments: one line, before anything starts
     problems = check_inputs(cfg, need_data=benchmark is None)
     device = resolve_runtime(cfg)
     plan = memory_plan(cfg, device)
@@ -183,7 +207,11 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, benchmark
     engine = None
     try:
         engine = RolloutEngine(cfg)
-        _train_with(cfg, run_dir, resume, engine, tracker, device, progress, problems, benchmark, plan)
+        pool = bench.CoinRewards(cfg.seed) if benchmark else RewardPool(cfg.reward.workers, cfg.reward.timeout_s)
+        with pool:
+            run = start_run(cfg, engine, pool, device, problems, tracker, benchmark)
+            start_step = restore(run, run_dir) if resume else 0
+            run_steps(run, run_dir, start_step, progress, plan)
     finally:
         tracker.close()
         if engine is not None:
@@ -195,12 +223,6 @@ def check_inputs(cfg: EpirlConfig, need_data: bool = True) -> list:
     """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
 
     Raises ConfigError / DataError with one line naming the field or file."""
-    from transformers import AutoConfig
-
-    from epirl.config import ConfigError, resolve_model_path
-    from epirl.engine.engine import check_vllm_args
-    from epirl.model.dummy import uses_tokenizer
-
     if cfg.model.path.startswith(("/", ".", "~")) and not Path(cfg.model.path).is_dir():
         raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
     try:  # a folder, an alias or a hub id: its config only (the weights come after the memory pre-flight)
@@ -217,94 +239,101 @@ def check_inputs(cfg: EpirlConfig, need_data: bool = True) -> list:
     return load_problems(cfg.data, cfg.seed)
 
 
-def _pad_id(engine, cfg: EpirlConfig) -> int:
-    if engine.tokenizer is not None and engine.tokenizer.pad_token_id is not None:
-        return engine.tokenizer.pad_token_id
-    return 0  # padding positions are masked out of every loss and log-prob
-
-
-def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracker, device, progress,
-                problems: list, benchmark=None, plan: dict | None = None) -> None:
-    from epirl.model import load_policy, save_adapter
-    from epirl.rewards import RewardPool
-    from epirl.rl import benchmark as bench
-
+def start_run(cfg: EpirlConfig, engine: RolloutEngine, pool, device: torch.device, problems: list,
+              tracker: Tracker | None = None, benchmark: bench.BenchmarkSettings | None = None) -> Run:
+    """The trainer beside a started engine (policy, optimizer, prompt stream, post-publish probe)."""
     policy = load_policy(cfg, device, engine=engine)
     optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
-    pad_id = _pad_id(engine, cfg)
+    tokenizer = engine.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     if benchmark is not None:
-        stream, make_pool = bench.SyntheticPrompts(cfg, benchmark), lambda: bench.CoinRewards(cfg.seed)
+        stream = bench.SyntheticPrompts(cfg, benchmark)
         probe_prompts = bench.probe_prompts(cfg, benchmark)
     else:
-        stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
+        stream = PromptStream(problems, tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
                               thinking=cfg.model.thinking, max_prompt_tokens=cfg.prompt_token_limit)
-        make_pool = lambda: RewardPool(cfg.reward.workers, cfg.reward.timeout_s)  # noqa: E731 - started below
         # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
-        probe_prompts = [render_prompt(engine.tokenizer, p.messages, cfg.model.thinking)
+        probe_prompts = [render_prompt(tokenizer, p.messages, cfg.model.thinking)
                          for p in problems[: cfg.engine.probe_prompts]]
-    start_step = 0
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if checkpoint is not None:
-        state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler)
-        stream.load_state_dict(state["data"])
-        start_step = state["step"]
-        tracker.forget_after(start_step)  # steps after the checkpoint run again: log them once
-        log.info("resumed from %s at step %d", checkpoint, start_step)
-    random_weights = cfg.model.load_format == "dummy"
-    probe = (PublishProbe(cfg, probe_prompts, device, pad_id, enforce=not random_weights)
-             if cfg.engine.probe_prompts else None)
-    engine.publish(policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
-    if probe is not None:
-        probe(engine, policy, None, start_step)  # the noise floor (a fresh adapter is zero: new = base)
-    tracker.summary(policy.memory_report() | {"model/random_weights": float(random_weights)})
-    recorder = bench.Recorder(cfg, benchmark, plan, engine, run_dir) if benchmark is not None else None
-    evaluate = PeriodicEval(cfg, run_dir) if benchmark is None else None
-    timer = PhaseTimer()
-    last_step = start_step + benchmark.steps if benchmark is not None else cfg.rl.steps
-    with make_pool() as pool:
-        for step in range(start_step, last_step):
-            metrics = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device,
-                               pad_id, probe, ignore_eos=benchmark is not None and benchmark.force_max_tokens)
-            samples, prompt_ids = metrics.pop("_samples"), metrics.pop("_prompt_ids")
-            metrics["model/random_weights"] = float(random_weights)
-            if recorder is not None:
-                metrics |= recorder.record(step + 1, metrics, policy, optimizer)
-            else:
-                if evaluate.due(step + 1):
-                    metrics |= evaluate(step + 1, engine, pool)
-                metrics |= periodic_mismatch(step + 1, cfg, engine, policy, prompt_ids, device)
+    # Random weights: engine and trainer hold different values (epirl.model.dummy), so the probe only reports.
+    probe = (PublishProbe(cfg, probe_prompts, device, pad_id, enforce=cfg.model.load_format != "dummy")
+             if probe_prompts else None)
+    return Run(cfg, engine, policy, optimizer, scheduler, stream, pool, device, pad_id, probe, tracker,
+               benchmark=benchmark)
+
+
+def restore(run: Run, run_dir: Path) -> int:
+    """Load the latest checkpoint of `run_dir` into the run; returns the step to continue from."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return 0
+    state = load_checkpoint(checkpoint, policy=run.policy, optimizer=run.optimizer, scheduler=run.scheduler)
+    run.stream.load_state_dict(state["data"])
+    if run.tracker is not None:
+        run.tracker.forget_after(state["step"])  # steps after the checkpoint run again: log them once
+    log.info("resumed from %s at step %d", checkpoint, state["step"])
+    return state["step"]
+
+
+def run_steps(run: Run, run_dir: Path, start_step: int, progress=None, plan: dict | None = None) -> None:
+    """Steps `start_step` .. `rl.steps` (or `benchmark.steps` more): each step, then in-training eval /
+    mismatch, logging, checkpoints; a benchmark records its rows instead of saving anything."""
+    cfg, tracker = run.cfg, run.tracker
+    random_weights = float(cfg.model.load_format == "dummy")
+    run.engine.publish(run.policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
+    if run.probe is not None:
+        run.probe(run.engine, run.policy, None, start_step)  # the noise floor (a fresh adapter is zero: new = base)
+    if tracker is not None:
+        tracker.summary(run.policy.memory_report() | {"model/random_weights": random_weights})
+    recorder = bench.Recorder(cfg, run.benchmark, plan, run.engine, run_dir) if run.benchmark else None
+    evaluate = PeriodicEval(cfg, run_dir) if recorder is None else None
+    last_step = start_step + run.benchmark.steps if run.benchmark else cfg.rl.steps
+    for step in range(start_step, last_step):
+        result = run_step(run, step)
+        metrics = result.metrics | {"model/random_weights": random_weights}
+        if recorder is not None:
+            metrics |= recorder.record(step + 1, metrics, run.policy, run.optimizer)
+        else:
+            if evaluate.due(step + 1):
+                metrics |= evaluate(step + 1, run.engine, run.pool)
+            metrics |= periodic_mismatch(step + 1, cfg, run.engine, run.policy, result.prompt_ids, run.device)
+        if tracker is not None:
             tracker.log(step + 1, metrics)
-            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0 and samples:
-                tracker.log_samples(step + 1, samples)
-            if progress is not None:
-                progress(step + 1, metrics)
-            if recorder is None:
-                _maybe_checkpoint(step + 1, cfg, run_dir, policy, optimizer, scheduler, stream)
+            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0 and result.samples:
+                tracker.log_samples(step + 1, result.samples)
+        if progress is not None:
+            progress(step + 1, metrics)
+        if recorder is None:
+            maybe_checkpoint(run, run_dir, step + 1)
     if recorder is not None:
         recorder.finish()
     else:
-        save_adapter(policy, run_dir / "adapter", cfg)
+        save_adapter(run.policy, run_dir / "adapter", cfg)
 
 
-def _maybe_checkpoint(step: int, cfg: EpirlConfig, run_dir: Path, policy, optimizer, scheduler, stream) -> None:
+def maybe_checkpoint(run: Run, run_dir: Path, step: int) -> None:
+    cfg = run.cfg
     if step == cfg.rl.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-        save_checkpoint(run_dir, step, policy=policy, cfg=cfg, optimizer=optimizer, scheduler=scheduler,
-                        data_state=stream.state_dict(), keep_last=cfg.checkpoint.keep_last)
+        save_checkpoint(run_dir, step, policy=run.policy, cfg=cfg, optimizer=run.optimizer, scheduler=run.scheduler,
+                        data_state=run.stream.state_dict(), keep_last=cfg.checkpoint.keep_last)
 
 
-def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id,
-             probe: PublishProbe | None = None, ignore_eos: bool = False) -> dict:
-    groups, metrics = collect_rollouts(engine, stream, pool, cfg, step, timer, ignore_eos)
-    batch = groups_to_batch(groups, cfg, pad_id)
+def run_step(run: Run, step: int) -> StepResult:
+    """One GRPO step (module docstring, 1-7): rollouts, release, train, publish, re-acquire, probe."""
+    cfg, engine, policy, timer = run.cfg, run.engine, run.policy, run.timer
+    ignore_eos = run.benchmark is not None and run.benchmark.force_max_tokens
+    groups, metrics = collect_rollouts(engine, run.stream, run.pool, cfg, step, timer, ignore_eos)
+    batch = groups_to_batch(groups, cfg, run.pad_id)
     with timer("release_kv"):
         metrics |= engine.release_kv()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with timer("train"):
         if batch is not None and bool((batch.advantages_B != 0).any()):
-            metrics |= train_step(policy, optimizer, scheduler, batch, cfg, device)
+            metrics |= train_step(policy, run.optimizer, run.scheduler, batch, cfg, run.device)
             metrics["train/skipped"] = 0.0
-            metrics["train/processed_tokens"] = float((batch.targets_B_T != pad_id).sum() + batch.num_sequences)
+            metrics["train/processed_tokens"] = float(sum(len(g.prompt.token_ids) + len(c.token_ids)
+                                                          for g in groups for c in g.completions if c.token_ids))
         else:  # every group had equal rewards: no gradient signal, keep the adapter as it is
             metrics["train/skipped"] = 1.0
     previous = engine.adapter.tensors if engine.adapter is not None else None  # what the probe tells apart
@@ -312,13 +341,12 @@ def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, time
         metrics |= engine.publish(policy.lora_state_dict(), step=step + 1)
     with timer("reacquire_kv"):
         metrics |= engine.reacquire_kv()
-    if probe is not None:
+    if run.probe is not None:
         with timer("probe"):
-            metrics |= probe(engine, policy, previous, step + 1)
+            metrics |= run.probe(engine, policy, previous, step + 1)
     metrics |= timer.pop() | memory_metrics()
     metrics |= {f"mem/trainer_{k}": float(v) for k, v in policy.memory_report().items() if isinstance(v, (int, float))}
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
-    metrics["data/cursor"] = float(stream.cursor)
-    metrics["_samples"] = sample_rows(groups, engine.tokenizer, cfg.tracking.samples_count)
-    metrics["_prompt_ids"] = [g.prompt.token_ids for g in groups]
-    return metrics
+    metrics["data/cursor"] = float(run.stream.cursor)
+    return StepResult(metrics, sample_rows(groups, engine.tokenizer, cfg.tracking.samples_count),
+                      [g.prompt.token_ids for g in groups])

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from epirl.trainer import build_batch
+from epirl.rl.trainer import build_batch
 
 log = logging.getLogger(__name__)
 
