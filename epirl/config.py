@@ -95,10 +95,10 @@ class EngineConfig(Section):
     installed vLLM's EngineArgs; arguments epirl sets itself (dtype, LoRA slot, log-prob mode, quantization,
     sleep mode, the fields above) are refused: change them through their own config field."""
 
-
     @model_validator(mode="before")
     @classmethod
     def _retired_probe_tolerance(cls, data: Any) -> Any:
+        """Recipes written for the old absolute probe threshold still load (the key is dropped, with a warning)."""
         if isinstance(data, dict) and "probe_tolerance" in data:
             data = {k: v for k, v in data.items() if k != "probe_tolerance"}
             logging.getLogger(__name__).warning(
