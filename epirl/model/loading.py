@@ -256,7 +256,7 @@ def load_policy(cfg, device, engine=None) -> Policy:
             raise ValueError("trainer.base=shared needs the rollout engine (its FP8 weights are the base)")
         engine_views = engine.base_weight_views()
         engine_embeddings = engine.embedding_views() if hasattr(engine, "embedding_views") else None
-    dummy = cfg.model.load_format == "dummy"
+    dummy = getattr(cfg.model, "load_format", "auto") == "dummy"  # tests may pass a bare namespace
     source = RandomSource(cfg.seed) if dummy else SafetensorsSource(model_dir)
     policy = build_policy(load_text_config(model_dir), source, cfg.trainer.base, device, dtype, cfg.lora.rank,
                           cfg.lora.alpha, list(cfg.lora.targets), cfg.seed, model_path=str(cfg.model.path),
