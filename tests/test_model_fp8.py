@@ -275,7 +275,8 @@ def test_preflight_names_the_setting_to_change(tiny_dirs):
         preflight_check(cfg, device_total_bytes=estimate.total_bytes // 2)
     fp8_cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": "fp8"}})
     assert preflight_check(fp8_cfg, 8 * 1024 ** 3).base_projection_bytes * 2 == estimate.base_projection_bytes
-    shared_cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": "shared"}})
+    shared_cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": "shared"},
+                                             "engine": {"precision": "w8a8"}})  # shared needs an FP8 engine
     shared = preflight_check(shared_cfg, 8 * 1024 ** 3)
     config = load_text_config(tiny_dirs["qwen3"])  # untied: embedding + LM head, bf16, mapped from the engine
     vocab_bytes = 2 * 2 * config.vocab_size * config.hidden_size
