@@ -49,6 +49,8 @@ grep -E "RANDOM WEIGHTS|memory plan|linear attention|flash-linear|released KV" "
 grep -E "^benchmark:|^\||^pre-flight" "$log"
 if [ $rc -ne 0 ]; then
   grep -v '^\[rank0\]:\s*[~^]*$' "$log" | grep -E "Error|error:|Traceback|File \"/tmp/epirl" | tail -n 12
+  [ -s "$json" ] && python3 -P -c "import json, sys; from epirl.rl.benchmark import format_table; \
+print(format_table(json.load(open(sys.argv[1]))))" "$json"  # the steps measured before it stopped
 fi
 grep -v -E 'it/s|s/it|^\s*$' "$log" | cut -c1-300 | tail -n 200 > "$OUT/main_$part.log"
 exit $rc

@@ -161,6 +161,7 @@ class Recorder:
         row["trained_tok_per_s"] = row["trained_tokens"] / max(seconds["train"], 1e-9)
         row["publish_kv_share"] = (seconds["publish"] + seconds["release_kv"] + seconds["reacquire_kv"]) / max(step_s, 1e-9)
         self.rows.append(row)
+        self._write()  # after every step: a run cut short (a device time limit) keeps what it measured
         return {f"benchmark/{k}": float(v) for k, v in row.items() if k != "step"}
 
     def _pairs(self, first: dict) -> list[tuple[str, float, float]]:
@@ -187,13 +188,18 @@ class Recorder:
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "command": " ".join(sys.argv)}
 
-    def finish(self) -> Path:
+    def _write(self) -> dict:
         out = {"summary": self.summary(), "plan": self.plan,
                "plan_vs_measured_gib": [{"what": w, "plan": p, "measured_step1": m} for w, p, m in self._pairs(self.rows[0])]
                if self.rows else [], "steps": self.rows}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(out, indent=1, default=float))
-        print(format_table(out))
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(out, indent=1, default=float))
+        tmp.replace(self.path)
+        return out
+
+    def finish(self) -> Path:
+        print(format_table(self._write()))
         return self.path
 
 
