@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from epirl.model import load_adapter, save_adapter
+from epirl.model.dummy import refuse_random_weights
+
 STATE_FILE = "state.json"
 
 
@@ -41,8 +44,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, *, policy, cfg, optimizer, scheduler, data_state: dict,
                     extra: dict | None = None, keep_last: int = 2) -> Path:
-    from epirl.model import save_adapter
-
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,10 +71,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, *, policy, optimizer, scheduler) -> dict:
     """Restore adapter, optimizer, scheduler and RNG; returns state.json (step, data cursor, ...)."""
-    from epirl.model import load_adapter
-
-    from epirl.model.dummy import refuse_random_weights
-
     if not getattr(policy, "random_weights", False):  # a random-weights run may resume its own benchmark only
         refuse_random_weights(path / "adapter", "--resume: checkpoint")
     state = json.loads((path / STATE_FILE).read_text())

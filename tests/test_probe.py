@@ -126,14 +126,14 @@ def test_probe_on_the_real_engine(engine_pool, one_thread, monkeypatch):
         with pytest.raises(ProbeMismatch, match=r"does not serve the adapter published at step 2: .*β=-?0\.\d"):
             probe(engine, policy, previous, 2)
 
-        # Wrong slot: the new request's slot is filled with the previous adapter's weights (vLLM's LoRAModel is
-        # built from them), whenever vLLM loads it.
-        from vllm.lora.lora_model import LoRAModel
+        # Wrong slot: the new request's slot is filled with the previous adapter's weights (the LoRA model vLLM
+        # builds for the new id is made of them), whenever vLLM loads it.
+        from epirl.engine import lora_publish
 
-        names, build = engine._publisher._names, LoRAModel.from_lora_tensors
+        names, build = engine._publisher._names, lora_publish.lora_model_from_tensors
         stale = {names.vllm_adapter_key(k): v.clone() for k, v in engine.adapter.tensors.items()}
-        monkeypatch.setattr(LoRAModel, "from_lora_tensors", classmethod(
-            lambda cls, *args, tensors, **kwargs: build(*args, tensors={k: v.clone() for k, v in stale.items()}, **kwargs)))
+        monkeypatch.setattr(lora_publish, "lora_model_from_tensors", lambda mgr, lora_id, tensors, *rest: build(
+            mgr, lora_id, {k: v.clone() for k, v in stale.items()}, *rest))
         previous = _publish(engine, policy, second, 3)
         with pytest.raises(ProbeMismatch, match="does not serve the adapter published at step 3"):
             probe(engine, policy, previous, 3)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig
 
 from epirl.config import resolve_model_path
@@ -239,35 +238,3 @@ def log_memory_plan(plan: dict[str, float]) -> None:
         "%.2f GiB, activations %.2f GiB (%d tokens/micro-batch) | device %.1f GiB", g["engine_weight_bytes"],
         g["kv_pool_bytes"], plan["plan/kv_tokens"], g["trainer_base_bytes"], g["trainer_lora_optimizer_bytes"],
         g["trainer_activation_bytes"], plan["plan/micro_batch_tokens"], g["device_total_bytes"])
-
-
-class ProjectionCopyWatcher(TorchDispatchMode):
-    """Records every op output shaped like a projection weight ([N, K] or [K, N]) in a 16/32-bit dtype.
-
-    Run a training step inside it to show that the FP8 path never materialises a dequantized weight
-    (e.g. `codes.to(bf16)` before a GEMM). float64 is not watched: the CPU kernel references widen to
-    float64 on purpose (exact accumulation) and are not the trainer's GPU path.
-    """
-
-    WATCHED = (torch.bfloat16, torch.float16, torch.float32)
-
-    def __init__(self, weight_shapes):
-        super().__init__()
-        self.shapes = {tuple(s) for s in weight_shapes} | {tuple(reversed(tuple(s))) for s in weight_shapes}
-        self.hits: list[tuple[str, tuple, torch.dtype]] = []
-
-    @classmethod
-    def for_policy(cls, policy) -> "ProjectionCopyWatcher":
-        """Watches the policy's projection shapes, except those a LoRA factor shares (rank = a projection's
-        width, e.g. Qwen3.5's in_proj_b/a at rank 32): a LoRA tensor of that shape is legitimate there."""
-        watcher = cls([tuple(m.codes.shape) for m in policy.model.modules() if hasattr(m, "codes")])
-        lora_shapes = {tuple(p.shape) for p in policy.lora_parameters()}
-        watcher.shapes -= lora_shapes | {tuple(reversed(s)) for s in lora_shapes}
-        return watcher
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dtype in self.WATCHED and tuple(t.shape) in self.shapes:
-                self.hits.append((str(func), tuple(t.shape), t.dtype))
-        return out

@@ -99,10 +99,8 @@ class CoinRewards:
 
 def engine_weight_bytes(engine) -> int:
     """Bytes of the engine model's parameters and buffers (unique storages): what stays during training."""
-    from epirl.engine import compat
-
     seen, total = set(), 0
-    model = compat.model(engine.llm)
+    model = engine.vllm_model()
     for t in list(model.parameters()) + list(model.buffers()):
         key = t.untyped_storage().data_ptr()
         if key not in seen:
