@@ -74,7 +74,7 @@ def test_training_on_random_weights_without_a_tokenizer_needs_the_benchmark(tmp_
 def test_adapters_of_random_weights_are_marked_and_refused_by_eval(tmp_path):
     from epirl.eval_cli import EvalUsageError, _adapter_lora
     from epirl.model import random_policy, save_adapter
-    from epirl.model.tiny import tiny_config
+    from model_fixtures import tiny_config
 
     policy = random_policy(tiny_config("qwen3", 64, 1, 0), "bf16", "cpu", 4, 8.0, ["q_proj"], dtype=torch.float32)
     policy.random_weights = True
