@@ -28,6 +28,7 @@ from epirl.eval_cli import add_eval_args
 from epirl.mismatch.cli import add_mismatch_args
 from epirl.model.memory import PreflightError
 from epirl.rl.distributed import launched_world
+from epirl.rl.benchmark import BenchmarkSettings
 from epirl.rl.loop import train
 
 console = Console(stderr=True)
@@ -122,22 +123,34 @@ def cmd_train(args: argparse.Namespace) -> int:
         if latest_checkpoint(Path(args.resume)) is None:
             error_line(f"--resume {args.resume}: no complete checkpoint under {Path(args.resume) / 'checkpoints'}")
             return 2
+    benchmark = None
+    if args.benchmark is not None:
+        if args.benchmark < 1 or args.resume is not None:
+            error_line("--benchmark N needs N >= 1 and no --resume")
+            return 2
+        benchmark = BenchmarkSettings(args.benchmark, args.prompt_tokens, args.force_max_tokens, args.benchmark_out)
+        cfg.name = f"{cfg.name}-benchmark"  # never the folder of a real run
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     setup_logging(args.verbose, run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log"))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     # One progress bar and one summary: rank 0's (every rank logs to its own train[.rank<r>].log).
-    progress, update = _progress_printer(cfg.rl.steps, 0) if rank == 0 else (contextlib.nullcontext(), None)
+    total = benchmark.steps if benchmark else cfg.rl.steps
+    progress, update = _progress_printer(total, 0) if rank == 0 else (contextlib.nullcontext(), None)
     try:
         with progress:
-            out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update)
+            out = train(cfg, resume=Path(args.resume) if args.resume else None, progress=update, benchmark=benchmark)
     except (ConfigError, DataError, PreflightError) as exc:  # found once the inputs are read: one line
         logging.getLogger("epirl").error("%s", exc)  # and in train.log
         if rank == 0:  # every rank read the same inputs
             error_line(str(exc))
         return 2
-    if rank == 0:
-        console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
+    if rank != 0:
+        return 0
+    if benchmark is not None:
+        console.print(f"[green]done:[/] benchmark in {benchmark.out or out / 'benchmark.json'} (rewards were a seeded coin)")
+        return 0
+    console.print(f"[green]done:[/] {out} (adapter in {out / 'adapter'}, metrics in {out / 'metrics.jsonl'})")
     return 0
 
 
@@ -154,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, metavar="N",
                        help="N data-parallel ranks on this node, one GPU each (execs torchrun --nproc-per-node N; "
                             "several nodes: run torchrun yourself, see README)")
+    train.add_argument("--benchmark", type=int, metavar="N", help="measure the real loop for N steps on synthetic "
+                       "token-id prompts with seeded-coin rewards (no data, no checkpoints); writes benchmark.json")
+    train.add_argument("--prompt-tokens", type=int, default=None, help="--benchmark prompt length (default 256)")
+    train.add_argument("--force-max-tokens", action="store_true", help="--benchmark: every response runs to rl.max_tokens")
+    train.add_argument("--benchmark-out", default=None, help="--benchmark JSON path (default RUN/benchmark.json)")
     train.set_defaults(func=cmd_train)
 
     add_mismatch_args(sub)

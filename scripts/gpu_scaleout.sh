@@ -64,7 +64,7 @@ case "$part" in
     python3 -P -m epirl.model.smollm2 >/dev/null || { echo "SmolLM2 conversion failed"; exit 1; }
     ARGS=(recipes/smollm2_arith_cpu.yaml rl.steps=${STEPS:-6} rl.prompts_per_step=${PROMPTS:-64}
           rl.sample_seeding=${SEEDING:-prompt} engine.precision=w8a16 trainer.base=shared rl.correction=none
-          engine.probe_tolerance=0.1 engine.gpu_memory_utilization=0.25 engine.enforce_eager=true
+          engine.gpu_memory_utilization=0.25 engine.enforce_eager=true
           model.max_model_len=512 checkpoint.every=0 tracking.wandb=disabled)
     run_job smollm2_1gpu 1 200 "${ARGS[@]}" && run_job "smollm2_${NPROC}gpu" "$NPROC" 220 "${ARGS[@]}" \
       && table "1 GPU,$NPROC GPUs" "$RUNS/smollm2_1gpu" "$RUNS/smollm2_${NPROC}gpu"

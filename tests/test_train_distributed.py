@@ -27,7 +27,7 @@ RECIPE = ROOT / "recipes" / "smollm2_arith_cpu.yaml"
 # per prompt, so both runs sample the same completions.
 TINY = ["rl.prompts_per_step=3", "rl.samples_per_prompt=4", "rl.max_tokens=10", "rl.dynamic_sampling=false",
         "rl.sample_seeding=prompt", "trainer.lr=2e-3", "trainer.micro_batch_size=6", "lora.rank=8", "lora.alpha=16",
-        "reward.workers=1", "tracking.wandb=disabled", "engine.probe_prompts=1", "engine.probe_tolerance=0.01",
+        "reward.workers=1", "tracking.wandb=disabled", "engine.probe_prompts=1",
         "model.max_model_len=256", "engine.enforce_eager=true", "checkpoint.every=1", "checkpoint.keep_last=4"]
 # Equal in both runs, bit for bit: what was sampled and graded, and the batch's size.
 EXACT = ("reward/", "response/", "rollout/", "data/", "train/tokens", "train/sequences", "train/skipped", "train/lr")

@@ -9,7 +9,8 @@ Per step:
   5. train         release the engine's KV cache, recompute log-probs on the trainer (same base weights),
                    DAPO loss with truncated importance sampling against the engine's log-probs, AdamW;
   6. publish       the adapter goes to the engine in memory under a new name; KV cache re-acquired;
-  7. probe         the engine continues a fixed set of prompts, the trainer re-scores them: they must agree;
+  7. probe         the engine continues a fixed set of prompts; the trainer scores them under the new adapter,
+                   the previous one and none: the engine must sit nearer the new one (epirl/rl/probe.py);
   8. log / save    metrics to JSONL + W&B, checkpoints for exact resume.
 Shapes: P prompts, G samples per prompt, B = P·G sequences, T tokens.
 
@@ -20,7 +21,6 @@ the collectives it needs (identities for one process) live in epirl.rl.distribut
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,12 +33,16 @@ from epirl.data import Prompt, PromptStream, load_problems, render_prompt
 from epirl.engine import RolloutEngine
 from epirl.engine.engine import check_vllm_args
 from epirl.model import Policy, load_policy, save_adapter
-from epirl.model.memory import preflight_beside_engine
+from epirl.model.dummy import prepare as prepare_random_weights
+from epirl.model.dummy import uses_tokenizer
+from epirl.model.memory import log_memory_plan, memory_plan, preflight_beside_engine
 from epirl.rewards import RewardPool, overlong_penalty
+from epirl.rl import benchmark as bench
 from epirl.rl import distributed
 from epirl.rl.advantages import group_advantages, informative_groups
 from epirl.rl.distributed import Ranks, rank_slice, redistribute, reduce_metrics
 from epirl.rl.hooks import PeriodicEval, periodic_mismatch
+from epirl.rl.probe import ProbeMismatch, PublishProbe  # noqa: F401 - ProbeMismatch is part of the loop's API
 from epirl.rl.trainer import build_batch, build_optimizer, train_step
 from epirl.tracking import PhaseTimer, Tracker, memory_metrics
 
@@ -69,11 +73,12 @@ class Run:
     pool: RewardPool
     device: torch.device
     pad_id: int
-    probe_prompts: list[list[int]] = field(default_factory=list)
-    """Token ids the post-publish probe continues: the data's first problems, fixed for the whole run."""
+    probe: PublishProbe | None = None
+    """The post-publish probe (its prompts: the data's first problems, fixed for the whole run); None = off."""
     tracker: Tracker | None = None
-    """Rank 0's metrics writer; None on the other ranks (they train and sample, rank 0 logs and saves)."""
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    benchmark: bench.BenchmarkSettings | None = None
+    """`epirl train --benchmark`: synthetic prompts, coin rewards, no checkpoints (epirl/rl/benchmark.py)."""
     ranks: Ranks = field(default_factory=Ranks)
     """This process's place among the data-parallel ranks (one rank: collectives are identities)."""
 
@@ -101,10 +106,6 @@ class GroupSummary:
     def of(cls, g: Group) -> "GroupSummary":
         return cls(g.correct_G, g.rewards_G, torch.tensor([len(c.token_ids) for c in g.completions], dtype=torch.float32),
                    torch.tensor([c.finish_reason == "length" for c in g.completions], dtype=torch.float32))
-
-
-class ProbeMismatch(RuntimeError):
-    """Engine and trainer disagree after a publish: the adapter did not arrive, or the arithmetic drifted."""
 
 
 def step_seed(seed: int, step: int, round_: int) -> int:
@@ -136,12 +137,12 @@ def grade_groups(prompts: list[Prompt], completions_P_G: list[list], pool, cfg: 
     return groups, stats
 
 
-def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int,
-                     ranks: Ranks | None = None) -> tuple[list[Group], dict]:
+def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int, timer: PhaseTimer | None = None,
+                     ignore_eos: bool = False, ranks: Ranks | None = None) -> tuple[list[Group], dict]:
     """Generate and grade until P informative groups are collected (over all ranks) or the refill rounds run
     out; returns this rank's part of the batch. Every rank draws the same prompts and generates its slice;
     the keep decision is made from all-gathered summaries, so it is the same everywhere."""
-    rl, ranks = cfg.rl, ranks or Ranks()
+    rl, ranks, timer = cfg.rl, ranks or Ranks(), timer or PhaseTimer()
     kept: list[tuple[int, int]] = []  # (round, index in the round) of kept groups, global order
     seen: list[GroupSummary] = []
     mine: dict[tuple[int, int], Group] = {}
@@ -149,7 +150,8 @@ def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step:
     for round_ in range(rl.max_refill_rounds + 1 if rl.dynamic_sampling else 1):
         need = rl.prompts_per_step - len(kept)
         part = rank_slice(need, ranks.world, ranks.rank)
-        groups, stats = generate_and_grade(engine, stream.take(need)[part], pool, cfg, step, round_, ranks.rank)
+        groups, stats = generate_and_grade(engine, stream.take(need)[part], pool, cfg, (step, round_, ranks.rank),
+                                           timer, ignore_eos)
         mine |= {(round_, part.start + i): g for i, g in enumerate(groups)}
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
@@ -164,18 +166,21 @@ def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step:
     return redistribute(kept, mine, ranks), metrics
 
 
-def generate_and_grade(engine, prompts: list[Prompt], pool, cfg: EpirlConfig, step: int, round_: int,
-                       rank: int) -> tuple[list[Group], dict]:
+def generate_and_grade(engine, prompts: list[Prompt], pool, cfg: EpirlConfig, where: tuple[int, int, int],
+                       timer: PhaseTimer, ignore_eos: bool = False) -> tuple[list[Group], dict]:
+    """`where` = (step, round, rank): what seeds the sampler."""
     if not prompts:  # more ranks than prompts left to draw
         return [], {}
-    rl = cfg.rl
+    rl, (step, round_, rank) = cfg.rl, where
     # Rank 0 samples as a single process does; other ranks seed their own stream (per-step seeding).
     torch.manual_seed((step_seed(cfg.seed, step, round_) + rank * 104_729) % (2**31 - 1))
     seeds = [prompt_seed(cfg.seed, p.position) for p in prompts] if rl.sample_seeding == "prompt" else None
-    completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
-                                      max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                                      seeds=seeds)
-    return grade_groups(prompts, completions_P_G, pool, cfg)
+    with timer("generate"):
+        completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
+                                          max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                                          ignore_eos=ignore_eos, seeds=seeds)
+    with timer("score"):
+        return grade_groups(prompts, completions_P_G, pool, cfg)
 
 
 def informative(groups: list[GroupSummary]) -> list[bool]:
@@ -216,33 +221,9 @@ def groups_to_batch(groups: list[Group], cfg: EpirlConfig, pad_id: int):
     return build_batch(sequences, pad_id) if sequences else None
 
 
-@torch.no_grad()
-def probe(engine, policy, prompts: list[list[int]], cfg: EpirlConfig, device, pad_id: int) -> dict[str, float]:
-    """After a publish, the engine (new adapter) continues a fixed set of prompts and the trainer re-scores
-    the same tokens: their log-probs must agree, else the publish did not take (or the arithmetic drifted).
-    Uses generate-time log-probs rather than prompt log-probs, which vLLM's CPU LoRA path lacks."""
-    if not prompts:
-        return {}
-    torch.manual_seed(cfg.seed)
-    outs = engine.generate(prompts, n=1, max_tokens=min(16, cfg.rl.max_tokens), temperature=cfg.rl.temperature)
-    picks = [(p, list(o[0].token_ids), list(o[0].logprobs)) for p, o in zip(prompts, outs) if o[0].token_ids]
-    if not picks:
-        return {}
-    batch = build_batch([(p, c, lp, 0.0) for p, c, lp in picks], pad_id).to(device)
-    policy.model.eval()
-    trainer_lp_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, cfg.rl.temperature,
-                                              cfg.trainer.logprob_chunk_tokens)
-    diff_N = (trainer_lp_B_T.float() - batch.engine_logprobs_B_T).abs()[batch.mask_B_T]
-    mean_diff, max_diff = diff_N.mean().item(), diff_N.max().item()
-    if not math.isfinite(mean_diff) or mean_diff > cfg.engine.probe_tolerance:
-        raise ProbeMismatch(
-            f"engine and trainer disagree after publishing the adapter: mean |Δ log p| = {mean_diff:.4g} > "
-            f"engine.probe_tolerance={cfg.engine.probe_tolerance} (max {max_diff:.4g}, precision "
-            f"{cfg.engine.precision}, trainer.base {cfg.trainer.base})")
-    return {"probe/mean_abs_logp_diff": mean_diff, "probe/max_abs_logp_diff": max_diff}
-
-
 def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
+    if tokenizer is None:  # token-id prompts (random weights without a tokenizer): nothing to read
+        return []
     rows = []
     for g in groups[:count]:
         c = g.completions[0]
@@ -251,10 +232,19 @@ def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
     return rows
 
 
-def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
-    """Run (or resume) a GRPO/DAPO training job; returns the run folder."""
-    problems = check_inputs(cfg)  # bad model path, data, vLLM arguments: one line, before anything starts
+def train(cfg: EpirlConfig, resume: Path | None = None, progress=None,
+          benchmark: bench.BenchmarkSettings | None = None) -> Path:
+    """Run (or resume) a GRPO/DAPO training job; returns the run folder.
+
+    `benchmark`: the same loop for `benchmark.steps` steps on synthetic token-id prompts with seeded-coin
+    rewards; writes benchmark.json instead of checkpoints and an adapter (epirl/rl/benchmark.py)."""
+    if cfg.model.load_format == "dummy":
+        prepare_random_weights(cfg)  # model.path becomes the folder of the architecture's config; one log line
+    # bad model path, data, vLLM arguments: one line, before anything starts
+    problems = check_inputs(cfg, need_data=benchmark is None)
     device = resolve_runtime(cfg)
+    plan = memory_plan(cfg, device)
+    log_memory_plan(plan)  # before the engine starts: what the recipe should take
     run_dir = Path(resume) if resume else cfg.run_dir
     if resume and latest_checkpoint(run_dir) is None:  # before anything is written or started
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
@@ -269,10 +259,11 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
             dump_config(cfg, run_dir / "config.yaml")
             tracker = Tracker(cfg, run_dir, resume=resume is not None)
         engine = RolloutEngine(cfg, **distributed.engine_overrides(ranks))
-        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
-            run = start_run(cfg, engine, pool, device, problems, tracker, ranks)
+        pool = bench.CoinRewards(cfg.seed) if benchmark else RewardPool(cfg.reward.workers, cfg.reward.timeout_s)
+        with pool:
+            run = start_run(cfg, engine, pool, device, problems, tracker, benchmark, ranks)
             start_step = restore(run, run_dir) if resume else 0
-            run_steps(run, run_dir, start_step, progress if ranks.is_main else None)
+            run_steps(run, run_dir, start_step, progress if ranks.is_main else None, plan)
     finally:
         if tracker is not None:
             tracker.close()
@@ -292,7 +283,9 @@ def check_resume_world(run_dir: Path | None, ranks: Ranks) -> None:
                           f"{ranks.world}; resume with --nproc {written_by} (torchrun --nproc-per-node {written_by})")
 
 
-def check_inputs(cfg: EpirlConfig) -> list:
+
+
+def check_inputs(cfg: EpirlConfig, need_data: bool = True) -> list:
     """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
 
     Raises ConfigError / DataError with one line naming the field or file."""
@@ -304,22 +297,36 @@ def check_inputs(cfg: EpirlConfig) -> list:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"model.path: {cfg.model.path}: {reason}") from None
     check_vllm_args(cfg)
+    if not need_data:
+        return []
+    if not uses_tokenizer(cfg):
+        raise ConfigError("model.load_format=dummy: this config has no tokenizer, so prompts can only be token ids: "
+                          "run `epirl train ... --benchmark N`, or set model.tokenizer")
     return load_problems(cfg.data, cfg.seed)
 
 
-def start_run(cfg: EpirlConfig, engine: RolloutEngine, pool: RewardPool, device: torch.device, problems: list,
-              tracker: Tracker | None = None, ranks: Ranks | None = None) -> Run:
-    """The trainer beside a started engine (policy, optimizer, prompt stream, probe prompts)."""
+def start_run(cfg: EpirlConfig, engine: RolloutEngine, pool, device: torch.device, problems: list,
+              tracker: Tracker | None = None, benchmark: bench.BenchmarkSettings | None = None,
+              ranks: Ranks | None = None) -> Run:
+    """The trainer beside a started engine (policy, optimizer, prompt stream, post-publish probe)."""
     policy = load_policy(cfg, device, engine=engine)
     optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
-    stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                          thinking=cfg.model.thinking, max_prompt_tokens=cfg.prompt_token_limit)
-    pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
-    # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
-    probe_prompts = [render_prompt(engine.tokenizer, p.messages, cfg.model.thinking)
-                     for p in problems[: cfg.engine.probe_prompts]]
-    return Run(cfg, engine, policy, optimizer, scheduler, stream, pool, device, pad_id, probe_prompts, tracker,
-               ranks=ranks or Ranks())
+    tokenizer = engine.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    if benchmark is not None:
+        stream = bench.SyntheticPrompts(cfg, benchmark)
+        probe_prompts = bench.probe_prompts(cfg, benchmark)
+    else:
+        stream = PromptStream(problems, tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
+                              thinking=cfg.model.thinking, max_prompt_tokens=cfg.prompt_token_limit)
+        # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
+        probe_prompts = [render_prompt(tokenizer, p.messages, cfg.model.thinking)
+                         for p in problems[: cfg.engine.probe_prompts]]
+    # Random weights: engine and trainer hold different values (epirl.model.dummy), so the probe only reports.
+    probe = (PublishProbe(cfg, probe_prompts, device, pad_id, enforce=cfg.model.load_format != "dummy")
+             if probe_prompts else None)
+    return Run(cfg, engine, policy, optimizer, scheduler, stream, pool, device, pad_id, probe, tracker,
+               benchmark=benchmark, ranks=ranks or Ranks())
 
 
 def restore(run: Run, run_dir: Path) -> int:
@@ -336,43 +343,58 @@ def restore(run: Run, run_dir: Path) -> int:
     return state["step"]
 
 
-def run_steps(run: Run, run_dir: Path, start_step: int, progress=None) -> None:
-    """Steps `start_step` .. `rl.steps`: each step, then in-training eval / mismatch, logging, checkpoints.
-    With several ranks, rank 0 alone measures (eval, mismatch on its engine), logs and saves."""
+def run_steps(run: Run, run_dir: Path, start_step: int, progress=None, plan: dict | None = None) -> None:
+    """Steps `start_step` .. `rl.steps` (or `benchmark.steps` more): each step, then in-training eval /
+    mismatch, logging, checkpoints; a benchmark records its rows instead of saving anything. With several
+    ranks, rank 0 alone measures (eval, mismatch on its engine), records, logs and saves."""
     cfg, tracker, main = run.cfg, run.tracker, run.ranks.is_main
+    random_weights = float(cfg.model.load_format == "dummy")
     run.engine.publish(run.policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
+    if run.probe is not None:
+        run.probe(run.engine, run.policy, None, start_step)  # the noise floor (a fresh adapter is zero: new = base)
     if tracker is not None:
-        tracker.summary(run.policy.memory_report())
-    evaluate = PeriodicEval(cfg, run_dir) if main else None
-    for step in range(start_step, cfg.rl.steps):
+        tracker.summary(run.policy.memory_report() | {"model/random_weights": random_weights})
+    recorder = bench.Recorder(cfg, run.benchmark, plan, run.engine, run_dir) if run.benchmark and main else None
+    evaluate = PeriodicEval(cfg, run_dir) if run.benchmark is None and main else None
+    last_step = start_step + run.benchmark.steps if run.benchmark else cfg.rl.steps
+    for step in range(start_step, last_step):
         result = run_step(run, step)
-        metrics = result.metrics
-        if evaluate is not None and evaluate.due(step + 1):
-            metrics |= evaluate(step + 1, run.engine, run.pool)
-        if main:
+        metrics = result.metrics | {"model/random_weights": random_weights}
+        if recorder is not None:
+            metrics |= recorder.record(step + 1, metrics, run.policy, run.optimizer)
+        elif evaluate is not None:
+            if evaluate.due(step + 1):
+                metrics |= evaluate(step + 1, run.engine, run.pool)
             metrics |= periodic_mismatch(step + 1, cfg, run.engine, run.policy, result.prompt_ids, run.device)
         if tracker is not None:
             tracker.log(step + 1, metrics)
-            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0:
+            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0 and result.samples:
                 tracker.log_samples(step + 1, result.samples)
         if progress is not None:
             progress(step + 1, metrics)
-        last = step + 1 == cfg.rl.steps
-        if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-            rng_by_rank = run.ranks.all_gather_object(rng_state())  # each rank resumes its own RNG
-            if main:
-                save_checkpoint(run_dir, step + 1, policy=run.policy, cfg=cfg, optimizer=run.optimizer,
-                                scheduler=run.scheduler, data_state=run.stream.state_dict(),
-                                keep_last=cfg.checkpoint.keep_last, rng_by_rank=rng_by_rank)
-    if main:
+        if run.benchmark is None:
+            maybe_checkpoint(run, run_dir, step + 1)
+    if recorder is not None:
+        recorder.finish()
+    elif run.benchmark is None and main:
         save_adapter(run.policy, run_dir / "adapter", cfg)
+
+
+def maybe_checkpoint(run: Run, run_dir: Path, step: int) -> None:
+    cfg = run.cfg
+    if step == cfg.rl.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+        rng_by_rank = run.ranks.all_gather_object(rng_state())  # each rank resumes its own RNG
+        if run.ranks.is_main:
+            save_checkpoint(run_dir, step, policy=run.policy, cfg=cfg, optimizer=run.optimizer,
+                            scheduler=run.scheduler, data_state=run.stream.state_dict(),
+                            keep_last=cfg.checkpoint.keep_last, rng_by_rank=rng_by_rank)
 
 
 def run_step(run: Run, step: int) -> StepResult:
     """One GRPO step (module docstring, 1-7): rollouts, release, train, publish, re-acquire, probe."""
     cfg, engine, policy, timer, ranks = run.cfg, run.engine, run.policy, run.timer, run.ranks
-    with timer("generate"):
-        groups, metrics = collect_rollouts(engine, run.stream, run.pool, cfg, step, ranks)
+    ignore_eos = run.benchmark is not None and run.benchmark.force_max_tokens
+    groups, metrics = collect_rollouts(engine, run.stream, run.pool, cfg, step, timer, ignore_eos, ranks)
     batch = groups_to_batch(groups, cfg, run.pad_id)
     with timer("release_kv"):
         metrics |= engine.release_kv()
@@ -382,17 +404,20 @@ def run_step(run: Run, step: int) -> StepResult:
         if ranks.any(batch is not None and bool((batch.advantages_B != 0).any())):
             metrics |= train_step(policy, run.optimizer, run.scheduler, batch, cfg, run.device, ranks)
             metrics["train/skipped"] = 0.0
+            metrics["train/processed_tokens"] = float(sum(len(g.prompt.token_ids) + len(c.token_ids)
+                                                          for g in groups for c in g.completions if c.token_ids))
         else:  # every group had equal rewards: no gradient signal, keep the adapter as it is
             metrics["train/skipped"] = 1.0
     if ranks.distributed:  # identical optimizer steps must leave identical adapters
         metrics["dist/adapter_checksum"] = ranks.check_adapter(policy.lora_parameters(), step + 1)
+    previous = engine.adapter.tensors if engine.adapter is not None else None  # what the probe tells apart
     with timer("publish"):
         metrics |= engine.publish(policy.lora_state_dict(), step=step + 1)
     with timer("reacquire_kv"):
         metrics |= engine.reacquire_kv()
-    if cfg.engine.probe_prompts:
+    if run.probe is not None:
         with timer("probe"):
-            metrics |= probe(engine, policy, run.probe_prompts, cfg, run.device, run.pad_id)
+            metrics |= run.probe(engine, policy, previous, step + 1)
     metrics |= timer.pop() | memory_metrics()
     metrics |= {f"mem/trainer_{k}": float(v) for k, v in policy.memory_report().items() if isinstance(v, (int, float))}
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
