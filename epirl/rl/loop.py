@@ -176,12 +176,17 @@ def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
     return rows
 
 
-def train(cfg: EpirlConfig, resume: Path | None = None, progress=None) -> Path:
-    """Run (or resume) a GRPO/DAPO training job; returns the run folder."""
+def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, problems: list | None = None) -> Path:
+    """Run (or resume) a GRPO/DAPO training job; returns the run folder.
+
+    `progress`: an observer (`epirl.progress.RunProgress`): `progress.started(start_step, memory_report)` once
+    the engine and trainer are up, then `progress(step, metrics)` after every step. `problems`: the output
+    of `check_inputs(cfg)` when the caller has run it already."""
     from epirl.engine import RolloutEngine
     from epirl.model.memory import preflight_beside_engine
 
-    problems = check_inputs(cfg)  # bad model path, data, vLLM arguments: one line, before anything starts
+    if problems is None:  # bad model path, data, vLLM arguments: one line, before anything starts
+        problems = check_inputs(cfg)
     device = resolve_runtime(cfg)
     if device.type == "cuda":  # fail in seconds, before the engine loads, when the trainer cannot fit
         preflight_beside_engine(cfg, device)
@@ -211,8 +216,15 @@ def check_inputs(cfg: EpirlConfig) -> list:
     from epirl.config import ConfigError, resolve_model_path
     from epirl.engine.engine import check_vllm_args
 
-    if cfg.model.path.startswith(("/", ".", "~")) and not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
+    from epirl import hub
+
+    if cfg.model.path != resolve_model_path(cfg.model.path):
+        pass  # an alias of a pip-shipped model
+    elif (local := hub.local_path(cfg.model.path)) is not None:
+        if not local.is_dir():
+            raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
+    else:
+        hub.require_hub("model.path", cfg.model.path, ConfigError)
     try:  # a folder, an alias or a hub id: its config only (the weights come after the memory pre-flight)
         AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     except Exception as exc:  # noqa: BLE001 - missing folder, bad hub id, offline: all one line
@@ -245,6 +257,8 @@ def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracke
         log.info("resumed from %s at step %d", checkpoint, start_step)
     engine.publish(policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
     tracker.summary(policy.memory_report())
+    if progress is not None:
+        progress.started(start_step, policy.memory_report())
     evaluate = PeriodicEval(cfg, run_dir)
     timer = PhaseTimer()
     with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
