@@ -4,7 +4,8 @@
     epirl train recipes/qwen35_9b_dapo.yaml --resume runs/qwen35_9b_dapo
     epirl train --help-config            # every config key with its default and meaning
 
-`train` lives in epirl.train_cli (quiet console, plan, progress, summary), `eval` in epirl.eval_cli.
+`train` lives in epirl.train_cli (quiet console, plan, progress, summary), `eval` in epirl.eval_cli,
+`mismatch` in epirl.mismatch.cli.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
+
+from epirl.eval_cli import add_eval_args
+from epirl.mismatch.cli import add_mismatch_args
+from epirl.train_cli import add_train_args
 
 console = Console(stderr=True)
 
@@ -39,35 +44,13 @@ def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def cmd_mismatch(args: argparse.Namespace) -> int:
-    try:
-        from epirl.mismatch import run_mismatch_command
-    except ImportError:
-        console.print("[yellow]epirl mismatch is not implemented yet[/]")
-        return 2
-    return run_mismatch_command(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epirl", description="RL post-training of LoRA adapters on one FP8 base.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from epirl.train_cli import add_train_args
-
     add_train_args(sub)
-
-    try:
-        from epirl.mismatch import add_mismatch_args
-    except ImportError:
-        mismatch = sub.add_parser("mismatch", help="δW/δA/δK decomposition of the engine–trainer mismatch")
-        mismatch.add_argument("rest", nargs=argparse.REMAINDER)
-        mismatch.set_defaults(func=cmd_mismatch)
-    else:
-        add_mismatch_args(sub)
-
-    from epirl.eval_cli import add_eval_args
-
+    add_mismatch_args(sub)
     add_eval_args(sub)
     return parser
 

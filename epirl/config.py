@@ -9,8 +9,9 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -21,6 +22,21 @@ PROJECTIONS_ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROJECTIONS_MLP = ["gate_proj", "up_proj", "down_proj"]
 PROJECTIONS_GDN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]  # Qwen3.5 linear attention
 ALL_PROJECTIONS = tuple(PROJECTIONS_ATTN + PROJECTIONS_MLP + PROJECTIONS_GDN)
+
+EnginePrecision = Literal["bf16", "w8a8", "w8a16"]
+ENGINE_PRECISIONS: tuple[str, ...] = get_args(EnginePrecision)
+# Engine precisions whose weights are FP8 codes + scales (what `trainer.base: shared` maps zero-copy).
+FP8_ENGINE_PRECISIONS = ("w8a8", "w8a16")
+
+
+def check_lora_targets(targets: list[str] | tuple[str, ...]) -> None:
+    """Raise ValueError (one line, for the `lora.targets` field) unless `targets` is a non-empty list of
+    projections epirl can wrap."""
+    if not targets:
+        raise ValueError("must name at least one module")
+    unknown = sorted(set(targets) - set(ALL_PROJECTIONS))
+    if unknown:
+        raise ValueError(f"unknown projection(s) {unknown}; known: {list(ALL_PROJECTIONS)}")
 
 
 class Section(BaseModel):
@@ -45,7 +61,7 @@ class ModelConfig(Section):
 
 
 class EngineConfig(Section):
-    precision: Literal["bf16", "w8a8", "w8a16"] = "bf16"
+    precision: EnginePrecision = "bf16"
     """Rollout engine arithmetic: `bf16` (vLLM unquantized), `w8a8` (vLLM FP8 weights + per-token FP8
     activations; correct with TIS), `w8a16` (epirl's matched engine: the trainer's exact arithmetic)."""
     gpu_memory_utilization: float = Field(0.55, gt=0.0, le=0.98)
@@ -107,11 +123,7 @@ class LoRAConfig(Section):
     @field_validator("targets")
     @classmethod
     def _known_targets(cls, targets: list[str]) -> list[str]:
-        if not targets:
-            raise ValueError("must name at least one module")
-        unknown = sorted(set(targets) - set(ALL_PROJECTIONS))
-        if unknown:
-            raise ValueError(f"unknown projection(s) {unknown}; known: {list(ALL_PROJECTIONS)}")
+        check_lora_targets(targets)
         return targets
 
 
@@ -262,15 +274,40 @@ class EpirlConfig(Section):
         return min(self.data.max_prompt_tokens, self.model.max_model_len - self.rl.max_tokens)
 
     @model_validator(mode="after")
-    def _responses_fit(self) -> "EpirlConfig":
+    def _possible(self) -> "EpirlConfig":
+        """Combinations that cannot run, refused before anything loads."""
         if self.rl.max_tokens >= self.model.max_model_len:
             raise ValueError(f"rl.max_tokens={self.rl.max_tokens} leaves no room for a prompt in "
                              f"model.max_model_len={self.model.max_model_len}")
+        if self.trainer.base == "shared" and self.engine.precision not in FP8_ENGINE_PRECISIONS:
+            raise ValueError(f"trainer.base=shared maps the engine's FP8 weights, but engine.precision="
+                             f"{self.engine.precision} has none: use engine.precision=w8a16 (or w8a8), or "
+                             "trainer.base=fp8")
         return self
 
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message is one line naming the field or file."""
+
+
+def concrete_dtype(name: str, device_type: str) -> str:
+    """`model.dtype` made concrete for a device: `auto` = bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    return name
+
+
+def resolve_runtime(cfg: EpirlConfig) -> torch.device:
+    """Pick the trainer device and make `model.dtype: auto` concrete, identically for engine and trainer."""
+    use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but CUDA is not available")
+    device = torch.device("cuda" if use_cuda else "cpu")
+    if cfg.trainer.base == "shared" and device.type == "cpu" and torch.cuda.is_available():
+        raise ConfigError("trainer.base=shared with trainer.device=cpu: the engine's weights live on the GPU; "
+                          "use trainer.device=auto (or trainer.base=fp8)")
+    cfg.model.dtype = concrete_dtype(cfg.model.dtype, device.type)
+    return device
 
 
 def resolve_model_path(path: str) -> str:

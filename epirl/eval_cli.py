@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from epirl.config import ENGINE_PRECISIONS
 from epirl.data import DataError
 
 log = logging.getLogger(__name__)
 
-ENGINE_PRECISIONS = ("bf16", "w8a8", "w8a16")
 PROMPT_ROOM_TOKENS = 2048  # default room for the prompt on top of --max-tokens (sets max_model_len)
 
 

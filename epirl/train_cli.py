@@ -119,7 +119,8 @@ def _check_and_plan(cfg, run_dir: Path, console: Console) -> list:
     from epirl.data import DataError
     from epirl.model.memory import PreflightError
     from epirl.plan import plan_lines
-    from epirl.rl.loop import check_inputs, resolve_runtime
+    from epirl.config import resolve_runtime
+    from epirl.rl.loop import check_inputs
 
     threads = plan_threads()
     apply_thread_plan(threads)  # before vLLM starts: it keeps an OMP_NUM_THREADS it finds (cpu_threads)
@@ -131,8 +132,6 @@ def _check_and_plan(cfg, run_dir: Path, console: Console) -> list:
 
             preflight_beside_engine(cfg, device)
     except (ConfigError, DataError, PreflightError) as exc:
-        raise InputError(str(exc)) from None
-    except RuntimeError as exc:  # e.g. trainer.device=cuda without CUDA
         raise InputError(str(exc)) from None
     thread_text = threads.describe() if device.type == "cpu" else None
     for label, text in plan_lines(cfg, device, len(problems), thread_text, run_dir):
@@ -218,15 +217,13 @@ def _remove_created(run_dir: Path, created: Path | None) -> None:
 
 def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | None, resume: bool) -> int:
     from epirl.progress import RunProgress
-    from epirl.rl.loop import train
 
     console = out.console
-    try:
-        problems = _check_and_plan(cfg, run_dir, console)
-    except InputError as exc:
-        return _bad_input(out, exc, run_dir, created)
     observer = RunProgress(console, run_dir, cfg.rl.steps, start_step, cfg.rl.samples_per_prompt)
     try:
+        from epirl.rl.loop import train
+
+        problems = _check_and_plan(cfg, run_dir, console)
         out_dir = train(cfg, resume=run_dir if resume else None, progress=observer, problems=problems)
     except KeyboardInterrupt:
         observer.stop()

@@ -5,7 +5,7 @@ import torch
 
 from epirl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from epirl.config import load_config
-from epirl.trainer import build_batch, build_optimizer, train_step
+from epirl.rl.trainer import build_batch, build_optimizer, train_step
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from epirl.config import ConfigError, EpirlConfig, describe_fields, dump_config, load_config
 from epirl.data import DataError, PromptStream, arithmetic_problems, deduplicate, load_problems
@@ -217,3 +218,24 @@ def test_responses_must_leave_room_for_a_prompt_and_prompts_are_capped_by_the_co
         load_config(None, ["model.max_model_len=512", "rl.max_tokens=512"])
     cfg = load_config(None, ["model.max_model_len=512", "rl.max_tokens=32", "data.max_prompt_tokens=1024"])
     assert cfg.prompt_token_limit == 480
+
+
+def test_a_shared_base_needs_an_fp8_engine_refused_before_anything_loads():
+    with pytest.raises(ConfigError, match=r"^override trainer\.base=shared: trainer\.base=shared maps the engine's FP8 "
+                                          r"weights, but "
+                                          r"engine\.precision=bf16 has none"):
+        load_config(None, ["trainer.base=shared"])
+    for precision in ("w8a8", "w8a16"):
+        assert load_config(None, ["trainer.base=shared", f"engine.precision={precision}"]).trainer.base == "shared"
+
+
+def test_one_list_of_engine_precisions_and_one_auto_dtype_rule():
+    from typing import get_args
+
+    from epirl.config import ENGINE_PRECISIONS, EngineConfig, concrete_dtype
+    from epirl.model.loading import resolve_dtype
+
+    assert get_args(EngineConfig.model_fields["precision"].annotation) == ENGINE_PRECISIONS
+    assert [concrete_dtype("auto", d) for d in ("cuda", "cpu")] == ["bfloat16", "float32"]
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

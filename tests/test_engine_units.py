@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from epirl.engine import compat
-from epirl.engine.lora_publish import modules_of, peft_config
+from epirl.engine.lora_publish import modules_of
+from epirl.model.adapter_io import peft_adapter_config
 
 
 def test_lora_rank_slot_rounds_up_to_vllm_allowed_ranks():
@@ -29,7 +30,7 @@ def test_modules_of_groups_peft_names_and_rejects_half_adapters():
         modules_of({f"{stem}.lora_A.weight": a})
     with pytest.raises(ValueError, match="not a PEFT"):
         modules_of({f"{stem}.weight": a})
-    assert peft_config(8, 16.0, ["q_proj"])["r"] == 8
+    assert peft_adapter_config(8, 16.0, ["q_proj"])["r"] == 8
 
 
 def test_plugin_op_is_the_kernel_per_slice():

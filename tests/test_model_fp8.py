@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from epirl.model import build_policy, load_policy
 from epirl.model.fp8 import Fp8Linear
-from epirl.model.loading import PACKED_MODULES, load_text_config
+from epirl.model.loading import PACKED_MODULES
+from epirl.model.skeleton import load_text_config
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
 from epirl.model.memory import PreflightError, ProjectionCopyWatcher, preflight_check
 from epirl.model.tiny import write_tiny_checkpoint

@@ -33,11 +33,13 @@ def tiny_config(tmp_path, *extra):
 
 @pytest.mark.timeout(900)
 def test_two_grpo_steps_publish_moves_engine_onto_trainer(tmp_path):
+    from epirl.config import resolve_runtime
     from epirl.data import PromptStream, load_problems
     from epirl.engine import RolloutEngine
     from epirl.model import load_policy
     from epirl.rewards import RewardPool
-    from epirl.rl.loop import PhaseTimer, build_batch, build_optimizer, resolve_runtime, run_step
+    from epirl.rl.loop import Run, run_step
+    from epirl.rl.trainer import build_batch, build_optimizer
 
     cfg = tiny_config(tmp_path, "rl.dynamic_sampling=false")
     device = resolve_runtime(cfg)
@@ -53,10 +55,13 @@ def test_two_grpo_steps_publish_moves_engine_onto_trainer(tmp_path):
         probe_prompts = [p.token_ids for p in stream.take(2)]
         all_metrics = []
         with RewardPool(1, 5.0) as pool:
+            run = Run(cfg, engine, policy, optimizer, scheduler, stream, pool, device, pad, probe_prompts)
             for step in range(2):
-                m = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, PhaseTimer(), device, pad,
-                             probe_prompts)
-                all_metrics.append(m)
+                result = run_step(run, step)
+                assert not any(k.startswith("_") for k in result.metrics), "samples travel beside the metrics"
+                assert len(result.prompt_ids) == cfg.rl.prompts_per_step  # no dynamic sampling: every group kept
+                assert len(result.samples) == min(cfg.tracking.samples_count, cfg.rl.prompts_per_step)
+                all_metrics.append(result.metrics)
                 names.append(engine.adapter.request.lora_name)
         assert len(set(names)) == 3, "every publish needs a new adapter name (vLLM's prefix cache is keyed by it)"
         trained = [m for m in all_metrics if m["train/skipped"] == 0.0]

@@ -19,12 +19,11 @@ from typing import Any
 
 import torch
 
+from epirl.config import ENGINE_PRECISIONS, ConfigError, resolve_model_path
 from epirl.engine import compat
 from epirl.engine.lora_publish import AdapterPublisher
 
 log = logging.getLogger(__name__)
-
-PRECISIONS = ("bf16", "w8a8", "w8a16")
 
 
 @dataclass
@@ -59,7 +58,7 @@ def _quantization(precision: str) -> str | None:
         # vLLM's own FP8 engine on CUDA; vLLM has no W8A8 kernels on CPU, so the plugin emulates it
         # there with the kernels' references (same quantization contracts).
         return compat.fp8_per_tensor_method() if compat.on_cuda() else "epirl_w8a8_emu"
-    raise ValueError(f"engine.precision must be one of {PRECISIONS}, got {precision!r}")
+    raise ValueError(f"engine.precision must be one of {ENGINE_PRECISIONS}, got {precision!r}")
 
 
 def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str, Any]:

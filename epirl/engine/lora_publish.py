@@ -28,6 +28,7 @@ import torch
 
 from epirl.engine import compat
 from epirl.engine.naming import NameMap
+from epirl.model.adapter_io import peft_adapter_config
 from epirl.model.weights import checkpoint_to_model_name
 
 log = logging.getLogger(__name__)
@@ -45,18 +46,6 @@ class PublishedAdapter:
     step: int
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """HF module path (`model.layers.0.self_attn.q_proj`) → (A [r, in], B [out, r]) unscaled."""
-
-
-def peft_config(rank: int, alpha: float, targets: list[str]) -> dict[str, Any]:
-    """The adapter_config.json content of the trainer's adapter (what vLLM's PEFTHelper reads)."""
-    return {
-        "r": int(rank),
-        "lora_alpha": alpha,
-        "target_modules": list(targets),
-        "bias": "none",
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-    }
 
 
 def modules_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -85,7 +74,7 @@ class AdapterPublisher:
         self._llm = llm
         self.rank, self.alpha, self.targets = int(rank), float(alpha), list(targets)
         self.scale = self.alpha / self.rank
-        self._peft = PEFTHelper.from_dict(peft_config(rank, alpha, targets))
+        self._peft = PEFTHelper.from_dict(peft_adapter_config(rank, alpha, targets))
         self._pending: dict[int, PublishedAdapter] = {}
         self._next_id = 1
         self.current: PublishedAdapter | None = None

@@ -22,16 +22,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def peft_adapter_config(policy: Policy) -> dict:
-    """The adapter_config.json fields of a PEFT `LoraConfig` (peft ≥ 0.10 reads these keys)."""
+def peft_adapter_config(rank: int, alpha: float, targets: list[str], base_model: str | None = None) -> dict:
+    """The adapter_config.json fields of a PEFT `LoraConfig` (peft ≥ 0.10 and vLLM's PEFTHelper read these)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": policy.model_path,
-        "r": policy.lora_rank,
-        "lora_alpha": policy.lora_alpha,
-        # Only projections that exist in this model (a recipe may list Qwen3.5-only names for a Llama).
-        "target_modules": sorted({name.rpartition(".")[2] for name in policy.lora_modules()}),
+        "base_model_name_or_path": base_model,
+        "r": int(rank),
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -78,7 +77,10 @@ def save_adapter(policy: Policy, out_dir: str | os.PathLike, cfg=None) -> Path:
                for k, v in policy.lora_state_dict().items()}
     tmp_weights, tmp_config = out_dir / f".{ADAPTER_WEIGHTS}.tmp", out_dir / f".{ADAPTER_CONFIG}.tmp"
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
-    tmp_config.write_text(json.dumps(peft_adapter_config(policy), indent=2))
+    # Only projections that exist in this model (a recipe may list Qwen3.5-only names for a Llama).
+    targets = sorted({name.rpartition(".")[2] for name in policy.lora_modules()})
+    config = peft_adapter_config(policy.lora_rank, policy.lora_alpha, targets, base_model=policy.model_path)
+    tmp_config.write_text(json.dumps(config, indent=2))
     os.replace(tmp_weights, out_dir / ADAPTER_WEIGHTS)
     os.replace(tmp_config, out_dir / ADAPTER_CONFIG)
     return out_dir

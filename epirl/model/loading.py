@@ -17,13 +17,14 @@ import logging
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
+from epirl.config import check_lora_targets, concrete_dtype, resolve_model_path
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.policy import Policy
+from epirl.model.skeleton import build_skeleton, load_text_config
 from epirl.model.weights import RandomSource, SafetensorsSource, checkpoint_to_model_name
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` = bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and fp32 keeps CPU tests exact)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+    """The torch dtype of `model.dtype` on `device` (`auto` follows `epirl.config.concrete_dtype`)."""
+    return DTYPES[concrete_dtype(name, device.type)]
 
 
 def local_model_dir(path: str) -> Path:
     """A local checkpoint folder for `model.path` (aliases resolved; hub ids downloaded to the HF cache)."""
-    from epirl.config import resolve_model_path
-
     resolved = resolve_model_path(path)
     if Path(resolved).is_dir():
         return Path(resolved)
@@ -58,18 +55,6 @@ def local_model_dir(path: str) -> Path:
 
     return Path(snapshot_download(resolved, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
                                                              "*.jinja", "*.tiktoken"]))
-
-
-def load_text_config(model_dir: str | Path) -> PretrainedConfig:
-    """The language model's config (Qwen3.5 checkpoints are vision-language: take their text config)."""
-    return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
-
-
-def build_skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    """The causal LM with every parameter on the meta device; buffers (rotary inv_freq) are real."""
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
 
 
 def projection_groups(model: nn.Module) -> list[list[str]]:
@@ -230,9 +215,10 @@ def build_policy(config: PretrainedConfig, source, base: str, device: torch.devi
     embedding / LM head weights, mapped zero-copy instead of loaded."""
     if base not in ("bf16", "fp8", "shared"):
         raise ValueError(f"trainer.base must be bf16, fp8 or shared, got {base!r}")
-    unknown = set(targets) - set(ALL_PROJECTIONS)
-    if unknown:
-        raise ValueError(f"lora.targets: unknown projection(s) {sorted(unknown)}; known: {list(ALL_PROJECTIONS)}")
+    try:
+        check_lora_targets(targets)
+    except ValueError as exc:  # a config built without validation (tests, scripts): same one line
+        raise ValueError(f"lora.targets: {exc}") from None
     model = build_skeleton(config, dtype)
     if base == "bf16":
         materialize_params(model, source, device, dtype, skip_modules=set())

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig
 
+from epirl.config import resolve_model_path
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
+from epirl.model.skeleton import build_skeleton
 
 GiB = 1024 ** 3
 # AdamW keeps two fp32 moments per trainable element; gradients are the parameters' dtype (fp32 masters).
@@ -90,8 +93,6 @@ def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str
 
     `exclude_embeddings`: leave the token embedding and LM head out of the count (`trainer.base: shared`
     maps them from the engine)."""
-    from epirl.model.loading import build_skeleton
-
     model = build_skeleton(config, torch.bfloat16)
     projections = {n: tuple(m.weight.shape) for n, m in model.named_modules()
                    if isinstance(m, nn.Linear) and _is_projection(n, m)}
@@ -146,10 +147,6 @@ def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safet
     defaults to the model's config.json (local folder, alias, or hub id).
     """
     if hf_config is None:
-        from transformers import AutoConfig
-
-        from epirl.config import resolve_model_path
-
         hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     config = hf_config.get_text_config()
     tokens = cfg.trainer.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rl.max_tokens)
@@ -175,10 +172,6 @@ def preflight_check(cfg, device_total_bytes: int, reserved_bytes: int = 0, safet
 
 def preflight_beside_engine(cfg, device: torch.device) -> None:
     """Fail in seconds, not after the engine has loaded, when the trainer cannot fit beside the engine."""
-    from transformers import AutoConfig
-
-    from epirl.config import resolve_model_path
-
     total = torch.cuda.get_device_properties(device).total_memory
     hf_config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     reserved = cfg.engine.gpu_memory_utilization * total  # the engine's whole budget, KV cache included

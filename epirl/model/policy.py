@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from epirl.model.lora import lora_modules as find_lora_modules
+from epirl.model.memory import policy_memory_report
 
 
 def peft_key(module_name: str, which: str) -> str:
@@ -155,7 +156,6 @@ class Policy:
         count only what the trainer owns), base_shared (engine-owned storages it maps), lora_param,
         lora_grad, optimizer_bytes_est (AdamW), static; on CUDA also cuda_peak_allocated and
         peak_activation_bytes_est (peak − allocated now: call between steps, after resetting the peak stats)."""
-        from epirl.model.memory import policy_memory_report
         return policy_memory_report(self)
 
     def train(self) -> "Policy":

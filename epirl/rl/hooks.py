@@ -9,6 +9,10 @@ import logging
 from pathlib import Path
 
 from epirl.config import EpirlConfig
+from epirl.eval.benchmarks import load_benchmark, parse_benchmark_list
+from epirl.eval.report import POOLED
+from epirl.eval.runner import EvalSettings, Variant, run_eval
+from epirl.mismatch.measure import measure_during_training
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +24,6 @@ class PeriodicEval:
         self.cfg, self.run_dir = cfg, run_dir
         self.benchmarks = None
         if cfg.rl.eval_every and cfg.rl.eval_benchmarks:
-            from epirl.eval.benchmarks import load_benchmark, parse_benchmark_list
-
             specs = parse_benchmark_list(",".join(cfg.rl.eval_benchmarks))
             self.benchmarks = [load_benchmark(name, source, limit=cfg.rl.eval_limit) for name, source in specs]
 
@@ -29,9 +31,6 @@ class PeriodicEval:
         return self.benchmarks is not None and step % self.cfg.rl.eval_every == 0
 
     def __call__(self, step: int, engine, pool) -> dict[str, float]:
-        from epirl.eval.report import POOLED
-        from epirl.eval.runner import EvalSettings, Variant, run_eval
-
         cfg = self.cfg
         settings = EvalSettings(samples=1, temperature=0.0, max_tokens=cfg.rl.max_tokens, thinking=cfg.model.thinking,
                                 seed=cfg.seed, max_model_len=cfg.model.max_model_len)
@@ -48,6 +47,4 @@ def periodic_mismatch(step: int, cfg: EpirlConfig, engine, policy, prompt_ids: l
     """`rl.mismatch_every` > 0: δW/δA/δK of the live engine against the live trainer on this step's prompts."""
     if not cfg.rl.mismatch_every or step % cfg.rl.mismatch_every:
         return {}
-    from epirl.mismatch import measure_during_training
-
     return measure_during_training(engine, policy, cfg, prompt_ids, device)

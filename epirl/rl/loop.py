@@ -18,18 +18,24 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
+from epirl import hub
 from epirl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from epirl.config import EpirlConfig, dump_config
+from epirl.config import ConfigError, EpirlConfig, dump_config, resolve_model_path, resolve_runtime
 from epirl.data import Prompt, PromptStream, load_problems, render_prompt
-from epirl.rewards import overlong_penalty
+from epirl.engine import RolloutEngine
+from epirl.engine.engine import check_vllm_args
+from epirl.model import Policy, load_policy, save_adapter
+from epirl.model.memory import preflight_beside_engine
+from epirl.rewards import RewardPool, overlong_penalty
 from epirl.rl.advantages import group_advantages, informative_groups
 from epirl.rl.hooks import PeriodicEval, periodic_mismatch
-from epirl.trainer import build_batch, build_optimizer, train_step
+from epirl.rl.trainer import build_batch, build_optimizer, train_step
 from epirl.tracking import PhaseTimer, Tracker, memory_metrics
 
 log = logging.getLogger(__name__)
@@ -46,18 +52,36 @@ class Group:
     advantages_G: torch.Tensor | None = None
 
 
+@dataclass
+class Run:
+    """The live parts of one training run, built once by `start_run` and handed to every step."""
+
+    cfg: EpirlConfig
+    engine: RolloutEngine
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: PromptStream
+    pool: RewardPool
+    device: torch.device
+    pad_id: int
+    probe_prompts: list[list[int]] = field(default_factory=list)
+    """Token ids the post-publish probe continues: the data's first problems, fixed for the whole run."""
+    tracker: Tracker | None = None
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+
+
+@dataclass
+class StepResult:
+    """What one step hands back: its metrics, a few sample rows for the tracker, and its prompts."""
+
+    metrics: dict[str, float]
+    samples: list[dict]
+    prompt_ids: list[list[int]]
+
+
 class ProbeMismatch(RuntimeError):
     """Engine and trainer disagree after a publish: the adapter did not arrive, or the arithmetic drifted."""
-
-
-def resolve_runtime(cfg: EpirlConfig) -> torch.device:
-    """Pick the trainer device and make `model.dtype: auto` concrete, identically for engine and trainer."""
-    use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
-    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but CUDA is not available")
-    if cfg.model.dtype == "auto":
-        cfg.model.dtype = "bfloat16" if use_cuda else "float32"
-    return torch.device("cuda" if use_cuda else "cpu")
 
 
 def step_seed(seed: int, step: int, round_: int) -> int:
@@ -182,9 +206,6 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, problems:
     `progress`: an observer (`epirl.progress.RunProgress`): `progress.started(start_step, memory_report)` once
     the engine and trainer are up, then `progress(step, metrics)` after every step. `problems`: the output
     of `check_inputs(cfg)` when the caller has run it already."""
-    from epirl.engine import RolloutEngine
-    from epirl.model.memory import preflight_beside_engine
-
     if problems is None:  # bad model path, data, vLLM arguments: one line, before anything starts
         problems = check_inputs(cfg)
     device = resolve_runtime(cfg)
@@ -199,7 +220,10 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, problems:
     engine = None
     try:
         engine = RolloutEngine(cfg)
-        _train_with(cfg, run_dir, resume, engine, tracker, device, progress, problems)
+        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+            run = start_run(cfg, engine, pool, device, problems, tracker)
+            start_step = restore(run, run_dir) if resume else 0
+            run_steps(run, run_dir, start_step, progress)
     finally:
         tracker.close()
         if engine is not None:
@@ -211,19 +235,12 @@ def check_inputs(cfg: EpirlConfig) -> list:
     """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
 
     Raises ConfigError / DataError with one line naming the field or file."""
-    from transformers import AutoConfig
-
-    from epirl.config import ConfigError, resolve_model_path
-    from epirl.engine.engine import check_vllm_args
-
-    from epirl import hub
-
     if cfg.model.path != resolve_model_path(cfg.model.path):
         pass  # an alias of a pip-shipped model
     elif (local := hub.local_path(cfg.model.path)) is not None:
         if not local.is_dir():
             raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
-    else:
+    else:  # a hub id: one line when the hub cannot be reached, instead of a minute of retries
         hub.require_hub("model.path", cfg.model.path, ConfigError)
     try:  # a folder, an alias or a hub id: its config only (the weights come after the memory pre-flight)
         AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
@@ -234,11 +251,9 @@ def check_inputs(cfg: EpirlConfig) -> list:
     return load_problems(cfg.data, cfg.seed)
 
 
-def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracker, device, progress,
-                problems: list) -> None:
-    from epirl.model import load_policy, save_adapter
-    from epirl.rewards import RewardPool
-
+def start_run(cfg: EpirlConfig, engine: RolloutEngine, pool: RewardPool, device: torch.device, problems: list,
+              tracker: Tracker | None = None) -> Run:
+    """The trainer beside a started engine (policy, optimizer, prompt stream, probe prompts)."""
     policy = load_policy(cfg, device, engine=engine)
     optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
     stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
@@ -247,53 +262,64 @@ def _train_with(cfg: EpirlConfig, run_dir: Path, resume, engine, tracker: Tracke
     # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
     probe_prompts = [render_prompt(engine.tokenizer, p.messages, cfg.model.thinking)
                      for p in problems[: cfg.engine.probe_prompts]]
-    start_step = 0
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if checkpoint is not None:
-        state = load_checkpoint(checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler)
-        stream.load_state_dict(state["data"])
-        start_step = state["step"]
-        tracker.forget_after(start_step)  # steps after the checkpoint run again: log them once
-        log.info("resumed from %s at step %d", checkpoint, start_step)
-    engine.publish(policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
-    tracker.summary(policy.memory_report())
+    return Run(cfg, engine, policy, optimizer, scheduler, stream, pool, device, pad_id, probe_prompts, tracker)
+
+
+def restore(run: Run, run_dir: Path) -> int:
+    """Load the latest checkpoint of `run_dir` into the run; returns the step to continue from."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return 0
+    state = load_checkpoint(checkpoint, policy=run.policy, optimizer=run.optimizer, scheduler=run.scheduler)
+    run.stream.load_state_dict(state["data"])
+    if run.tracker is not None:
+        run.tracker.forget_after(state["step"])  # steps after the checkpoint run again: log them once
+    log.info("resumed from %s at step %d", checkpoint, state["step"])
+    return state["step"]
+
+
+def run_steps(run: Run, run_dir: Path, start_step: int, progress=None) -> None:
+    """Steps `start_step` .. `rl.steps`: each step, then in-training eval / mismatch, logging, checkpoints."""
+    cfg, tracker = run.cfg, run.tracker
+    run.engine.publish(run.policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
+    if tracker is not None:
+        tracker.summary(run.policy.memory_report())
     if progress is not None:
-        progress.started(start_step, policy.memory_report())
+        progress.started(start_step, run.policy.memory_report())
     evaluate = PeriodicEval(cfg, run_dir)
-    timer = PhaseTimer()
-    with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
-        for step in range(start_step, cfg.rl.steps):
-            metrics = run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device,
-                               pad_id, probe_prompts)
-            samples, prompt_ids = metrics.pop("_samples"), metrics.pop("_prompt_ids")
-            if evaluate.due(step + 1):
-                metrics |= evaluate(step + 1, engine, pool)
-            metrics |= periodic_mismatch(step + 1, cfg, engine, policy, prompt_ids, device)
+    for step in range(start_step, cfg.rl.steps):
+        result = run_step(run, step)
+        metrics = result.metrics
+        if evaluate.due(step + 1):
+            metrics |= evaluate(step + 1, run.engine, run.pool)
+        metrics |= periodic_mismatch(step + 1, cfg, run.engine, run.policy, result.prompt_ids, run.device)
+        if tracker is not None:
             tracker.log(step + 1, metrics)
             if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0:
-                tracker.log_samples(step + 1, samples)
-            if progress is not None:
-                progress(step + 1, metrics)
-            last = step + 1 == cfg.rl.steps
-            if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-                save_checkpoint(run_dir, step + 1, policy=policy, cfg=cfg, optimizer=optimizer,
-                                scheduler=scheduler, data_state=stream.state_dict(),
-                                keep_last=cfg.checkpoint.keep_last)
-    save_adapter(policy, run_dir / "adapter", cfg)
+                tracker.log_samples(step + 1, result.samples)
+        if progress is not None:
+            progress(step + 1, metrics)
+        last = step + 1 == cfg.rl.steps
+        if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
+            save_checkpoint(run_dir, step + 1, policy=run.policy, cfg=cfg, optimizer=run.optimizer,
+                            scheduler=run.scheduler, data_state=run.stream.state_dict(),
+                            keep_last=cfg.checkpoint.keep_last)
+    save_adapter(run.policy, run_dir / "adapter", cfg)
 
 
-def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, timer, device, pad_id,
-             probe_prompts: list[list[int]] = ()) -> dict:
+def run_step(run: Run, step: int) -> StepResult:
+    """One GRPO step (module docstring, 1-7): rollouts, release, train, publish, re-acquire, probe."""
+    cfg, engine, policy, timer = run.cfg, run.engine, run.policy, run.timer
     with timer("generate"):
-        groups, metrics = collect_rollouts(engine, stream, pool, cfg, step)
-    batch = groups_to_batch(groups, cfg, pad_id)
+        groups, metrics = collect_rollouts(engine, run.stream, run.pool, cfg, step)
+    batch = groups_to_batch(groups, cfg, run.pad_id)
     with timer("release_kv"):
         metrics |= engine.release_kv()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with timer("train"):
         if batch is not None and bool((batch.advantages_B != 0).any()):
-            metrics |= train_step(policy, optimizer, scheduler, batch, cfg, device)
+            metrics |= train_step(policy, run.optimizer, run.scheduler, batch, cfg, run.device)
             metrics["train/skipped"] = 0.0
         else:  # every group had equal rewards: no gradient signal, keep the adapter as it is
             metrics["train/skipped"] = 1.0
@@ -303,11 +329,10 @@ def run_step(step, cfg, engine, policy, optimizer, scheduler, stream, pool, time
         metrics |= engine.reacquire_kv()
     if cfg.engine.probe_prompts:
         with timer("probe"):
-            metrics |= probe(engine, policy, probe_prompts, cfg, device, pad_id)
+            metrics |= probe(engine, policy, run.probe_prompts, cfg, run.device, run.pad_id)
     metrics |= timer.pop() | memory_metrics()
     metrics |= {f"mem/trainer_{k}": float(v) for k, v in policy.memory_report().items() if isinstance(v, (int, float))}
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")
-    metrics["data/cursor"] = float(stream.cursor)
-    metrics["_samples"] = sample_rows(groups, engine.tokenizer, cfg.tracking.samples_count)
-    metrics["_prompt_ids"] = [g.prompt.token_ids for g in groups]
-    return metrics
+    metrics["data/cursor"] = float(run.stream.cursor)
+    return StepResult(metrics, sample_rows(groups, engine.tokenizer, cfg.tracking.samples_count),
+                      [g.prompt.token_ids for g in groups])
