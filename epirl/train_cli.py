@@ -123,9 +123,10 @@ def _check_and_plan(cfg, run_dir: Path, console: Console) -> list:
     from epirl.rl.loop import check_inputs
 
     threads = plan_threads()
-    apply_thread_plan(threads)  # before vLLM starts: it keeps an OMP_NUM_THREADS it finds (cpu_threads)
     try:
         device = resolve_runtime(cfg)
+        if device.type == "cpu":  # before vLLM starts: it keeps an OMP_NUM_THREADS it finds (cpu_threads)
+            apply_thread_plan(threads)
         problems = check_inputs(cfg)
         if device.type == "cuda":
             from epirl.model.memory import preflight_beside_engine
@@ -138,7 +139,7 @@ def _check_and_plan(cfg, run_dir: Path, console: Console) -> list:
         line = f"{label:<8} {text}"
         log.info(line, extra={"terminal": False})
         console.print(f"[bold]{label:<8}[/] {_escape(text)}", soft_wrap=True, highlight=False)
-    warning = threads.warning() if device.type == "cpu" else None
+    warning = threads.warning(device.type == "cpu")
     if warning:
         log.warning(warning)  # once, at start; the terminal handler shows epirl warnings
     return problems

@@ -116,6 +116,7 @@ def test_thread_plan_follows_idle_cores_and_warns_once_when_oversubscribed():
     busy = plan_threads(cores=2, load_1min=7.5, env_threads="")
     assert busy.threads == 1 and busy.oversubscribed
     assert "oversubscribed" in busy.warning() and "7.5 on 2 cores" in busy.warning()
+    assert "1 thread" in busy.warning() and "thread" not in busy.warning(applied=False)  # a CUDA trainer
     assert plan_threads(cores=4, load_1min=1.6, env_threads="").threads == 2
     user = plan_threads(cores=2, load_1min=9.0, env_threads="3")
     assert user.threads == 3 and user.from_env and "OMP_NUM_THREADS" in user.describe()
