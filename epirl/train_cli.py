@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import tempfile
 import json
 import logging
 import os
@@ -24,8 +25,20 @@ from pathlib import Path
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
+from epirl.checkpoint import STATE_FILE, latest_checkpoint
+from epirl.config import ConfigError, EpirlConfig, describe_fields, load_config, resolve_runtime
 from epirl.console import RunOutput, error_line, log_tail, quiet_library_environment
+from epirl.cpu_threads import apply_thread_plan, plan_threads
+from epirl.data import DataError
+from epirl.engine import compat
+from epirl.engine.engine import _llm_kwargs, _quantization, _resolve_model_path
+from epirl.model.memory import PreflightError, preflight_beside_engine
+from epirl.plan import plan_lines
+from epirl.progress import RunProgress
+from epirl.rl.loop import check_inputs, train
 
 log = logging.getLogger("epirl.train")
 
@@ -80,9 +93,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ inputs
 def _recipe_and_config(args):
     """(recipe path or None, validated config). `--resume` without a recipe reuses the run's config.yaml."""
-    from epirl.config import ConfigError, EpirlConfig, load_config
-
-    recipe = args.recipe
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe and not Path(recipe).is_file():  # `--resume RUN rl.steps=20`
+        recipe, overrides = None, [recipe, *overrides]
     if args.resume is not None:
         run = Path(args.resume)
         if not run.is_dir():
@@ -96,7 +109,7 @@ def _recipe_and_config(args):
             return None, EpirlConfig()
         raise InputError("epirl train needs a recipe (or --resume RUN_DIR); see recipes/")
     try:
-        return recipe, load_config(recipe, args.overrides)
+        return recipe, load_config(recipe, overrides)
     except ConfigError as exc:
         raise InputError(str(exc)) from None
 
@@ -104,8 +117,6 @@ def _recipe_and_config(args):
 def _resume_step(resume: str | None) -> int:
     if resume is None:
         return 0
-    from epirl.checkpoint import STATE_FILE, latest_checkpoint
-
     checkpoint = latest_checkpoint(Path(resume))
     if checkpoint is None:
         raise InputError(f"--resume {resume}: no complete checkpoint under {Path(resume) / 'checkpoints'}")
@@ -114,14 +125,6 @@ def _resume_step(resume: str | None) -> int:
 
 def _check_and_plan(cfg, run_dir: Path, console: Console) -> list:
     """Inputs checked (one-line errors as InputError), thread plan applied, the plan printed; the problems."""
-    from epirl.config import ConfigError
-    from epirl.cpu_threads import apply_thread_plan, plan_threads
-    from epirl.data import DataError
-    from epirl.model.memory import PreflightError
-    from epirl.plan import plan_lines
-    from epirl.config import resolve_runtime
-    from epirl.rl.loop import check_inputs
-
     threads = plan_threads()
     try:
         device = resolve_runtime(cfg)
@@ -129,8 +132,6 @@ def _check_and_plan(cfg, run_dir: Path, console: Console) -> list:
             apply_thread_plan(threads)
         problems = check_inputs(cfg)
         if device.type == "cuda":
-            from epirl.model.memory import preflight_beside_engine
-
             preflight_beside_engine(cfg, device)
     except (ConfigError, DataError, PreflightError) as exc:
         raise InputError(str(exc)) from None
@@ -138,23 +139,15 @@ def _check_and_plan(cfg, run_dir: Path, console: Console) -> list:
     for label, text in plan_lines(cfg, device, len(problems), thread_text, run_dir):
         line = f"{label:<8} {text}"
         log.info(line, extra={"terminal": False})
-        console.print(f"[bold]{label:<8}[/] {_escape(text)}", soft_wrap=True, highlight=False)
+        console.print(f"[bold]{label:<8}[/] {escape(text)}", soft_wrap=True, highlight=False)
     warning = threads.warning(device.type == "cpu")
     if warning:
         log.warning(warning)  # once, at start; the terminal handler shows epirl warnings
     return problems
 
 
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
-
-
 def _dry_run(cfg, run_dir: Path, verbose: bool, level: str) -> int:
     """Everything `train` checks before the engine starts, and the plan; writes nothing."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="epirl-dry-run-") as tmp, \
             RunOutput(Path(tmp) / "train.log", verbose, level) as out:
         try:
@@ -170,16 +163,13 @@ def _dry_run(cfg, run_dir: Path, verbose: bool, level: str) -> int:
 
 def _check_engine_config(cfg) -> None:
     """vLLM's own validation of the engine arguments (EngineArgs → VllmConfig), without loading weights."""
-    from epirl.config import ConfigError
-    from epirl.engine import compat
-    from epirl.engine.engine import _llm_kwargs, _quantization, _resolve_model_path
-
     try:
-        compat.set_process_env(cfg.engine.cpu_kv_cache_gb)
-        from epirl.engine import plugin
-
-        plugin.register()
+        compat.set_process_env(cfg.engine.cpu_kv_cache_gb)  # read by vLLM when it is imported (next)
         from vllm.engine.arg_utils import EngineArgs
+
+        from epirl.engine import plugin  # imports vLLM: only here, once output goes to train.log
+
+        plugin.register()  # epirl's quantization methods, which the arguments may name
 
         kwargs = _llm_kwargs(cfg, _resolve_model_path(cfg.model.path), _quantization(cfg.engine.precision))
         EngineArgs(**kwargs).create_engine_config()
@@ -217,13 +207,9 @@ def _remove_created(run_dir: Path, created: Path | None) -> None:
 
 
 def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | None, resume: bool) -> int:
-    from epirl.progress import RunProgress
-
     console = out.console
     observer = RunProgress(console, run_dir, cfg.rl.steps, start_step, cfg.rl.samples_per_prompt)
     try:
-        from epirl.rl.loop import train
-
         problems = _check_and_plan(cfg, run_dir, console)
         out_dir = train(cfg, resume=run_dir if resume else None, progress=observer, problems=problems)
     except KeyboardInterrupt:
@@ -236,7 +222,7 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
         return 130
     except Exception as exc:  # noqa: BLE001 - reported below: one line, or the end of train.log
         observer.stop()
-        if _is_bad_input(exc) and not observer.session_rows:
+        if isinstance(exc, BAD_INPUT) and not observer.session_rows:
             return _bad_input(out, exc, run_dir, created)
         log.exception("training failed", extra={"terminal": False})
         out.restore()
@@ -253,17 +239,7 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
     return 0
 
 
-@functools.cache
-def _bad_input_types() -> tuple[type, ...]:
-    from epirl.config import ConfigError
-    from epirl.data import DataError
-    from epirl.model.memory import PreflightError
-
-    return ConfigError, DataError, PreflightError, InputError
-
-
-def _is_bad_input(exc: BaseException) -> bool:
-    return isinstance(exc, _bad_input_types())
+BAD_INPUT = (ConfigError, DataError, PreflightError, InputError)
 
 
 def _bad_input(out: RunOutput, exc: Exception, run_dir: Path, created: Path | None) -> int:
@@ -290,10 +266,6 @@ def _keep_failed(run_dir: Path, created: Path | None, observer) -> Path:
 # ------------------------------------------------------------------------------------------ --help-config
 def print_config_reference(cfg=None) -> None:
     """Every key with its default and meaning; with a recipe, its value there too (bold where it differs)."""
-    from rich.table import Table
-
-    from epirl.config import describe_fields
-
     title = "epirl config keys (recipe YAML or key.sub=value)"
     table = Table(title=title, show_lines=False)
     columns = ("key", "value", "default", "meaning") if cfg is not None else ("key", "default", "meaning")
@@ -304,5 +276,5 @@ def print_config_reference(cfg=None) -> None:
             table.add_row(key, default, doc)
             continue
         value = repr(functools.reduce(getattr, key.split("."), cfg))
-        table.add_row(key, f"[bold]{_escape(value)}[/]" if value != default else _escape(value), default, doc)
+        table.add_row(key, f"[bold]{escape(value)}[/]" if value != default else escape(value), default, doc)
     Console().print(table)
