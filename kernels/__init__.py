@@ -19,9 +19,10 @@ from .fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize
 from .lora_linear.module import Fp8LoRAFunction, Fp8LoRALinear, lora_linear_backward, peft_lora_init
 from .lora_linear.reference import lora_linear_backward as lora_linear_backward_reference
 
-# Import the op subpackages before the functions of the same names are defined below: a first import of
-# `epirl.kernels.w8a8_lora` (e.g. the lazy `from .w8a8_lora.reference import ...` in the function) sets
-# the package attribute `w8a8_lora` to the subpackage, which would shadow the function from then on.
+# The ops `w8a16_lora` / `w8a8_lora` share their names with their subpackages. Python binds a subpackage
+# to the parent's attribute only on its first import, so importing them here, before the functions below
+# are defined, keeps `epirl.kernels.w8a16_lora` the function for the whole process (no caller needs a
+# guard; tests/kernels/test_gemm_configs.py checks it).
 from . import w8a8_lora as _w8a8_pkg  # noqa: E402,F401
 from . import w8a16_lora as _w8a16_pkg  # noqa: E402,F401
 
@@ -105,3 +106,21 @@ def w8a8_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale: float = 1.0
     else:
         from .w8a8_lora.reference import w8a8_lora as impl
     return impl(x, codes, scale, lora_a, lora_b, lora_scale, bias)
+
+
+# Subpackage imported before the function of the same name is defined (see the note at the top imports).
+from . import w8a8_multi_lora as _w8a8_multi_pkg  # noqa: E402,F401
+
+__all__.append("w8a8_multi_lora")
+
+
+def w8a8_multi_lora(x, codes, scale, lora_a, lora_b, token_lora, lora_scale=1.0, bias=None,
+                    backend: str | None = None, **triton_options):
+    """Multi-adapter W8A8: x `[M, K]` bf16, codes `[N, K]`, scale `[1]`, lora_a `[L, r, K]`, lora_b `[L, N, r]`,
+    token_lora `[M]` int64 (-1 = no adapter) -> `[M, N]`, each token with `w8a8_lora`'s numerics for its own
+    adapter; lora_scale a float or `[L]`. triton_options (path, config, order) reach the Triton kernels only."""
+    if _dispatch.use_triton(x, backend):
+        from .w8a8_multi_lora.triton import w8a8_multi_lora as impl
+        return impl(x, codes, scale, lora_a, lora_b, token_lora, lora_scale, bias, **triton_options)
+    from .w8a8_multi_lora.reference import w8a8_multi_lora as impl
+    return impl(x, codes, scale, lora_a, lora_b, token_lora, lora_scale, bias)

@@ -156,7 +156,7 @@ SWEEP_CONFIGS = [dict(BN=128, BM=64, BK=64, num_warps=4, num_stages=4),
 
 def sweep_weight_stationary():
     """Candidate pinned configs for the W8A16 kernel (one config must serve every M)."""
-    from epirl.kernels.w8a16_lora.triton import weight_stationary_gemm
+    from epirl.kernels.gemm.weight_stationary import weight_stationary_gemm
 
     print("\n| config | shape | tokens | µs |\n|---|---|---|---|")
     rows = []
@@ -194,10 +194,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes/tokens (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time candidate W8A16 tile configs")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="forward token counts")
+    ap.add_argument("--train-tokens", type=int, nargs="+", default=None, help="trainer token counts")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = ap.parse_args()
     shapes = SHAPES[:2] if args.quick else SHAPES
-    tokens = [1, 16, 4096] if args.quick else TOKENS
+    tokens = args.tokens or ([1, 16, 4096] if args.quick else TOKENS)
+    train_tokens = args.train_tokens or (TRAIN_TOKENS[:1] if args.quick else TRAIN_TOKENS)
     t0 = time.time()
     sweep = sweep_weight_stationary() if args.sweep else []
     fwd, train = [], []
@@ -205,7 +208,7 @@ def main():
         w16, codes, scale, a, b = make_layer(K, N)
         for M in tokens:
             fwd.append(forward_row(name, K, N, M, w16, codes, scale, a, b))
-        for M in TRAIN_TOKENS[:1] if args.quick else TRAIN_TOKENS:
+        for M in train_tokens:
             train.append(trainer_row(name, K, N, M, w16, codes, scale, a, b))
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         del w16, codes

@@ -20,8 +20,9 @@ import torch  # noqa: E402
 from epirl.kernels import quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora  # noqa: E402
 from epirl.kernels.lora_linear.reference import lora_linear_backward as ref_backward  # noqa: E402
 from epirl.kernels.lora_linear.triton import lora_linear_backward as tri_backward  # noqa: E402
-from epirl.kernels.w8a16_lora.triton import (lora_down, scaled_gemm_lora,  # noqa: E402
-                                             weight_stationary_gemm)
+from epirl.kernels.gemm.configs import k_chunking  # noqa: E402
+from epirl.kernels.gemm.scaled import lora_down_split, scaled_gemm_lora  # noqa: E402
+from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm  # noqa: E402
 
 
 def problem(M, K, N, r, seed=0):
@@ -61,7 +62,7 @@ def case_w8a16_batch_invariant_rows():
 
 def case_split_k_equals_single_pass():
     x, codes, scale, a, b, bias = problem(21, 330, 150, 8, seed=5)
-    xa = lora_down(x, a)
+    xa = lora_down(x, a, chunk_n=150)
     args = dict(w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7, bias=bias)
     split = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
     single = weight_stationary_gemm(x, codes, torch.bfloat16, allow_split=False, **args)
@@ -82,9 +83,23 @@ def case_nan_poisoned_out_fully_written():
 
 def case_lora_down_split_chunks():
     x, _, _, a, _, _ = problem(9, 300, 8, 24, seed=2)  # 300 = 16 splits of 64-aligned chunks, ragged end
-    got = lora_down(x, a)
     want = (x.double() @ a.double().t()).bfloat16()
-    assert close_bf16(got, want)
+    assert close_bf16(lora_down_split(x, a), want)
+    assert close_bf16(lora_down(x, a, chunk_n=40), want)  # weight-stationary, 2 chunks of 256
+
+
+def case_fused_down_split_equals_single_pass():
+    # K = 600: 3 chunks; the split path fuses x·Aᵀ into the partial kernel, the single pass runs lora_down
+    x, codes, scale, a, b, bias = problem(13, 600, 90, 8, seed=8)
+    assert k_chunking(90, 600)[1] == 3
+    args = dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=0.7, bias=bias)
+    small = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
+    large = dict(BN=128, BM=32, BK=64, num_warps=4, num_stages=2, split=True)
+    split = weight_stationary_gemm(x, codes, torch.bfloat16, config=small, **args)
+    single = weight_stationary_gemm(x, codes, torch.bfloat16, config=large, allow_split=False, **args)
+    assert torch.equal(split, single)
+    assert torch.equal(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="triton"))
+    assert close_bf16(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
 def case_w8a8_gemm_on_reference_codes():
@@ -118,7 +133,7 @@ def case_backward():
         assert close_bf16(got[0], want[0], ulps=6), "dX"
         for g, w in zip(got[1:], want[1:]):  # dA, dB go through bf16 cuBLAS-style mm
             assert ((g - w).norm() / w.norm()).item() < 1e-2
-    x, codes, scale, *_ = problem(300, 70, 40, 8, seed=6)  # no LoRA, > SPLIT_MAX_M tokens: single pass
+    x, codes, scale, *_ = problem(300, 70, 40, 8, seed=6)  # no LoRA, 300 tokens: the single-pass bucket (dX: one K chunk)
     gy = torch.randn(300, 40).bfloat16()
     dx, da, db = tri_backward(gy, x, codes, scale, None, None, 0.0, True)
     assert da is None and db is None

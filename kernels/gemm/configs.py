@@ -1,0 +1,67 @@
+"""Tile configurations of the weight-stationary W8A16 GEMM and its fixed K chunking.
+
+Configs come from `ws_configs.json` (committed; written by scripts/tune_w8a16.py from timings on the H200),
+per op ("fwd": y = x·Wᵀ, "dx": dX = dY·W), per shape `"N×K"` (or "default") and per M bucket (the first
+bucket bound ≥ M). No autotuning at run time. Configs may differ between buckets only in what does not
+change a single output element's arithmetic: tokens are wgmma's N dimension and weight rows its M dimension,
+so BM, BN, warps and stages change which elements a program owns, never the k-steps one element is summed
+over. That sequence is fixed by `k_chunking(N, K)` (never M) and by the 16-deep bf16 wgmma k-step; BK only
+groups k-steps into loop trips (it must divide the chunk). The GPU tests check this bitwise at
+M ∈ {1, 3, 16, 17, 64, 257, 4096, 16384}, i.e. across every bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+TABLE_PATH = Path(__file__).with_name("ws_configs.json")
+TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own output, before committing it)
+CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
+
+# The fixed K chunking: enough chunks that N/128 weight tiles x chunks give ~2 waves of 132 SMs at decode.
+# A function of (N, K) only; chunks are multiples of CHUNK_ALIGN so every BK in the table divides them.
+TARGET_PROGRAMS = 264
+CHUNK_REF_BN = 128
+CHUNK_ALIGN = 256
+
+
+def k_chunking(N: int, K: int) -> tuple[int, int]:
+    """(K_CHUNK, N_CHUNKS): each chunk is accumulated from zero and the chunks are added in order."""
+    k_units = -(-K // CHUNK_ALIGN)
+    want = max(1, min(k_units, TARGET_PROGRAMS // max(1, -(-N // CHUNK_REF_BN))))
+    units = -(-k_units // want)
+    return units * CHUNK_ALIGN, -(-k_units // units)
+
+
+@functools.lru_cache(maxsize=4)
+def load_table(path: str | None = None) -> dict:
+    path = path or os.environ.get(TABLE_ENV) or str(TABLE_PATH)
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise RuntimeError(f"W8A16 tile table {path}: {err}") from err
+    for op in ("fwd", "dx"):
+        if "default" not in table.get(op, {}):
+            raise RuntimeError(f"W8A16 tile table {path}: missing {op}.default")
+    return table
+
+
+def ws_config(op: str, N: int, K: int, M: int) -> dict:
+    """The tile config for this call: the (op, shape) row (else the op's default), first bucket ≥ M."""
+    table = load_table()
+    rows = table[op]
+    row = rows.get(f"{N}x{K}", rows["default"])
+    for bound, cfg in sorted(((int(b), c) for b, c in row.items()), key=lambda bc: bc[0]):
+        if M <= bound:
+            return cfg
+    return cfg  # beyond the last bound: the largest bucket's config
+
+
+def buckets() -> list[int]:
+    """Every bucket bound used anywhere in the table (tests run one M in each)."""
+    table = load_table()
+    return sorted({int(b) for op in ("fwd", "dx") for row in table[op].values() for b in row})

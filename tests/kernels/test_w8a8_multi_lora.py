@@ -1,0 +1,174 @@
+"""w8a8_multi_lora reference (CPU): vs a naive per-adapter loop of w8a8_lora, mixed batch == groups alone
+bitwise, argument errors; and the timed-dispatch logic with an injected timer (cache, buckets, failures)."""
+
+import json
+
+import pytest
+import torch
+
+from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a8_multi_lora
+from epirl.kernels.w8a8_multi_lora import dispatch
+
+IDS = [0, 1, -1, 2, 3, 0, -1, 3, 1, 2, 2, 0, 3, -1, 1, 0, 2]
+
+
+def problem(M=17, K=96, N=40, L=4, r=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g) * 0.05)
+    a = (torch.randn(L, r, K, generator=g) * 0.1).bfloat16()
+    b = (torch.randn(L, N, r, generator=g) * 0.1).bfloat16()
+    return x, codes, scale, a, b, torch.tensor(IDS[:M])
+
+
+def test_equals_naive_per_adapter_loop_of_w8a8_lora():
+    x, codes, scale, a, b, ids = problem()
+    sigma = torch.tensor([0.5, 1.0, 2.0, 4.0])
+    bias = torch.randn(40).bfloat16()
+    got = w8a8_multi_lora(x, codes, scale, a, b, ids, sigma, bias, backend="reference")
+    for adapter in (-1, 0, 1, 2, 3):
+        rows = ids == adapter
+        want = (w8a8_lora(x[rows], codes, scale, bias=bias) if adapter < 0 else
+                w8a8_lora(x[rows], codes, scale, a[adapter], b[adapter], float(sigma[adapter]), bias))
+        assert torch.equal(got[rows], want), adapter
+
+
+def test_mixed_batch_equals_each_group_alone_bitwise():
+    x, codes, scale, a, b, ids = problem(seed=1)
+    mixed = w8a8_multi_lora(x, codes, scale, a, b, ids, 2.0, backend="reference")
+    for adapter in (-1, 0, 1, 2, 3):
+        rows = (ids == adapter).nonzero().reshape(-1)
+        alone = w8a8_multi_lora(x[rows], codes, scale, a, b, ids[rows], 2.0, backend="reference")
+        assert torch.equal(alone, mixed[rows])
+    assert not torch.equal(mixed[ids == 0], w8a8_multi_lora(x, codes, scale, a, b, torch.full_like(ids, -1), 2.0,
+                                                            backend="reference")[ids == 0])
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(token_lora=torch.zeros(3, dtype=torch.int64)), "token_lora"),
+    (dict(token_lora=torch.full((17,), 4)), "token_lora entries"),
+    (dict(lora_a=torch.zeros(4, 8, 95)), "LoRA shapes"),
+    (dict(lora_b=torch.zeros(40, 8)), "lora_a must be"),
+    (dict(lora_scale=torch.ones(3)), "lora_scale"),
+])
+def test_bad_arguments_name_the_argument(change, message):
+    x, codes, scale, a, b, ids = problem()
+    args = dict(x=x, codes=codes, scale=scale, lora_a=a, lora_b=b, token_lora=ids, lora_scale=1.0)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        w8a8_multi_lora(**args, backend="reference")
+
+
+# ---- timed dispatch (pure logic, injected timer) ------------------------------------------------------
+
+SHAPES = [dispatch.Shape("qkv_proj", 4096, 6144, 64), dispatch.Shape("o_proj", 4096, 4096, 64)]
+COST = {"fused": lambda M: 10 + M, "vendor+epirl": lambda M: 12 + M / 8, "vendor+vllm": lambda M: 20.0}
+
+
+def candidates_for(calls):
+    def make(shape, M):
+        calls.append((shape.name, M))
+        return {name: (lambda name=name, M=M: COST[name](M)) for name in COST}
+    return make
+
+
+def timer(fn):
+    return fn()  # the candidate returns its "time": what a CUDA-graph timer would measure
+
+
+def test_dispatch_keeps_fastest_per_bucket_and_caches(tmp_path):
+    calls = []
+    buckets = (1, 16, 256)
+    table = dispatch.load_or_time(tmp_path, "H200", "0.26.0", SHAPES, candidates_for(calls), timer, list(COST),
+                                  buckets)
+    assert table.best("qkv_proj", 1) == "fused"          # 11 < 12.1 < 20
+    assert table.best("qkv_proj", 9) == "vendor+epirl"   # bucket 16: 26 > 14
+    assert table.best("o_proj", 5000) == "vendor+vllm"   # beyond the last bucket: 256's entry (266, 44, 20)
+    assert len(calls) == 6
+    again = dispatch.load_or_time(tmp_path, "H200", "0.26.0", SHAPES, candidates_for(calls), timer, list(COST),
+                                  buckets)
+    assert len(calls) == 6 and again.entries == table.entries  # restart: read from disk, nothing re-timed
+    dispatch.load_or_time(tmp_path, "H100", "0.26.0", SHAPES, candidates_for(calls), timer, list(COST), buckets)
+    assert len(calls) == 12  # another GPU is another key
+    assert "| qkv_proj | 16 |" in table.markdown()
+
+
+def test_dispatch_skips_failing_candidate_and_retimes_torn_cache(tmp_path):
+    def make(shape, M):
+        def broken():
+            raise RuntimeError("out of shared memory")
+        return {"fused": broken, "vendor+epirl": lambda: 3.0}
+
+    table = dispatch.load_or_time(tmp_path, "H200", "x", SHAPES[:1], make, timer, ["fused", "vendor+epirl"], (1,))
+    assert table.best("qkv_proj", 1) == "vendor+epirl"
+    (cached,) = tmp_path.glob("*.json")
+    cached.write_text("{torn")
+    table = dispatch.load_or_time(tmp_path, "H200", "x", SHAPES[:1], make, timer, ["fused", "vendor+epirl"], (1,))
+    assert json.loads(cached.read_text())["entries"] == table.entries
+    with pytest.raises(KeyError, match="no entry for shape 'down_proj'"):
+        table.best("down_proj", 1)
+
+
+def test_dispatch_all_candidates_failing_is_an_error(tmp_path):
+    def make(shape, M):
+        return {"fused": lambda: 1 / 0}
+
+    with pytest.raises(RuntimeError, match="every candidate failed on qkv_proj"):
+        dispatch.load_or_time(tmp_path, "H200", "x", SHAPES[:1], make, timer, ["fused"], (1,))
+
+
+# ---- the serving setting (epirl.engine.serving_lora) --------------------------------------------------
+
+def test_serving_setting_values(monkeypatch):
+    from epirl.engine import serving_lora
+
+    for value, want in (("0", "off"), ("fused", "fused"), ("1", "timed"), ("Timed", "timed")):
+        monkeypatch.setenv(serving_lora.ENV, value)
+        assert serving_lora.read_mode() == want
+    monkeypatch.delenv(serving_lora.ENV)
+    assert serving_lora.read_mode() == "off"
+    monkeypatch.setenv(serving_lora.ENV, "yes")
+    with pytest.raises(ValueError, match="EPIRL_SERVING_KERNELS='yes'"):
+        serving_lora.read_mode()
+    with pytest.raises(ValueError, match="expected off, fused or timed"):
+        serving_lora.set_mode("on")
+
+
+def test_serving_op_on_vllm_shaped_slot_buffers_equals_per_slice_reference():
+    """The op's body on CPU: vLLM's [max_loras, 1, rows, cols] slot buffers, a token map longer than the batch
+    (vLLM's persistent buffer), slices q/k/v -> per-slice w8a8_multi_lora, bitwise."""
+    import epirl.engine.serving_lora as serving_lora
+
+    g = torch.Generator().manual_seed(0)
+    K, widths, L, r, M = 64, [32, 16, 16], 3, 8, 7
+    codes, scale = quantize_weight_fp8(torch.randn(sum(widths), K, generator=g) * 0.05)
+    a = [(torch.randn(L, 1, r, K, generator=g) * 0.1).bfloat16() for _ in widths]
+    b = [(torch.randn(L, 1, w, r, generator=g) * 0.1).bfloat16() for w in widths]
+    x = torch.randn(M, K, generator=g).bfloat16()
+    token_map = torch.tensor([0, 2, -1, 1, 0, 2, -1, 1, 1])
+    bias = torch.randn(sum(widths), generator=g).bfloat16()
+    out = serving_lora.serve_slices(x, codes, scale, serving_lora.slot_views(a), serving_lora.slot_views(b), widths,
+                                    token_map, None, bias)
+    start = 0
+    for w, a_s, b_s in zip(widths, a, b):
+        rows = slice(start, start + w)
+        want = w8a8_multi_lora(x, codes[rows], scale, a_s[:, 0], b_s[:, 0], token_map[:M], 1.0, bias[rows],
+                               backend="reference")
+        assert torch.equal(out[:, rows], want)
+        start += w
+
+
+def test_slices_reject_buffers_the_kernels_cannot_read():
+    pytest.importorskip("triton")
+    from epirl.kernels.w8a8_multi_lora.triton import Slices
+
+    a = [torch.zeros(2, 8, 64, dtype=torch.bfloat16) for _ in range(2)]
+    b = [torch.zeros(2, 32, 8, dtype=torch.bfloat16), torch.zeros(2, 16, 8, dtype=torch.bfloat16)]
+    assert Slices(a, b, [32, 16]).widths == [32, 16]
+    with pytest.raises(ValueError, match="lora_b slice 1"):
+        Slices(a, b, [32, 32])
+    with pytest.raises(ValueError, match="lora_a slice 1"):
+        Slices([a[0], torch.zeros(2, 8, 64, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)], b,
+               [32, 16])
+    with pytest.raises(ValueError, match="2 A, 1 B slices"):
+        Slices(a, b[:1], [32, 16])

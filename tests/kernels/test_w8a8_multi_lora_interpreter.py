@@ -1,0 +1,227 @@
+"""w8a8_multi_lora's Triton kernels (K1 shrink, K2 GEMM + multi-adapter epilogue) on tiny shapes in Triton's CPU
+interpreter: one subprocess runs this file as a script with TRITON_INTERPRET=1 (it must be set before triton
+decorates the kernels) and prints one JSON line per case.
+
+The interpreter rounds fp32 -> e4m3 wrongly when rounding carries into the next binade (see
+interpreter_cases.py), so cases that quantize in K1 use activations whose codes need no rounding: e4m3
+values / 8 with one ±56 per row, i.e. s_x = 1/8 exactly. The other cases feed K2 the reference's codes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+CASES = ["decode_mixed_vs_reference", "decode_mixed_equals_groups_bitwise", "sorted_tiles_vs_reference",
+         "sorted_tiles_equal_groups_bitwise", "expand_into_vendor_output", "per_adapter_sigma_and_bias",
+         "several_k1_chunks", "fused_slices_one_launch_pair"]
+ADAPTERS = [0, 1, -1, 2, 3, 0, -1, 3, 1, 2, 2, 0, 3, -1, 1, 0, 2, 3, -1, 0]
+
+
+def exact_activations(M, K, g):
+    import torch
+
+    v = (torch.randn(M, K, generator=g) * 60).clamp(-440, 440).to(torch.float8_e4m3fn).float()
+    v[:, 0] = 448.0 * torch.sign(torch.randn(M, generator=g)).clamp_min(0).mul(2).sub(1)
+    return (v / 8).bfloat16()  # per-token scale 56/448 = 1/8 exactly: the codes are v, no rounding
+
+
+def problem(M, K, N, L=4, r=8, seed=0, exact=True):
+    import torch
+
+    from epirl.kernels import quantize_weight_fp8
+
+    g = torch.Generator().manual_seed(seed)
+    x = exact_activations(M, K, g) if exact else torch.randn(M, K, generator=g).bfloat16()
+    codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g) * 0.05, backend="reference")
+    a = (torch.randn(L, r, K, generator=g) * 0.05).bfloat16()
+    b = (torch.randn(L, N, r, generator=g) * 0.1).bfloat16()
+    ids = torch.tensor((ADAPTERS * (M // len(ADAPTERS) + 1))[:M])
+    return x, codes, scale, a, b, ids
+
+
+def close_bf16(got, want, ulps=4.0):
+    import torch
+
+    tol = (want.float().abs() + want.float().abs().mean()) * (ulps * 2 ** -8)
+    return bool(torch.all((got.float() - want.float()).abs() <= tol)) and not torch.isnan(got).any()
+
+
+def reference(*args, **kw):
+    from epirl.kernels import w8a8_multi_lora
+
+    return w8a8_multi_lora(*args, backend="reference", **kw)
+
+
+def groups_alone(fn, x, ids):
+    """Each adapter group (and the no-adapter rows) run on its own, scattered back to token order."""
+    import torch
+
+    out = None
+    for adapter in torch.unique(ids).tolist():
+        rows = (ids == adapter).nonzero().reshape(-1)
+        part = fn(x[rows].clone(), ids[rows].clone())
+        out = part.new_empty(x.shape[0], part.shape[1]) if out is None else out
+        out[rows] = part
+    return out
+
+
+SMALL_TILES = dict(BN=64, BT=16, BK=64, num_warps=4, num_stages=2)
+
+
+def case_decode_mixed_vs_reference():
+    from epirl.kernels import w8a8_multi_lora
+
+    for M, K, N in [(20, 100, 72), (3, 64, 40)]:
+        x, codes, scale, a, b, ids = problem(M, K, N, seed=M)
+        got = w8a8_multi_lora(x, codes, scale, a, b, ids, 0.5, backend="triton", path="decode")
+        assert close_bf16(got, reference(x, codes, scale, a, b, ids, 0.5)), (M, K, N)
+
+
+def case_decode_mixed_equals_groups_bitwise():
+    from epirl.kernels import w8a8_multi_lora
+
+    x, codes, scale, a, b, ids = problem(20, 100, 72, seed=1)
+
+    def run(xs, ts):
+        return w8a8_multi_lora(xs, codes, scale, a, b, ts, 2.0, backend="triton", path="decode")
+
+    assert torch_equal(run(x, ids), groups_alone(run, x, ids))
+
+
+def torch_equal(a, b):
+    import torch
+
+    return torch.equal(a, b)
+
+
+def sorted_gemm(x, codes, scale, a, b, ids, sigma, bias=None):
+    """K1 + K2 on the reference's fp8 codes, tokens sorted by adapter, 16-token tiles (several tiles)."""
+    import torch
+
+    from epirl.kernels import quantize_activation_fp8
+    from epirl.kernels.w8a8_multi_lora.triton import Slices, adapter_order, multi_lora_gemm, quant_shrink
+
+    q, s = quantize_activation_fp8(x, backend="reference")
+    slices = Slices([a], [b], [codes.shape[0]])
+    _, _, part = quant_shrink(x, slices, ids, quant=False)
+    y = torch.empty(x.shape[0], codes.shape[0], dtype=torch.bfloat16)
+    order = adapter_order(ids, SMALL_TILES["BT"])
+    return multi_lora_gemm(q, codes, scale, y, ids, part, slices, sigma, x_scale=s.reshape(-1), order=order,
+                           bias=bias, config=SMALL_TILES)
+
+
+def case_sorted_tiles_vs_reference():
+    x, codes, scale, a, b, ids = problem(40, 100, 72, seed=2, exact=False)
+    assert close_bf16(sorted_gemm(x, codes, scale, a, b, ids, 0.7), reference(x, codes, scale, a, b, ids, 0.7))
+
+
+def case_sorted_tiles_equal_groups_bitwise():
+    x, codes, scale, a, b, ids = problem(40, 100, 72, seed=3, exact=False)
+
+    def run(xs, ts):
+        return sorted_gemm(xs, codes, scale, a, b, ts, 0.7)
+
+    assert torch_equal(run(x, ids), groups_alone(run, x, ids))
+
+
+def case_expand_into_vendor_output():
+    import torch
+
+    from epirl.kernels.w8a8_multi_lora.triton import expand_into
+
+    x, codes, scale, a, b, ids = problem(20, 100, 72, seed=4, exact=False)
+    base = reference(x, codes, scale, a, b, torch.full_like(ids, -1), 1.0)
+    got = expand_into(base.clone(), x, a, b, ids, 1.5)
+    assert close_bf16(got, reference(x, codes, scale, a, b, ids, 1.5))
+    assert torch.equal(got[ids < 0], base[ids < 0])
+
+
+def case_per_adapter_sigma_and_bias():
+    import torch
+
+    from epirl.kernels import w8a8_multi_lora
+
+    x, codes, scale, a, b, ids = problem(20, 100, 72, seed=5)
+    sigma = torch.tensor([0.5, 1.0, 2.0, 4.0])
+    bias = torch.randn(72).bfloat16()
+    want = reference(x, codes, scale, a, b, ids, sigma, bias)
+    got = w8a8_multi_lora(x, codes, scale, a, b, ids, sigma, bias, backend="triton", path="decode")
+    assert close_bf16(got, want)
+    assert close_bf16(sorted_gemm(x, codes, scale, a, b, ids, sigma, bias), want)
+
+
+def case_several_k1_chunks():
+    """K = 1100: three K1 chunks (the last ragged) summed by K2 in chunk order; K1's scales vs the reference."""
+    import torch
+
+    from epirl.kernels import quantize_activation_fp8, w8a8_multi_lora
+    from epirl.kernels.w8a8_multi_lora.triton import Slices, quant_shrink, shrink_chunking
+
+    assert shrink_chunking(1100)[1] == 3
+    x, codes, scale, a, b, ids = problem(6, 1100, 40, seed=6)
+    got = w8a8_multi_lora(x, codes, scale, a, b, ids, 2.0, backend="triton", path="decode")
+    assert close_bf16(got, reference(x, codes, scale, a, b, ids, 2.0))
+    _, s, part = quant_shrink(x, Slices([a], [b], [40]), ids)
+    assert torch.equal(s, quantize_activation_fp8(x, backend="reference")[1].reshape(-1))
+    rows = ids >= 0
+    h = part[0][:, rows, :8].sum(0)  # fp32 partials of the adapter tokens, in chunk order
+    exact = torch.stack([x[t].double() @ a[ids[t]].double().t() for t in rows.nonzero().reshape(-1)])
+    assert torch.allclose(h.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def case_fused_slices_one_launch_pair():
+    """A q/k/v-like layer: slices of 48, 16, 16 rows (a 64-row tile straddles q and k), each slice with its own
+    A/B slot buffers in vLLM's [L, 1, rows, cols] layout: one K1 + K2 == per-slice w8a8_multi_lora, bitwise
+    vs the Triton single-slice call on the same tile rows and close to the reference."""
+    import torch
+
+    from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora, w8a8_multi_lora_slices
+
+    widths = [48, 16, 16]
+    x, codes, scale, _, _, ids = problem(20, 100, sum(widths), seed=8)
+    g = torch.Generator().manual_seed(9)
+    a = [(torch.randn(4, 1, 8, 100, generator=g) * 0.05).bfloat16()[:, 0] for _ in widths]
+    b = [(torch.randn(4, 1, w, 8, generator=g) * 0.1).bfloat16()[:, 0] for w in widths]
+    for path, config in (("decode", None), ("prefill", SMALL_TILES)):
+        fused = w8a8_multi_lora_slices(x, codes, scale, a, b, widths, ids, 2.0, path=path, config=config)
+        start = 0
+        for w, a_s, b_s in zip(widths, a, b):
+            rows = slice(start, start + w)
+            want = reference(x, codes[rows], scale, a_s, b_s, ids, 2.0)
+            assert close_bf16(fused[:, rows], want), (path, start)
+            alone = w8a8_multi_lora(x, codes[rows].contiguous(), scale, a_s, b_s, ids, 2.0, path=path, config=config)
+            assert torch.equal(fused[:, rows], alone), (path, start)
+            start += w
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", EPIRL_KERNELS="auto")
+    proc = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=600)
+    results = {rec["case"]: rec for rec in map(json.loads, filter(lambda s: s.startswith("{"),
+                                                                  proc.stdout.splitlines()))}
+    if not results:
+        pytest.fail(f"interpreter run produced no results:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_w8a8_multi_lora_in_interpreter(interpreter_results, case):
+    rec = interpreter_results.get(case)
+    assert rec is not None, f"case {case} did not run"
+    assert rec["ok"], rec.get("error")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    for name in sys.argv[1:] or CASES:
+        try:
+            globals()["case_" + name]()
+            print(json.dumps({"case": name, "ok": True}), flush=True)
+        except Exception:
+            print(json.dumps({"case": name, "ok": False, "error": traceback.format_exc()}), flush=True)

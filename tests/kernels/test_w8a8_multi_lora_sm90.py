@@ -1,0 +1,53 @@
+"""w8a8_multi_lora's kernels compiled for Hopper (sm_90) on the CPU, without a GPU: K1 and the decode K2 lower,
+K2's main loop uses FP8 wgmma, and the PDL variants carry griddepcontrol (launch_dependents in K1, wait in K2).
+Catches lowering errors of the GPU path in CPU CI; numerics are the interpreter and GPU tests' job."""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from epirl.kernels.fp8_quant.reference import FP8_MAX, MIN_SCALE  # noqa: E402
+
+K1_SIG = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "a_tab": "*i64", "ids_ptr": "*i64",
+          "part_ptr": "*fp32", "M": "i32", "K": "i32", "R": "i32", "K_CHUNK": "i32", "N_CHUNKS": "i32",
+          "stride_xm": "i32", "stride_qm": "i32", "stride_al": "i32", "stride_ar": "i32", "stride_ak": "i32"}
+K2_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+          "order_ptr": "*i64", "ids_ptr": "*i64", "part_ptr": "*fp32", "b_tab": "*i64", "bl_tab": "*i64",
+          "starts_ptr": "*i32", "sigma_ptr": "*fp32", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+          "R": "i32", "N_CHUNKS": "i32", "N_SLICES": "i32", "sigma_const": "fp32", "stride_xm": "i32",
+          "stride_wn": "i32", "stride_ym": "i32", "stride_bn": "i32"}
+
+
+def ptx_for(fn, signature, constants, **options):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature, **{name: "constexpr" for name in constants})
+    try:
+        compiled = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 64), options=options)
+    except (ImportError, RuntimeError) as exc:  # a Triton build without the NVIDIA backend / ptxas
+        if "backend" in str(exc).lower() or "ptxas" in str(exc).lower():
+            pytest.skip(f"no CUDA backend in this Triton: {exc}")
+        raise
+    return compiled.asm["ptx"]
+
+
+def test_k1_quant_shrink_lowers_with_pdl_trigger():
+    from epirl.kernels.w8a8_multi_lora import triton as kernels
+
+    consts = dict(QUANT=True, HAS_LORA=True, LAUNCH_DEPENDENTS=True, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BR=64,
+                  BK=kernels.SHRINK_BK, QBK=kernels.QUANT_BK)
+    ptx = ptx_for(kernels._quant_shrink_kernel, K1_SIG, consts, num_warps=8, num_stages=4)
+    assert "griddepcontrol.launch_dependents" in ptx
+
+
+def test_k2_decode_lowers_to_fp8_wgmma_and_waits_for_k1():
+    from epirl.kernels.w8a8_multi_lora import triton as kernels
+
+    cfg = kernels.DECODE_CONFIG
+    consts = dict(HAS_BASE=True, HAS_ORDER=False, HAS_LORA=True, SIGMA_PER_ADAPTER=True, HAS_BIAS=False,
+                  WAIT_PDL=True, DOT_F32=False, BN=cfg["BN"], BT=cfg["BT"], BK=cfg["BK"], BR=64, GROUP_N=8)
+    ptx = ptx_for(kernels._multi_lora_gemm_kernel, K2_SIG, consts, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    assert "griddepcontrol.wait" in ptx
+    assert "wgmma.mma_async" in ptx and "e4m3" in ptx
