@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from epirl.model import load_adapter, save_adapter
+
 STATE_FILE = "state.json"
 
 
@@ -41,8 +43,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, *, policy, cfg, optimizer, scheduler, data_state: dict,
                     extra: dict | None = None, keep_last: int = 2) -> Path:
-    from epirl.model import save_adapter
-
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,8 +70,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, *, policy, optimizer, scheduler) -> dict:
     """Restore adapter, optimizer, scheduler and RNG; returns state.json (step, data cursor, ...)."""
-    from epirl.model import load_adapter
-
     state = json.loads((path / STATE_FILE).read_text())
     load_adapter(policy, path / "adapter")
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)

@@ -313,6 +313,7 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
 def resolve_model_path(path: str) -> str:
     """Hub id or folder as given, except aliases of pip-shipped models (e.g. `smollm2`)."""
     if path == "smollm2":
+        # Here, not at the top: importing epirl.model runs its loading code, which imports this module.
         from epirl.model.smollm2 import smollm2_path
 
         return smollm2_path()

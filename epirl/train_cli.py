@@ -29,12 +29,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from epirl.checkpoint import STATE_FILE, latest_checkpoint
-from epirl.config import ConfigError, EpirlConfig, describe_fields, load_config, resolve_runtime
+from epirl.config import ConfigError, EpirlConfig, describe_fields, load_config, resolve_model_path, resolve_runtime
 from epirl.console import RunOutput, error_line, log_tail, quiet_library_environment
 from epirl.cpu_threads import apply_thread_plan, plan_threads
 from epirl.data import DataError
-from epirl.engine import compat
-from epirl.engine.engine import _llm_kwargs, _quantization, _resolve_model_path
+from epirl.engine import plugin
+from epirl.engine.engine import _llm_kwargs, _quantization
+from epirl.engine.vllm_compat import engine_args
 from epirl.model.memory import PreflightError, preflight_beside_engine
 from epirl.plan import plan_lines
 from epirl.progress import RunProgress
@@ -164,14 +165,11 @@ def _dry_run(cfg, run_dir: Path, verbose: bool, level: str) -> int:
 def _check_engine_config(cfg) -> None:
     """vLLM's own validation of the engine arguments (EngineArgs → VllmConfig), without loading weights."""
     try:
-        compat.set_process_env(cfg.engine.cpu_kv_cache_gb)  # read by vLLM when it is imported (next)
-        from vllm.engine.arg_utils import EngineArgs
-
-        from epirl.engine import plugin  # imports vLLM: only here, once output goes to train.log
+        engine_args.set_process_env(cfg.engine.cpu_kv_cache_gb)  # read by vLLM when it is imported (next)
+        from vllm.engine.arg_utils import EngineArgs  # vLLM only here, once output goes to train.log
 
         plugin.register()  # epirl's quantization methods, which the arguments may name
-
-        kwargs = _llm_kwargs(cfg, _resolve_model_path(cfg.model.path), _quantization(cfg.engine.precision))
+        kwargs = _llm_kwargs(cfg, resolve_model_path(cfg.model.path), _quantization(cfg.engine.precision))
         EngineArgs(**kwargs).create_engine_config()
     except ConfigError as exc:
         raise InputError(str(exc)) from None

@@ -99,19 +99,17 @@ def decode_tpot(engine, batch: int, use_adapter: bool, prompt_len: int = 128, ne
     import torch
     from vllm import SamplingParams
 
-    from epirl.engine import plugin
-
     g = torch.Generator().manual_seed(batch)
     vocab = 10000
     prompts = [{"prompt_token_ids": torch.randint(100, vocab, (prompt_len,), generator=g).tolist()}
                for _ in range(batch)]
-    lora = engine.adapter.request if (use_adapter and engine.adapter is not None) else None
+    lora = engine.lora_request(use_adapter)
 
     def run(n_tokens: int) -> float:
         params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         engine.llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        with plugin.active_adapter(engine, lora):
+        with engine.serving(lora):
             engine.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         return time.perf_counter() - t0
 

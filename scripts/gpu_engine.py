@@ -102,14 +102,14 @@ def _tpot(engine, precision):
 def _layer_bitwise(engine, adapter):
     import torch
 
-    from epirl.engine import compat, plugin
+    from epirl.engine import plugin
     from epirl.engine.lora_publish import modules_of
     from epirl.kernels import w8a16_lora
 
     engine.publish(adapter, step=100)
     # Forward hooks do not fire inside CUDA-graph replay or compiled regions: run this with --eager.
     names = ["model.layers.5.self_attn.qkv_proj", "model.layers.5.mlp.down_proj"]
-    with plugin.captured_layer_io(compat.model(engine.llm), names) as cap:
+    with plugin.captured_layer_io(engine.vllm_model(), names) as cap:
         engine.score([list(range(1000, 1064))], [list(range(2000, 2008))])
     views, lora = engine.base_weight_views(), modules_of(adapter)
     scale = engine.cfg.lora.alpha / engine.cfg.lora.rank
@@ -124,12 +124,11 @@ def _layer_bitwise(engine, adapter):
 def _shared(engine):
     import torch
 
-    from epirl.engine import compat
     from epirl.kernels import Fp8LoRALinear
 
     views = engine.base_weight_views()
     storages = {}
-    for module in compat.model(engine.llm).modules():
+    for module in engine.vllm_model().modules():
         w = getattr(module, "weight", None)
         if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn:
             storages[w.untyped_storage().data_ptr()] = w.untyped_storage().nbytes()
@@ -168,9 +167,7 @@ def _kv_cycles(engine, precision, cycles=20):
         t_rel.append(r["engine/kv_release_s"])
         t_acq.append(a["engine/kv_reacquire_s"])
         same += engine.generate(prompt, n=1, max_tokens=16, temperature=0.0)[0][0].token_ids == ref
-    from epirl.engine import compat
-
-    row(precision, "kv mode", compat.kv_release_mode(engine.llm))
+    row(precision, "kv mode", engine.kv_release_mode)
     row(precision, "kv freed GiB (mean)", round(sum(freed) / len(freed) / 2**30, 2))
     row(precision, "kv release / re-acquire s (mean)", f"{sum(t_rel) / cycles:.3f} / {sum(t_acq) / cycles:.3f}")
     row(precision, f"greedy identical after cycle (of {cycles})", same)

@@ -7,7 +7,8 @@
 #   bash scripts/gpu_evidence.sh loop      # ~7 min: SmolLM2 recipe 20 steps (w8a16 + FP8 trainer + KV release),
 #                                          #         then bf16 and w8a8 pairings, 10 steps each
 #   bash scripts/gpu_evidence.sh engine    # ~6 min: 8B-shape TPOT / publish / shared views (w8a16, w8a8)
-#   bash scripts/gpu_evidence.sh engine2   # ~4 min: KV x20 (CUDA graphs), layer bitwise (eager), SmolLM2
+#   bash scripts/gpu_evidence.sh engine2   # ~5 min: vllm_compat version checks on the staged vLLM, KV x20
+#                                          #         (CUDA graphs), layer bitwise (eager), SmolLM2
 #                                          #         engine vs FP8 trainer with shared base + embeddings
 #   bash scripts/gpu_evidence.sh mismatch  # ~3 min: `epirl mismatch` table, 128 prompts x 4 samples
 set -o pipefail
@@ -32,6 +33,8 @@ case "$part" in
     engine_section w8a8 260 --precisions w8a8 --sections publish,tpot --skip-smollm2
     ;;
   engine2)
+    # The vLLM boundary's version checks on the staged vLLM (0.26: the manual KV path and its symbols).
+    timeout 60 python3 -P -m pytest -q -rs -p no:cacheprovider tests/test_vllm_compat.py 2>&1 | tail -n 4
     engine_section kv 200 --precisions w8a16 --sections kv --skip-smollm2
     engine_section layer 300 --precisions w8a16 --sections layer --eager  # + the SmolLM2 section
     ;;

@@ -35,7 +35,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """Tiny random Qwen3 / Qwen3.5 / Llama checkpoints (config, safetensors, offline tokenizer)."""
-    from epirl.model.tiny import write_tiny_checkpoint
+    from model_fixtures import write_tiny_checkpoint
 
     return {arch: write_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch)) for arch in ("qwen3", "qwen3_5", "llama")}
 

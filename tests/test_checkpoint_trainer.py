@@ -10,7 +10,7 @@ from epirl.rl.trainer import build_batch, build_optimizer, train_step
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from epirl.model.tiny import write_tiny_checkpoint
+    from model_fixtures import write_tiny_checkpoint
 
     out = tmp_path_factory.mktemp("tiny_qwen3")
     write_tiny_checkpoint("qwen3", out, seed=0)

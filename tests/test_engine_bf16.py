@@ -164,11 +164,9 @@ def test_kv_release_is_a_logged_noop_on_cpu(engine_bf16, samples):
 
 def test_weight_fingerprint_detects_a_single_changed_byte(engine_bf16):
     """The post-wake weight check (run on CUDA after every KV re-acquire) must see any corruption."""
-    from epirl.engine import compat
-
     before = engine_bf16._checksum_weights()
     assert len(before) >= 2
-    params = dict(compat.model(engine_bf16.llm).named_parameters())
+    params = dict(engine_bf16.vllm_model().named_parameters())
     name = sorted(before)[0]
     raw = params[name].data.reshape(-1).view(torch.uint8)
     saved = raw[7].clone()

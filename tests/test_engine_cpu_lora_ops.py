@@ -5,7 +5,7 @@ import torch
 
 lora_ops = pytest.importorskip("vllm.lora.ops.torch_ops.lora_ops")
 
-from epirl.engine import cpu_lora_ops  # noqa: E402
+from epirl.engine.vllm_compat import cpu_lora_ops  # noqa: E402
 
 
 def _reference(name):

@@ -62,11 +62,9 @@ def test_w8a16_generates_with_logprobs(engine_pool):
 
 
 def test_base_weight_views_are_zero_copy(engine_pool):
-    from epirl.engine import compat
-
     engine = engine_pool.get("w8a16", dtype=DTYPE)
     views = engine.base_weight_views()
-    model = compat.model(engine.llm)
+    model = engine.vllm_model()
     qkv = dict(model.named_modules())["model.layers.0.self_attn.qkv_proj"]
     base = getattr(qkv, "base_layer", qkv)
     q, s_q = views["model.layers.0.self_attn.q_proj"]
@@ -83,14 +81,14 @@ def test_base_weight_views_are_zero_copy(engine_pool):
 
 def test_w8a16_layers_are_bitwise_the_kernel_with_the_live_adapter(engine_pool, adapter):
     """Capture one fused and one plain layer inside the engine; recompute with the kernel: torch.equal."""
-    from epirl.engine import compat, plugin
+    from epirl.engine import plugin
     from epirl.engine.lora_publish import modules_of
     from epirl.kernels import w8a16_lora
 
     engine = engine_pool.get("w8a16", dtype=DTYPE)
     engine.publish(adapter, step=1)
     names = ["model.layers.3.self_attn.qkv_proj", "model.layers.3.mlp.down_proj"]
-    with plugin.captured_layer_io(compat.model(engine.llm), names) as captured:
+    with plugin.captured_layer_io(engine.vllm_model(), names) as captured:
         p, c = _pairs(engine.tokenizer)[0]
         engine.score([p], [c])
     views, lora = engine.base_weight_views(), modules_of(adapter)

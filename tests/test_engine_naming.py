@@ -114,13 +114,13 @@ def test_matched_engine_refuses_an_adapter_it_cannot_place():
     known = (torch.ones(2, 8), torch.ones(4, 2))
     adapter = PublishedAdapter(NS(lora_int_id=7), {}, 2.0, 1, {"model.layers.0.mlp.down_proj": known,
                                                                "language_model.model.layers.0.mlp.up_proj": known})
-    engine = NS(_epirl_w8a16_layers=[state], _epirl_loaded=None, adapter=adapter)
+    slot = plugin.FusedAdapterSlot([state])
     with pytest.raises(RuntimeError, match=r"no layer for 1 adapter modules.*up_proj"):
-        with plugin.active_adapter(engine, lora_request=object()):
+        with plugin.active_adapter(slot, adapter):
             pass
     del adapter.modules["language_model.model.layers.0.mlp.up_proj"]
-    with plugin.active_adapter(engine, lora_request=object()):
-        assert torch.equal(state.lora_b[0], known[1]) and engine._epirl_loaded == 7
+    with plugin.active_adapter(slot, adapter):
+        assert torch.equal(state.lora_b[0], known[1]) and slot.loaded == 7
 
 
 def test_adapter_folders_in_the_text_spelling_are_respelled_for_a_vl_checkpoint(tmp_path):

@@ -1,24 +1,24 @@
-"""Engine pieces that need no running vLLM engine: version compat helpers, adapter naming, the plugin's
+"""Engine pieces that need no running vLLM engine: vLLM boundary helpers, adapter naming, the plugin's
 custom op against the kernel it wraps."""
 
 import pytest
 import torch
 
-from epirl.engine import compat
+from epirl.engine.vllm_compat import engine_args, kv_cache
 from epirl.engine.lora_publish import modules_of
 from epirl.model.adapter_io import peft_adapter_config
 
 
 def test_lora_rank_slot_rounds_up_to_vllm_allowed_ranks():
-    assert [compat.lora_rank_slot(r) for r in (1, 2, 8, 9, 64, 65, 512)] == [1, 8, 8, 16, 64, 128, 512]
+    assert [engine_args.lora_rank_slot(r) for r in (1, 2, 8, 9, 64, 65, 512)] == [1, 8, 8, 16, 64, 128, 512]
     with pytest.raises(ValueError):
-        compat.lora_rank_slot(513)
+        engine_args.lora_rank_slot(513)
 
 
 def test_fp8_method_name_matches_this_vllm():
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
-    assert compat.fp8_per_tensor_method() in QUANTIZATION_METHODS
+    assert engine_args.fp8_per_tensor_method() in QUANTIZATION_METHODS
 
 
 def test_modules_of_groups_peft_names_and_rejects_half_adapters():
@@ -69,7 +69,7 @@ def test_reacquire_empties_the_trainer_cache_and_names_the_settings_when_the_kv_
     engine._kv_released, engine._kv_released_bytes, engine.llm = True, 40 * 2**30, None
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30 * 2**30, 140 * 2**30))
-    monkeypatch.setattr(compat, "reacquire_kv", lambda llm: calls.append("map") or {})
+    monkeypatch.setattr(kv_cache, "reacquire_kv", lambda llm: calls.append("map") or {})
     with pytest.raises(RuntimeError, match=r"needs 40.00 GiB, 30.00 GiB free.*trainer\.micro_batch_size"):
         engine.reacquire_kv()
     assert calls == ["empty_cache"] and engine._kv_released  # nothing mapped, state unchanged

@@ -1,6 +1,7 @@
 """FP8 trainer base on CPU (kernel references): vLLM-exact fused quantization, no 16-bit projections,
 FP8 vs bf16 training, shared engine views, memory accounting and the pre-flight estimate."""
 
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -12,8 +13,8 @@ from epirl.model.fp8 import Fp8Linear
 from epirl.model.loading import PACKED_MODULES
 from epirl.model.skeleton import load_text_config
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
-from epirl.model.memory import PreflightError, ProjectionCopyWatcher, preflight_check
-from epirl.model.tiny import write_tiny_checkpoint
+from epirl.model.memory import PreflightError, preflight_check
+from model_fixtures import ProjectionCopyWatcher, write_tiny_checkpoint
 
 ARCHS = ["qwen3", "qwen3_5", "llama"]
 FP8 = torch.float8_e4m3fn
@@ -275,7 +276,8 @@ def test_preflight_names_the_setting_to_change(tiny_dirs):
         preflight_check(cfg, device_total_bytes=estimate.total_bytes // 2)
     fp8_cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": "fp8"}})
     assert preflight_check(fp8_cfg, 8 * 1024 ** 3).base_projection_bytes * 2 == estimate.base_projection_bytes
-    shared_cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": "shared"}})
+    shared_cfg = EpirlConfig.model_validate({"model": {"path": tiny_dirs["qwen3"]}, "trainer": {"base": "shared"},
+                                             "engine": {"precision": "w8a16"}})
     shared = preflight_check(shared_cfg, 8 * 1024 ** 3)
     config = load_text_config(tiny_dirs["qwen3"])  # untied: embedding + LM head, bf16, mapped from the engine
     vocab_bytes = 2 * 2 * config.vocab_size * config.hidden_size
@@ -302,7 +304,7 @@ torch.set_num_threads(1)
 from types import SimpleNamespace as NS
 from epirl.kernels import _dispatch
 from epirl.model import load_policy
-from epirl.model.tiny import write_tiny_checkpoint
+from model_fixtures import write_tiny_checkpoint
 
 calls = {"triton": 0}
 use_triton = _dispatch.use_triton
@@ -346,7 +348,9 @@ def test_fp8_policy_runs_the_triton_kernels_in_the_interpreter(tmp_path):
     import sys
 
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    tests_dir = str(Path(__file__).parent)  # the subprocess imports model_fixtures from here
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", TRITON_POLICY_SCRIPT, str(tmp_path / "qwen3")], env=env,
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -403,7 +407,7 @@ def test_sharded_vision_language_checkpoint_layout_loads_like_the_text_one(tiny_
 
 def test_production_shapes_base_bytes_match_the_paper_anchor():
     """Qwen3.5-9B's trainer base: FP8 projections + bf16 embeddings/LM head/norms = 10.2 GiB, bf16 = 16.7 GiB
-    (the seed paper's numbers); Qwen3-8B is 192.9 MB of FP8 per decoder layer (DESIGN.md §8)."""
+    (the seed paper's numbers); Qwen3-8B is 192.9 MB of FP8 per decoder layer."""
     from epirl.model.memory import GiB, count_parameters, estimate_trainer_bytes
     from epirl.model.shapes import qwen3_5_9b_config, qwen3_8b_config
 

@@ -11,9 +11,10 @@ import torch
 
 from epirl.model import load_policy, random_policy
 from epirl.model.lora import ALL_PROJECTIONS
-from epirl.model.memory import ProjectionCopyWatcher, activation_bytes_per_token, policy_memory_report
+from epirl.model.memory import activation_bytes_per_token, policy_memory_report
+from model_fixtures import ProjectionCopyWatcher
 from epirl.model.shapes import qwen3_8b_config
-from epirl.model.tiny import write_tiny_checkpoint
+from model_fixtures import write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 TARGETS = list(ALL_PROJECTIONS)

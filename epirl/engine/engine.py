@@ -4,24 +4,29 @@ The RL loop, eval and the mismatch tool talk to vLLM only through this class. It
 this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the model, its FP8 tensors and the LoRA manager
 are reachable as Python objects), samples with `processed_logprobs` (log-probs after temperature, the
 same quantity the trainer recomputes), publishes the trainer's adapter in memory after every optimizer
-step, and releases the KV cache around training. Version differences live in `compat`; the matched
-W8A16 method and the CPU W8A8 emulation live in `plugin`.
+step, and releases the KV cache around training. Every reach into vLLM beyond its public interface lives in
+`vllm_compat`; the matched W8A16 method and the CPU W8A8 emulation live in `plugin`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+from transformers import AutoConfig
 
 from epirl.config import ENGINE_PRECISIONS, ConfigError, resolve_model_path
-from epirl.engine import compat
+from epirl.engine import plugin
 from epirl.engine.lora_publish import AdapterPublisher
+from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, kv_cache, logits_lora, model_access, prompt_logprobs,
+                                      shutdown)
+from epirl.engine.vllm_compat.detect import on_cuda, vllm_version
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +39,9 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str  # "stop" | "length"
-
-
-def _resolve_model_path(path: str) -> str:
-    try:
-        from epirl.config import resolve_model_path
-    except ImportError:  # config module not importable (e.g. a partial checkout): same rule, local
-        if path == "smollm2":
-            from epirl.model.smollm2 import smollm2_path
-
-            return smollm2_path()
-        return path
-    return resolve_model_path(path)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    """With `generate(..., logprobs=k)`: per position, the k most likely tokens' processed log-probs (plus the
+    sampled token where it is not among them); empty otherwise."""
 
 
 def _quantization(precision: str) -> str | None:
@@ -57,7 +53,7 @@ def _quantization(precision: str) -> str | None:
     if precision == "w8a8":
         # vLLM's own FP8 engine on CUDA; vLLM has no W8A8 kernels on CPU, so the plugin emulates it
         # there with the kernels' references (same quantization contracts).
-        return compat.fp8_per_tensor_method() if compat.on_cuda() else "epirl_w8a8_emu"
+        return engine_args.fp8_per_tensor_method() if on_cuda() else "epirl_w8a8_emu"
     raise ValueError(f"engine.precision must be one of {ENGINE_PRECISIONS}, got {precision!r}")
 
 
@@ -70,14 +66,14 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
         max_num_seqs=cfg.engine.max_num_seqs,
         enforce_eager=cfg.engine.enforce_eager,
         enable_lora=True,
-        max_lora_rank=compat.lora_rank_slot(cfg.lora.rank),
+        max_lora_rank=engine_args.lora_rank_slot(cfg.lora.rank),
         max_loras=1,  # one live adapter; the previous one is removed on publish
         max_cpu_loras=2,
         seed=cfg.seed,
         logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
         quantization=quantization,
     )
-    if compat.on_cuda():
+    if on_cuda():
         kwargs["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
         # Sleep mode puts weights and KV cache in CuMemAllocator pools, which is what lets the KV
         # cache be unmapped while the (shared) weights stay where they are.
@@ -87,7 +83,7 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
         # runs a full `max_num_batched_tokens` batch through them. Chunked prefill keeps long prompts
         # working with a small token budget.
         kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
-    if cfg.engine.precision == "w8a16" and compat.llm_kwargs_supported(["additional_config"])["additional_config"]:
+    if cfg.engine.precision == "w8a16" and engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
         # σ = alpha/r enters the fused op as a Python float, which torch.compile bakes into the graph; vLLM's
         # compile cache is keyed by config hashes that see the rank slot but not alpha. additional_config is
         # hashed: a run with other LoRA settings never replays a graph compiled with the old σ.
@@ -98,8 +94,6 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
 
 def check_vllm_args(cfg: Any) -> None:
     """Raise ConfigError (one line) now, before any model loads, for engine arguments vLLM would refuse."""
-    from epirl.config import ConfigError
-
     try:
         _llm_kwargs(cfg, "", None)
     except ConfigError:
@@ -111,17 +105,16 @@ def check_vllm_args(cfg: Any) -> None:
 def _extra_llm_kwargs(cfg: Any, model_path: str, owned: set[str]) -> dict[str, Any]:
     """`engine.vllm_args` (checked against this vLLM's EngineArgs), plus `language_model_only` for a
     multimodal checkpoint (Qwen3.5 ships as one): RL on text needs no vision tower in memory or profiling."""
-    from epirl.config import ConfigError
-
     extra = dict(getattr(cfg.engine, "vllm_args", None) or {})
     taken = sorted(set(extra) & owned)
     if taken:
         raise ConfigError(f"engine.vllm_args.{taken[0]}: epirl sets this vLLM argument itself; use its config "
                          "field (model.* / engine.* / lora.*) instead")
-    unknown = [name for name, ok in compat.llm_kwargs_supported(sorted(extra)).items() if not ok] if extra else []
+    unknown = [name for name, ok in engine_args.llm_kwargs_supported(sorted(extra)).items() if not ok] if extra else []
     if unknown:
-        raise ConfigError(f"engine.vllm_args.{unknown[0]}: not an argument of vLLM {compat.vllm_version()}")
-    if model_path and _is_multimodal(model_path) and compat.llm_kwargs_supported(["language_model_only"])["language_model_only"]:
+        raise ConfigError(f"engine.vllm_args.{unknown[0]}: not an argument of vLLM {vllm_version()}")
+    if model_path and _is_multimodal(model_path) \
+            and engine_args.llm_kwargs_supported(["language_model_only"])["language_model_only"]:
         extra.setdefault("language_model_only", True)
     return extra
 
@@ -131,8 +124,6 @@ def _is_multimodal(model_path: str) -> bool:
     if config_file.is_file():
         return "vision_config" in json.loads(config_file.read_text())
     try:  # a hub id: the config vLLM is about to read (cached or downloaded)
-        from transformers import AutoConfig
-
         return getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
     except Exception:  # noqa: BLE001 - unknown here; vLLM will say what is wrong with the model itself
         return False
@@ -144,36 +135,32 @@ class RolloutEngine:
     def __init__(self, cfg: Any, **llm_overrides: Any):
         """Start vLLM for `cfg` (EpirlConfig). `llm_overrides` go to `vllm.LLM` as is (benchmarks use
         `load_format="dummy"`, `skip_tokenizer_init=True`); the tokenizer is None without one."""
-        compat.set_process_env(getattr(cfg.engine, "cpu_kv_cache_gb", None))
-        from epirl.engine import plugin
-
+        engine_args.set_process_env(getattr(cfg.engine, "cpu_kv_cache_gb", None))
         plugin.register()  # idempotent; the entry point also calls it when vLLM loads plugins
         # w8a16 sizes its fixed LoRA buffers (rank, σ) while quantizing, before any graph capture.
         plugin.configure(cfg.lora.rank, cfg.lora.alpha / cfg.lora.rank)
-        if not compat.on_cuda():
-            from epirl.engine import cpu_lora_ops
-
+        if not on_cuda():
             cpu_lora_ops.install()  # vLLM's CPU LoRA ops gather weights per token: ~2x slower generate
-        import vllm
+        import vllm  # only when an engine starts: importing vLLM takes seconds
 
         self.cfg = cfg
         self.precision = cfg.engine.precision
         quantization = _quantization(self.precision)
-        self.model_path = _resolve_model_path(cfg.model.path)
+        self.model_path = resolve_model_path(cfg.model.path)
         kwargs = _llm_kwargs(cfg, self.model_path, quantization)
         kwargs.update(llm_overrides)
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
         self.start_s = time.perf_counter() - t0
         log.info("vLLM %s engine (%s, quantization=%s) started in %.1f s",
-                 compat.vllm_version(), self.precision, quantization, self.start_s)
+                 vllm_version(), self.precision, quantization, self.start_s)
         self.tokenizer = None if kwargs.get("skip_tokenizer_init") else self.llm.get_tokenizer()
-        compat.bypass_logits_lora(self.llm)  # adapters never touch lm_head; see compat for the CPU bug
+        logits_lora.bypass_logits_lora(self.llm)  # adapters never touch lm_head; see logits_lora for the CPU bug
         self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
-        plugin.attach(self)  # w8a16: fused LoRA path reads the live adapter; no-op for other precisions
+        self._fused = plugin.attach(self.llm, self.precision)  # w8a16: the fused LoRA path's buffers; else None
         self._kv_released = False
         self._kv_released_bytes = 0
-        self._weight_checksums = self._checksum_weights() if compat.kv_release_mode(self.llm) != "none" else {}
+        self._weight_checksums = self._checksum_weights() if self.kv_release_mode != "none" else {}
 
     # ------------------------------------------------------------------------------------------------
     # Sampling and scoring
@@ -184,22 +171,33 @@ class RolloutEngine:
         """The live `PublishedAdapter` (None before the first publish)."""
         return self._publisher.current
 
-    def _lora_request(self, use_adapter: bool):
+    def lora_request(self, use_adapter: bool = True):
+        """vLLM's `LoRARequest` of the live adapter (None without one, or with `use_adapter=False`)."""
         current = self._publisher.current
         return current.request if (use_adapter and current is not None) else None
 
+    @contextlib.contextmanager
+    def serving(self, lora_request) -> Iterator[None]:
+        """Around a direct `self.llm.generate(..., lora_request=lora_request)` (benchmarks): the matched
+        engine's fused layers hold that adapter (or none). `generate` / `score` do this themselves."""
+        with plugin.active_adapter(self._fused, self.adapter if lora_request is not None else None):
+            yield
+
     def generate(self, prompt_ids_P: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True
+                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True, logprobs: int = 0
                  ) -> list[list[Completion]]:
-        """n samples per prompt with the sampled tokens' processed log-probs; returns [P][n]."""
+        """n samples per prompt with the sampled tokens' processed log-probs; returns [P][n].
+
+        `logprobs=k` > 0 also returns the k most likely tokens at every position (`Completion.top_logprobs`,
+        vLLM's `SamplingParams.logprobs`; at most the engine's `max_logprobs`, 20 by default)."""
         from vllm import SamplingParams
 
         self._check_awake()
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=seed, logprobs=0, detokenize=self.tokenizer is not None)
+                                seed=seed, logprobs=logprobs, detokenize=self.tokenizer is not None)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids_P]
-        lora = self._lora_request(use_adapter)
-        with self._active(lora):
+        lora = self.lora_request(use_adapter)
+        with self.serving(lora):
             outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         result = []
         for out in outs:
@@ -207,7 +205,9 @@ class RolloutEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if ids else []
-                group.append(Completion(ids, lps, c.text, c.finish_reason or "length"))
+                top = ([{token: lp.logprob for token, lp in c.logprobs[i].items()} for i in range(len(ids))]
+                       if logprobs else [])
+                group.append(Completion(ids, lps, c.text, c.finish_reason or "length", top))
             result.append(group)
         return result
 
@@ -216,7 +216,7 @@ class RolloutEngine:
         """log p(completion token | prefix) under the engine, after temperature, one list per pair.
 
         Uses vLLM's prompt log-probs over prompt+completion (max_tokens=1); see
-        `compat.prompt_temperature` for how T != 1 is honoured.
+        `vllm_compat.prompt_logprobs` for how T != 1 is honoured.
         """
         from vllm import SamplingParams
 
@@ -225,19 +225,14 @@ class RolloutEngine:
             raise ValueError("score: prompt_ids and completion_ids differ in length")
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         prompts = [{"prompt_token_ids": list(p) + list(c)} for p, c in zip(prompt_ids, completion_ids)]
-        lora = self._lora_request(use_adapter)
-        with self._active(lora), compat.prompt_temperature(self.llm, temperature):
+        lora = self.lora_request(use_adapter)
+        with self.serving(lora), prompt_logprobs.prompt_temperature(self.llm, temperature):
             outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         result = []
         for out, p, c in zip(outs, prompt_ids, completion_ids):
             plp = out.prompt_logprobs
             result.append([plp[len(p) + j][t].logprob for j, t in enumerate(c)])
         return result
-
-    def _active(self, lora_request):
-        from epirl.engine import plugin
-
-        return plugin.active_adapter(self, lora_request)
 
     # ------------------------------------------------------------------------------------------------
     # Adapter slot
@@ -261,13 +256,13 @@ class RolloutEngine:
 
     def release_kv(self) -> dict[str, float]:
         """Free the KV cache (weights stay). Logged no-op where vLLM has no sleep mode (CPU)."""
-        mode = compat.kv_release_mode(self.llm)
+        mode = self.kv_release_mode
         if self._kv_released:  # a second release would unmap unmapped memory (or raise, by vLLM version)
             return {"engine/kv_released_bytes": 0.0, "engine/kv_release_s": 0.0}
         if mode == "none" or not self.cfg.engine.kv_release:
             log.debug("release_kv: no-op (mode=%s, kv_release=%s)", mode, self.cfg.engine.kv_release)
             return {"engine/kv_released_bytes": 0.0, "engine/kv_release_s": 0.0}
-        metrics = compat.release_kv(self.llm)
+        metrics = kv_cache.release_kv(self.llm)
         self._kv_released = True
         self._kv_released_bytes = int(metrics["engine/kv_released_bytes"])
         log.info("released KV cache (%s): %.2f GiB in %.3f s", mode,
@@ -279,7 +274,7 @@ class RolloutEngine:
         if not self._kv_released:
             return {"engine/kv_reacquired_bytes": 0.0, "engine/kv_reacquire_s": 0.0}
         self._check_room_for_kv()
-        metrics = compat.reacquire_kv(self.llm)
+        metrics = kv_cache.reacquire_kv(self.llm)
         self._kv_released = False
         t0 = time.perf_counter()
         now = self._checksum_weights()
@@ -314,7 +309,7 @@ class RolloutEngine:
         Two integer sums over the raw bits (plain and position-weighted, int64 wrap-around is fine for
         a fingerprint): any changed byte changes them, and no float rounding can hide a change.
         """
-        params = [(n, p) for n, p in compat.model(self.llm).named_parameters() if p.numel() > 0]
+        params = [(n, p) for n, p in self.vllm_model().named_parameters() if p.numel() > 0]
         if not params:
             return {}
         picks = {params[i * (len(params) - 1) // max(count - 1, 1)] for i in range(count)}
@@ -340,38 +335,25 @@ class RolloutEngine:
         output widths; every view shares storage with the engine's weight (equal data_ptr for the first
         slice). Only FP8 precisions have codes to share.
         """
-        from epirl.engine import plugin
-
-        return plugin.fp8_base_views(compat.model(self.llm))
+        return plugin.fp8_base_views(self.vllm_model())
 
     def embedding_views(self) -> dict[str, torch.Tensor]:
         """The engine's token embedding / LM head weights ({"input", "output"}: [V_padded, H], zero-copy),
         for `trainer.base: shared` to map instead of loading its own 16-bit copies."""
-        from epirl.engine import plugin
+        return plugin.embedding_views(self.vllm_model())
 
-        return plugin.embedding_views(compat.model(self.llm))
+    def vllm_model(self) -> torch.nn.Module:
+        """The model vLLM runs, as a live module (layer checks, checksums, shared views)."""
+        return model_access.model(self.llm)
+
+    @property
+    def kv_release_mode(self) -> str:
+        """How this engine releases its KV cache: `release_api`, `manual` or `none` (see vllm_compat.kv_cache)."""
+        return kv_cache.kv_release_mode(self.llm)
 
     def close(self) -> None:
         """Shut vLLM down and free its memory (so a next engine can start in this process)."""
-        llm = getattr(self, "llm", None)
-        if llm is None:
+        if getattr(self, "llm", None) is None:
             return
-        from epirl.engine import plugin
-
-        plugin.detach(self)
-        self.llm = None
-        try:
-            shutdown = getattr(llm.llm_engine, "engine_core", None)
-            if shutdown is not None and hasattr(shutdown, "shutdown"):
-                shutdown.shutdown()
-        finally:
-            del llm
-            import gc
-
-            gc.collect()
-            try:
-                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-                cleanup_dist_env_and_memory()
-            except Exception as e:  # best effort: a failed cleanup must not hide the caller's error
-                log.warning("vLLM cleanup after close: %s", e)
+        self._fused = None
+        shutdown.shutdown_llm(self)

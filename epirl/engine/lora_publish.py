@@ -2,7 +2,7 @@
 
 The pattern (verl's TensorLoRARequest, rebuilt on a side table instead of a request subclass): vLLM's
 worker turns a `LoRARequest` into weights in exactly one method, `WorkerLoRAManager._load_adapter`.
-`compat.install_adapter_loader` wraps it on the worker's manager instance; when the request's
+`vllm_compat.adapter_loader.install_adapter_loader` wraps it on the worker's manager instance; when the request's
 `lora_int_id` is one we registered here, the wrapper builds the `LoRAModel` with
 `LoRAModel.from_lora_tensors` from tensors held in this process, otherwise vLLM's own file loader runs.
 A side table (id → tensors) rather than a `LoRARequest` subclass carrying tensors keeps the request a
@@ -17,17 +17,21 @@ trainer's tensors would silently rescale the trainer's B every step.
 
 from __future__ import annotations
 
-import inspect
-import os
+import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from epirl.engine import compat
 from epirl.engine.naming import NameMap
+from epirl.engine.vllm_compat.adapter_loader import install_adapter_loader, lora_model_from_tensors, peft_helper
+from epirl.engine.vllm_compat import model_access
 from epirl.model.adapter_io import peft_adapter_config
 from epirl.model.weights import checkpoint_to_model_name
 
@@ -69,19 +73,17 @@ class AdapterPublisher:
     """Owns the engine's adapter slot: publish tensors in memory, one live adapter at a time."""
 
     def __init__(self, llm, rank: int, alpha: float, targets: list[str]):
-        from vllm.lora.peft_helper import PEFTHelper
-
         self._llm = llm
         self.rank, self.alpha, self.targets = int(rank), float(alpha), list(targets)
         self.scale = self.alpha / self.rank
-        self._peft = PEFTHelper.from_dict(peft_adapter_config(rank, alpha, targets))
+        self._peft = peft_helper(peft_adapter_config(rank, alpha, targets))
         self._pending: dict[int, PublishedAdapter] = {}
         self._next_id = 1
         self.current: PublishedAdapter | None = None
         # The trainer's keys as the checkpoint spells them (Qwen3.5: `model.language_model.`), which is what
         # vLLM's LoRA loader maps onto its modules; unmapped names would be dropped without a word.
-        self._names = NameMap(compat.model(llm))
-        compat.install_adapter_loader(llm, self._load_in_memory)
+        self._names = NameMap(model_access.model(llm))
+        install_adapter_loader(llm, self._load_in_memory)
 
     # -- worker side: called by vLLM (in this process) from inside `_load_adapter` -----------------
 
@@ -89,29 +91,11 @@ class AdapterPublisher:
         adapter = self._pending.get(request.lora_int_id)
         if adapter is None:
             return None
-        from vllm.lora.lora_model import LoRAModel
-
-        ctx = compat.lora_load_context(mgr)
-        self._peft.validate_legal(ctx["lora_config"])
-        kwargs = {
-            "dtype": ctx["dtype"],
-            "model_vocab_size": ctx["model_vocab_size"],
-            "weights_mapper": ctx["weights_mapper"],
-            "skip_prefixes": ctx["skip_prefixes"],
-        }
-        accepted = inspect.signature(LoRAModel.from_lora_tensors).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
         # Clone again at the vLLM boundary: vLLM owns (and scales in place) what it gets; our
         # `adapter.tensors` stay unscaled for the w8a16 path and for inspection.
         device = next(iter(adapter.tensors.values())).device
         vllm_tensors = {self._names.vllm_adapter_key(k): v.clone() for k, v in adapter.tensors.items()}
-        return LoRAModel.from_lora_tensors(
-            lora_model_id=request.lora_int_id,
-            tensors=vllm_tensors,
-            peft_helper=self._peft,
-            device=str(device),
-            **kwargs,
-        )
+        return lora_model_from_tensors(mgr, request.lora_int_id, vllm_tensors, self._peft, str(device))
 
     # -- driver side --------------------------------------------------------------------------------
 
@@ -162,11 +146,6 @@ class AdapterPublisher:
     def _respelled_copy(self, path: str, tensors: dict[str, torch.Tensor]) -> str:
         """`path`, or a temporary copy whose keys use the checkpoint's spelling (a text-model PEFT adapter on a
         vision-language checkpoint, e.g. from an older epirl or a text-only PEFT run)."""
-        import shutil
-        import tempfile
-
-        from safetensors.torch import save_file
-
         respelled = {self._names.vllm_adapter_key(k): v for k, v in tensors.items()}
         if respelled.keys() == tensors.keys():
             return path
@@ -178,9 +157,6 @@ class AdapterPublisher:
 
     def use_directory(self, path: str, name: str | None = None) -> None:
         """Make a PEFT adapter folder on disk the live adapter (vLLM's own file loader)."""
-        import json
-
-        from safetensors.torch import load_file
         from vllm.lora.request import LoRARequest
 
         lora_id = self._next_id

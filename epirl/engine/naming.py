@@ -16,13 +16,14 @@ loudly instead of silently training or serving nothing.
 
 from __future__ import annotations
 
+from epirl.model.adapter_io import checkpoint_key
 from epirl.model.weights import NESTED_TEXT_PREFIX, checkpoint_to_model_name
 
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 class NameMap:
-    """The naming facts of one vLLM model instance (root module = what `compat.model(llm)` returns)."""
+    """The naming facts of one vLLM model instance (root module: `vllm_compat.model_access.model(llm)`)."""
 
     def __init__(self, model) -> None:
         mapper = getattr(type(model), "hf_to_vllm_mapper", None)
@@ -98,6 +99,4 @@ class NameMap:
 
     def vllm_adapter_key(self, peft_key: str) -> str:
         """A trainer PEFT key as the checkpoint would spell it, which is what vLLM's LoRA loader maps."""
-        from epirl.model.adapter_io import checkpoint_key
-
         return checkpoint_key(peft_key, self.nests_text_model)

@@ -16,7 +16,7 @@ How LoRA is fused for w8a16 (vLLM 0.26–0.33): vLLM replaces each target linear
 `BaseLinearLayerWithLoRA` subclass whose `forward` calls `self.apply(x, bias)`, which runs the base
 layer's `quant_method.apply` and then adds LoRA with punica kernels (σ folded into B in bf16, a
 separate GEMM and a separate rounding — not the trainer's arithmetic). `register()` wraps `apply` on
-that class and on every subclass that overrides it (the sharded variants do): when the base layer's
+that class and on every subclass that overrides it (`vllm_compat.lora_layers`): when the base layer's
 method is epirl's W8A16 one, the wrapper calls the custom op `epirl::w8a16_lora_slices`, i.e.
 `w8a16_lora(x, codes_i, s_w, A_i, B_i, σ)` once per logical slice (q, k, v / gate, up) — exactly the
 per-HF-module call the trainer makes — and vLLM's punica path is not run. It is patched at class level
@@ -35,36 +35,22 @@ Limitation: one adapter (or none) per batch — what the RL loop does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Iterator
 
 import torch
 
 from epirl.engine.naming import NameMap
+from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
+from epirl.engine.vllm_compat import lora_layers, model_access, quantization
+from epirl.engine.vllm_compat.detect import on_cuda
 
 log = logging.getLogger(__name__)
 
 W8A16 = "epirl_w8a16"
 
 
-def _kernel_ops() -> dict:
-    """The epirl.kernels ops, bound once at import of this module.
-
-    Guard against a name clash in `epirl.kernels`: the first lazy import of its subpackage
-    `epirl.kernels.w8a8_lora` rebinds the package attribute `w8a8_lora` from the function to the
-    subpackage (seen 2026-11-29), so `from epirl.kernels import w8a8_lora` looked up per call returns a
-    module after the first call. Binding the functions here, before any call, sidesteps it.
-    """
-    import epirl.kernels as kernels
-
-    ops = {name: getattr(kernels, name) for name in ("w8a16_lora", "w8a8_lora", "quantize_weight_fp8")}
-    shadowed = [name for name, fn in ops.items() if not callable(fn)]
-    if shadowed:
-        raise ImportError(f"epirl.kernels.{shadowed} are subpackages, not ops (imported too late?)")
-    return ops
-
-
-_OPS = _kernel_ops()
 W8A8_EMU = "epirl_w8a8_emu"
 _registered = False
 
@@ -74,11 +60,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm.model_executor.layers.quantization import register_quantization_config
-
-    register_quantization_config(W8A16)(_make_config_class(W8A16, activation_fp8=False))
-    register_quantization_config(W8A8_EMU)(_make_config_class(W8A8_EMU, activation_fp8=True))
-    log.debug("epirl plugin: patched apply of %d LoRA linear classes", _patch_lora_classes())
+    quantization.register(W8A16, _make_config_class(W8A16, activation_fp8=False))
+    quantization.register(W8A8_EMU, _make_config_class(W8A8_EMU, activation_fp8=True))
+    patched = lora_layers.wrap_lora_apply(lambda base: getattr(base, "_epirl_lora", None) is not None, _fused_apply)
+    log.debug("epirl plugin: patched apply of %d LoRA linear classes", patched)
     _registered = True
 
 
@@ -88,10 +73,9 @@ def register() -> None:
 
 
 def _make_config_class(name: str, activation_fp8: bool):
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+    linear_base = quantization.linear_base()
 
-    class EpirlFp8Config(QuantizationConfig):
+    class EpirlFp8Config(quantization.config_base()):
         """Online per-tensor FP8 weights through epirl's kernels (see module docstring)."""
 
         def get_name(self):
@@ -113,55 +97,52 @@ def _make_config_class(name: str, activation_fp8: bool):
             return cls()
 
         def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-            if isinstance(layer, LinearBase):
-                return EpirlFp8LinearMethod(activation_fp8)
+            if isinstance(layer, linear_base):
+                return _linear_method_class()(activation_fp8)
             return None  # embeddings, LM head, norms: unquantized, as vLLM's fp8 method leaves them
 
     EpirlFp8Config.__name__ = f"EpirlFp8Config_{name}"
     return EpirlFp8Config
 
 
-def _linear_method_base():
-    from vllm.model_executor.layers.linear import LinearMethodBase
+@functools.cache
+def _linear_method_class() -> type:
+    """The linear method class, built on first use: subclassing vLLM's base imports vLLM (seconds), which a
+    process that only reads a config or prints an error should not pay."""
 
-    return LinearMethodBase
+    class EpirlFp8LinearMethod(quantization.linear_method_base()):
+        """Create bf16 weights for loading, quantize after loading, compute with epirl.kernels."""
 
+        def __init__(self, activation_fp8: bool):
+            self.activation_fp8 = activation_fp8
 
-class EpirlFp8LinearMethod(_linear_method_base()):
-    """Create bf16 weights for loading, quantize after loading, compute with epirl.kernels."""
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                           output_size, params_dtype, **extra_weight_attrs):
+            weight_loader = extra_weight_attrs.pop("weight_loader")
+            weight = quantization.weight_parameter(
+                torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype), weight_loader,
+                extra_weight_attrs)
+            layer.register_parameter("weight", weight)
+            # Logical widths split fused modules (qkv_proj → q, k, v) for LoRA slices and shared views.
+            layer.logical_widths = list(output_partition_sizes)
 
-    def __init__(self, activation_fp8: bool):
-        self.activation_fp8 = activation_fp8
+        def process_weights_after_loading(self, layer) -> None:
+            dtype, device = layer.weight.dtype, layer.weight.device
+            codes, scale = quantize_weight_fp8(layer.weight.data, group_sizes=layer.logical_widths)
+            # vLLM's layout: `weight` is the [K, N] transpose view of [N, K] row-major codes.
+            layer.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
+            layer.weight_scale = torch.nn.Parameter(scale.to(torch.float32).reshape(1), requires_grad=False)
+            if not self.activation_fp8 and _SETTINGS["rank"] > 0:
+                layer._epirl_lora = _LayerLoRA(layer.logical_widths, codes.shape[1], _SETTINGS["rank"],
+                                               _SETTINGS["scale"], dtype, device)
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
-                       output_size, params_dtype, **extra_weight_attrs):
-        from vllm.model_executor.parameter import ModelWeightParameter
-        from vllm.model_executor.utils import set_weight_attrs
+        def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            if self.activation_fp8:
+                return w8a8_lora(x, layer.weight.t(), layer.weight_scale, bias=bias)
+            return torch.ops.epirl.w8a16_lora_slices(x, layer.weight.t(), layer.weight_scale, [], [],
+                                                     list(layer.logical_widths), 1.0, bias)
 
-        weight_loader = extra_weight_attrs.pop("weight_loader")
-        weight = ModelWeightParameter(
-            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
-            input_dim=1, output_dim=0, weight_loader=weight_loader)
-        layer.register_parameter("weight", weight)
-        set_weight_attrs(weight, extra_weight_attrs)
-        # Logical widths split fused modules (qkv_proj → q, k, v) for LoRA slices and shared views.
-        layer.logical_widths = list(output_partition_sizes)
-
-    def process_weights_after_loading(self, layer) -> None:
-        dtype, device = layer.weight.dtype, layer.weight.device
-        codes, scale = _OPS["quantize_weight_fp8"](layer.weight.data, group_sizes=layer.logical_widths)
-        # vLLM's layout: `weight` is the [K, N] transpose view of [N, K] row-major codes.
-        layer.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
-        layer.weight_scale = torch.nn.Parameter(scale.to(torch.float32).reshape(1), requires_grad=False)
-        if not self.activation_fp8 and _SETTINGS["rank"] > 0:
-            layer._epirl_lora = _LayerLoRA(layer.logical_widths, codes.shape[1], _SETTINGS["rank"],
-                                           _SETTINGS["scale"], dtype, device)
-
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.activation_fp8:
-            return _OPS["w8a8_lora"](x, layer.weight.t(), layer.weight_scale, bias=bias)
-        return torch.ops.epirl.w8a16_lora_slices(x, layer.weight.t(), layer.weight_scale, [], [],
-                                                 list(layer.logical_widths), 1.0, bias)
+    return EpirlFp8LinearMethod
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,7 +162,6 @@ def w8a16_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                       lora_b: list[torch.Tensor], widths: list[int], lora_scale: float,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """`w8a16_lora` per logical slice of a fused layer, concatenated (no LoRA when the lists are empty)."""
-    w8a16_lora = _OPS["w8a16_lora"]
     if not lora_a:
         return w8a16_lora(x, codes, scale, bias=bias)
     outs, start = [], 0
@@ -203,33 +183,6 @@ def _fused_apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tor
     state = base._epirl_lora
     return torch.ops.epirl.w8a16_lora_slices(x, base.weight.t(), base.weight_scale, state.lora_a,
                                              state.lora_b, state.widths, state.scale, bias)
-
-
-def _patch_lora_classes() -> int:
-    """Wrap `apply` of BaseLinearLayerWithLoRA and of each subclass that overrides it (idempotent)."""
-    from epirl.engine import compat
-
-    root = compat.lora_linear_base_class()
-    classes, todo = [], [root]
-    while todo:
-        cls = todo.pop()
-        classes.append(cls)
-        todo.extend(cls.__subclasses__())
-    patched = 0
-    for cls in classes:
-        original = cls.__dict__.get("apply")
-        if original is None or getattr(original, "_epirl_wrapped", False):
-            continue
-
-        def apply(self, x, bias=None, _original=original):
-            if getattr(self.base_layer, "_epirl_lora", None) is not None:
-                return _fused_apply(self, x, bias)
-            return _original(self, x, bias)
-
-        apply._epirl_wrapped = True
-        cls.apply = apply
-        patched += 1
-    return patched
 
 
 class _LayerLoRA:
@@ -257,19 +210,24 @@ class _LayerLoRA:
                 b_buf.copy_(pair[1][row:row + width])
 
 
-def attach(engine) -> None:
-    """After engine start: name the w8a16 layers' LoRA buffers (HF module names) for publishing."""
-    if engine.precision == "w8a8" and not _is_cuda():
+class FusedAdapterSlot:
+    """The matched engine's fixed per-layer LoRA buffers and the id of the adapter they hold (None: zeros)."""
+
+    def __init__(self, layers: list[_LayerLoRA]):
+        self.layers = layers
+        self.loaded: int | None = None  # buffers start zeroed
+
+
+def attach(llm, precision: str) -> FusedAdapterSlot | None:
+    """After engine start: name the w8a16 layers' LoRA buffers (HF module names) for publishing; None for the
+    other precisions (vLLM's own LoRA path serves them)."""
+    if precision == "w8a8" and not on_cuda():
         log.warning("engine.precision=w8a8 on CPU: vLLM has no W8A8 CPU kernels; EMULATING vLLM's W8A8 "
                     "numerics with epirl.kernels.w8a8_lora (reference) - slow, numerics only")
-    engine._epirl_w8a16_layers = []
-    engine._epirl_loaded = None
-    if engine.precision != "w8a16":
-        return
-    from epirl.engine import compat
-
-    lora_base = compat.lora_linear_base_class()
-    model = compat.model(engine.llm)
+    if precision != "w8a16":
+        return None
+    lora_base = lora_layers.lora_linear_base_class()
+    model = model_access.model(llm)
     names = NameMap(model)
     layers = []
     for name, module in model.named_modules():
@@ -280,22 +238,17 @@ def attach(engine) -> None:
         layers.append(state)
     if not layers:
         raise RuntimeError("w8a16 engine: no LoRA-wrapped epirl layers found (enable_lora off or targets empty?)")
-    engine._epirl_w8a16_layers = layers
     log.info("w8a16: fused W8A16+LoRA op on %d LoRA-wrapped layers (σ=%g)", len(layers), layers[0].scale)
-
-
-def detach(engine) -> None:
-    engine._epirl_w8a16_layers = []
+    return FusedAdapterSlot(layers)
 
 
 @contextlib.contextmanager
-def active_adapter(engine, lora_request) -> Iterator[None]:
-    """Before a generate/score: make the w8a16 buffers hold the requested adapter (or zeros)."""
-    layers = getattr(engine, "_epirl_w8a16_layers", None)
-    if layers:
-        adapter = engine.adapter if lora_request is not None else None
+def active_adapter(slot: FusedAdapterSlot | None, adapter) -> Iterator[None]:
+    """Before a generate/score: make the w8a16 buffers hold `adapter` (a PublishedAdapter; None = zeros)."""
+    if slot is not None and slot.layers:
+        layers = slot.layers
         key = None if adapter is None else adapter.request.lora_int_id
-        if engine._epirl_loaded != key:  # buffers start zeroed, i.e. key None
+        if slot.loaded != key:
             if adapter is not None and abs(adapter.scale - layers[0].scale) > 1e-12 * layers[0].scale:
                 raise ValueError(f"adapter σ={adapter.scale} differs from the engine's fixed σ={layers[0].scale}")
             if adapter is not None:
@@ -305,14 +258,8 @@ def active_adapter(engine, lora_request) -> Iterator[None]:
                                        f"{sorted(homeless)[:3]} (module naming between vLLM and the trainer)")
             for state in layers:
                 state.load(None if adapter is None else adapter.modules)
-            engine._epirl_loaded = key
+            slot.loaded = key
     yield
-
-
-def _is_cuda() -> bool:
-    from epirl.engine import compat
-
-    return compat.on_cuda()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -373,17 +320,16 @@ def embedding_views(model) -> dict[str, torch.Tensor]:
     With tied embeddings vLLM may hold one module for both (then only "input" is returned). Absent entries
     (e.g. a quantized LM head) mean "not shareable": the trainer then loads its own copy.
     """
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
+    embedding_class, lm_head_class = quantization.embedding_classes()
     found: dict[str, torch.Tensor] = {}
     ambiguous: set[str] = set()
     for name, module in model.named_modules():
-        if not isinstance(module, VocabParallelEmbedding):
+        if not isinstance(module, embedding_class):
             continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             continue
-        role = "output" if isinstance(module, ParallelLMHead) else "input"
+        role = "output" if isinstance(module, lm_head_class) else "input"
         if role in found and found[role].data_ptr() != weight.data_ptr():
             ambiguous.add(role)  # e.g. a draft/MTP head beside the model's own: which one is ours is unclear
             log.info("engine has a second %s embedding (%s): the trainer loads its own copy", role, name)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from epirl.engine.vllm_compat.lora_layers import lora_linear_base_class
+
 log = logging.getLogger(__name__)
 ENV = "EPIRL_SERVING_KERNELS"
 MODES = ("0", "fused", "1", "timed")
@@ -223,13 +225,8 @@ def _wrap_create_lora_weights(cls) -> bool:
 def install() -> int:
     """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
     many classes were wrapped. Reads EPIRL_SERVING_KERNELS (call it before vLLM builds the model)."""
-    try:
-        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
-    except ImportError:  # vLLM versions that export it from the package only
-        from vllm.lora.layers import BaseLinearLayerWithLoRA
-
     _STATE["mode"] = read_mode()  # a bad value fails here, at engine start, with the variable's name
-    classes, todo = [], [BaseLinearLayerWithLoRA]
+    classes, todo = [], [lora_linear_base_class()]
     while todo:
         cls = todo.pop()
         classes.append(cls)

@@ -10,9 +10,7 @@ and mismatch.png (and W&B with --wandb). `measure_during_training` is the in-loo
 """
 
 from epirl.mismatch.measure import measure_during_training, measure_engines, summarize, verify_fake_quant
-from epirl.mismatch.variants import VARIANTS, fake_quant_activations, pin_kernel_dispatchers
-
-pin_kernel_dispatchers()  # before any kernel call in this process; see its docstring
+from epirl.mismatch.variants import VARIANTS, fake_quant_activations
 
 __all__ = ["measure_during_training", "measure_engines", "summarize", "fake_quant_activations",
            "verify_fake_quant", "VARIANTS"]

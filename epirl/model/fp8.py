@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from epirl.kernels import FP8_DTYPE, Fp8LoRAFunction
+
 
 class Fp8Linear(nn.Module):
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        from epirl.kernels import FP8_DTYPE
-
         if codes.dtype != FP8_DTYPE or codes.dim() != 2:
             raise ValueError(f"codes must be a 2-D {FP8_DTYPE} tensor, got {codes.dtype} {tuple(codes.shape)}")
         self.out_features, self.in_features = codes.shape
@@ -25,8 +25,6 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from epirl.kernels import Fp8LoRAFunction
-
         return Fp8LoRAFunction.apply(x, None, None, self.codes, self.scale, self.bias, 0.0, None)
 
     def extra_repr(self) -> str:

@@ -3,7 +3,7 @@
 Every path starts from a skeleton on the meta device (no memory) and materialises tensors one at a time:
 - embeddings, norms, LM head, Qwen3.5's conv1d / A_log / dt_bias: `model.dtype` (bf16 on GPU), always;
 - projections with `trainer.base: bf16`: the checkpoint weights in `model.dtype`, wrapped by `LoRALinear`;
-- with `fp8`: quantized exactly as vLLM's online `fp8_per_tensor` (DESIGN.md contract 1) with ONE scale per
+- with `fp8`: quantized exactly as vLLM's online `fp8_per_tensor` (kernels/README.md, numerical contracts) with ONE scale per
   fused module (vLLM's `packed_modules_mapping`, below): all members of a group are read into one packed
   bf16 buffer, quantized together, and dropped. Peak memory = the FP8 model + one packed group in bf16.
 - with `shared`: zero-copy views of the rollout engine's FP8 codes and scales, and of its token embedding
@@ -17,10 +17,12 @@ import logging
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 from torch import nn
 from transformers import PretrainedConfig
 
 from epirl.config import check_lora_targets, concrete_dtype, resolve_model_path
+from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.policy import Policy
@@ -51,8 +53,6 @@ def local_model_dir(path: str) -> Path:
     resolved = resolve_model_path(path)
     if Path(resolved).is_dir():
         return Path(resolved)
-    from huggingface_hub import snapshot_download
-
     return Path(snapshot_download(resolved, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
                                                              "*.jinja", "*.tiktoken"]))
 
@@ -112,8 +112,6 @@ def quantize_group(names: list[str], model: nn.Module, source, device: torch.dev
 
     Returns {member name: (codes view [N_i, K] into the packed codes, shared scale [1])}.
     """
-    from epirl.kernels import quantize_weight_fp8, split_fused
-
     shapes = [model.get_submodule(n).weight.shape for n in names]
     out_sizes = [s[0] for s in shapes]
     packed_W = torch.empty(sum(out_sizes), shapes[0][1], dtype=dtype, device=device)
@@ -129,8 +127,6 @@ def quantize_group(names: list[str], model: nn.Module, source, device: torch.dev
 
 def _fp8_module(name: str, linear: nn.Module, codes_N_K: torch.Tensor, scale: torch.Tensor, trainable: bool,
                 rank: int, alpha: float, seed: int, bias: torch.Tensor | None) -> nn.Module:
-    from epirl.kernels import Fp8LoRALinear
-
     out_features, in_features = codes_N_K.shape
     if (out_features, in_features) != tuple(linear.weight.shape):
         raise ValueError(f"{name}: FP8 codes {tuple(codes_N_K.shape)} != weight {tuple(linear.weight.shape)}")

@@ -2,7 +2,7 @@
 
 The FP8-base counterpart is `epirl.kernels.Fp8LoRALinear`; both expose the same trainable
 parameters, `lora_A` [r, in] and `lora_B` [out, r] (PEFT's layout, unscaled), and compute
-`y = x Wᵀ (+ b) + σ · (x Aᵀ) Bᵀ` with σ = alpha / r (contract 4 of DESIGN.md: the LoRA term is added
+`y = x Wᵀ (+ b) + σ · (x Aᵀ) Bᵀ` with σ = alpha / r (kernels/README.md, numerical contracts: the LoRA term is added
 after the base output, in the same order as vLLM's punica path).
 """
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig
 
 from epirl.config import resolve_model_path
@@ -190,35 +189,3 @@ def preflight_beside_engine(cfg, device: torch.device) -> None:
             f"engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} leaves "
             f"{(1 - cfg.engine.gpu_memory_utilization) * total / 2**30:.1f} GiB beside the engine, but the trainer keeps "
             f"~{persistent / 2**30:.1f} GiB between steps: lower engine.gpu_memory_utilization or use trainer.base=shared")
-
-
-class ProjectionCopyWatcher(TorchDispatchMode):
-    """Records every op output shaped like a projection weight ([N, K] or [K, N]) in a 16/32-bit dtype.
-
-    Run a training step inside it to show that the FP8 path never materialises a dequantized weight
-    (e.g. `codes.to(bf16)` before a GEMM). float64 is not watched: the CPU kernel references widen to
-    float64 on purpose (exact accumulation) and are not the trainer's GPU path.
-    """
-
-    WATCHED = (torch.bfloat16, torch.float16, torch.float32)
-
-    def __init__(self, weight_shapes):
-        super().__init__()
-        self.shapes = {tuple(s) for s in weight_shapes} | {tuple(reversed(tuple(s))) for s in weight_shapes}
-        self.hits: list[tuple[str, tuple, torch.dtype]] = []
-
-    @classmethod
-    def for_policy(cls, policy) -> "ProjectionCopyWatcher":
-        """Watches the policy's projection shapes, except those a LoRA factor shares (rank = a projection's
-        width, e.g. Qwen3.5's in_proj_b/a at rank 32): a LoRA tensor of that shape is legitimate there."""
-        watcher = cls([tuple(m.codes.shape) for m in policy.model.modules() if hasattr(m, "codes")])
-        lora_shapes = {tuple(p.shape) for p in policy.lora_parameters()}
-        watcher.shapes -= lora_shapes | {tuple(reversed(s)) for s in lora_shapes}
-        return watcher
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dtype in self.WATCHED and tuple(t.shape) in self.shapes:
-                self.hits.append((str(func), tuple(t.shape), t.dtype))
-        return out

@@ -1,4 +1,4 @@
-"""GRPO/DAPO: advantages, losses, and the colocated loop (`epirl.rl.loop.train`)."""
+"""GRPO/DAPO: advantages, losses, the optimizer step (`trainer`) and the colocated loop (`loop.train`)."""
 
 from epirl.rl.advantages import group_advantages, informative_groups
 from epirl.rl.loss import aggregate, dapo_loss, importance_weights, masked_mean

@@ -25,11 +25,10 @@ def served_engine(engine_pool, smollm2_dir):
 
 
 def lora_layers(engine):
-    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from epirl.engine.vllm_compat.lora_layers import lora_linear_base_class
 
-    from epirl.engine import compat
-
-    return [(n, m) for n, m in compat.model(engine.llm).named_modules() if isinstance(m, BaseLinearLayerWithLoRA)]
+    base = lora_linear_base_class()
+    return [(n, m) for n, m in engine.vllm_model().named_modules() if isinstance(m, base)]
 
 
 def test_layers_match_vllms_own_lora_path(served_engine):

