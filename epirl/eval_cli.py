@@ -68,6 +68,13 @@ def _adapter_lora(adapter_dir: str) -> tuple[int, float]:
         raise EvalUsageError(f"--adapter: folder not found: {adapter_dir}")
     if not config_file.is_file():
         raise EvalUsageError(f"--adapter: {adapter_dir} has no adapter_config.json (not a PEFT adapter folder)")
+    from epirl.config import ConfigError
+    from epirl.model.dummy import refuse_random_weights
+
+    try:
+        refuse_random_weights(folder, "--adapter")
+    except ConfigError as exc:
+        raise EvalUsageError(str(exc)) from None
     try:
         config = json.loads(config_file.read_text())
         rank = int(config["r"])

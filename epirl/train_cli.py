@@ -39,6 +39,7 @@ from epirl.engine.vllm_compat import engine_args
 from epirl.model.memory import PreflightError, preflight_beside_engine
 from epirl.plan import plan_lines
 from epirl.progress import RunProgress
+from epirl.rl.benchmark import BenchmarkSettings
 from epirl.rl.loop import check_inputs, train
 
 log = logging.getLogger("epirl.train")
@@ -63,6 +64,11 @@ def add_train_args(sub) -> None:
                        help="show library logs (vLLM, Triton, W&B, transformers) on the console too")
     train.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                        type=str.upper, help="level of runs/<name>/train.log (default INFO)")
+    train.add_argument("--benchmark", type=int, metavar="N", help="measure the real loop for N steps on synthetic "
+                       "token-id prompts with seeded-coin rewards (no data, no checkpoints); writes benchmark.json")
+    train.add_argument("--prompt-tokens", type=int, default=None, help="--benchmark prompt length (default 256)")
+    train.add_argument("--force-max-tokens", action="store_true", help="--benchmark: every response runs to rl.max_tokens")
+    train.add_argument("--benchmark-out", default=None, help="--benchmark JSON path (default RUN/benchmark.json)")
     train.set_defaults(func=cmd_train)
 
 
@@ -78,6 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             return 0
         start_step = _resume_step(args.resume)
+        benchmark = _benchmark_settings(args, cfg)
     except InputError as exc:
         error_line(console, str(exc))
         return 2
@@ -88,7 +95,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _dry_run(cfg, run_dir, verbose, args.log_level)
     created = _first_missing(run_dir)
     with RunOutput(run_dir / "train.log", verbose, args.log_level) as out:
-        return _run(cfg, run_dir, start_step, out, created, resume=args.resume is not None)
+        return _run(cfg, run_dir, start_step, out, created, resume=args.resume is not None, benchmark=benchmark)
+
+
+def _benchmark_settings(args, cfg) -> BenchmarkSettings | None:
+    """`--benchmark N`: the real loop on synthetic prompts, in its own `<name>-benchmark` folder."""
+    if args.benchmark is None:
+        return None
+    if args.benchmark < 1 or args.resume is not None:
+        raise InputError("--benchmark N needs N >= 1 and no --resume")
+    cfg.name = f"{cfg.name}-benchmark"  # never the folder of a real run
+    return BenchmarkSettings(args.benchmark, args.prompt_tokens, args.force_max_tokens, args.benchmark_out)
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -124,14 +141,19 @@ def _resume_step(resume: str | None) -> int:
     return int(json.loads((checkpoint / STATE_FILE).read_text())["step"])
 
 
-def _check_and_plan(cfg, run_dir: Path, console: Console) -> list:
-    """Inputs checked (one-line errors as InputError), thread plan applied, the plan printed; the problems."""
+def _check_and_plan(cfg, run_dir: Path, console: Console, benchmark=None) -> list | None:
+    """Inputs checked (one-line errors as InputError), thread plan applied, the plan printed; the problems.
+
+    Random weights (`model.load_format=dummy`) are set up and checked by `train` itself (it rewrites
+    model.path first): then only the threads are planned here, and None is returned."""
     threads = plan_threads()
     try:
         device = resolve_runtime(cfg)
         if device.type == "cpu":  # before vLLM starts: it keeps an OMP_NUM_THREADS it finds (cpu_threads)
             apply_thread_plan(threads)
-        problems = check_inputs(cfg)
+        if cfg.model.load_format == "dummy":
+            return None
+        problems = check_inputs(cfg, need_data=benchmark is None)
         if device.type == "cuda":
             preflight_beside_engine(cfg, device)
     except (ConfigError, DataError, PreflightError) as exc:
@@ -204,12 +226,15 @@ def _remove_created(run_dir: Path, created: Path | None) -> None:
             return
 
 
-def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | None, resume: bool) -> int:
+def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | None, resume: bool,
+         benchmark: BenchmarkSettings | None = None) -> int:
     console = out.console
-    observer = RunProgress(console, run_dir, cfg.rl.steps, start_step, cfg.rl.samples_per_prompt)
+    total = benchmark.steps if benchmark else cfg.rl.steps
+    observer = RunProgress(console, run_dir, total, start_step, cfg.rl.samples_per_prompt)
     try:
-        problems = _check_and_plan(cfg, run_dir, console)
-        out_dir = train(cfg, resume=run_dir if resume else None, progress=observer, problems=problems)
+        problems = _check_and_plan(cfg, run_dir, console, benchmark)
+        out_dir = train(cfg, resume=run_dir if resume else None, progress=observer, benchmark=benchmark,
+                        problems=problems)
     except KeyboardInterrupt:
         observer.stop()
         log.warning("interrupted", extra={"terminal": False})
@@ -234,6 +259,9 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
             console.rule(style="dim")
         return 1
     observer.print_summary(out_dir)
+    if benchmark is not None:
+        console.print(f"[green]benchmark:[/] {benchmark.out or out_dir / 'benchmark.json'} (rewards were a seeded coin)",
+                      soft_wrap=True, highlight=False)
     return 0
 
 

@@ -15,9 +15,9 @@ python3 -P -m epirl.model.smollm2 >/dev/null || { echo "SmolLM2 conversion faile
 COMMON=(rl.steps=$STEPS output_dir=/tmp/runs tracking.wandb=disabled engine.gpu_memory_utilization=0.25
         engine.enforce_eager=true checkpoint.every=0 model.max_model_len=512)
 declare -A OVERRIDES=(
-  [bf16]="engine.precision=bf16 trainer.base=bf16 rl.correction=tis engine.probe_tolerance=0.1"
-  [w8a16]="engine.precision=w8a16 trainer.base=fp8 rl.correction=none engine.probe_tolerance=0.1"
-  [w8a8]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis engine.probe_tolerance=0.3"
+  [bf16]="engine.precision=bf16 trainer.base=bf16 rl.correction=tis"
+  [w8a16]="engine.precision=w8a16 trainer.base=fp8 rl.correction=none"
+  [w8a8]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis"
 )
 for pairing in "${PAIRINGS[@]}"; do
   name=${pairing}_engine; console=/tmp/$name.console; t0=$(date +%s)

@@ -83,6 +83,14 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
         # runs a full `max_num_batched_tokens` batch through them. Chunked prefill keeps long prompts
         # working with a small token budget.
         kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
+    if getattr(cfg.model, "load_format", "auto") == "dummy":  # random weights from the config (model.dummy)
+        from epirl.model.dummy import uses_tokenizer
+
+        kwargs["load_format"] = "dummy"
+        if cfg.model.tokenizer is not None:
+            kwargs["tokenizer"] = _resolve_model_path(cfg.model.tokenizer)
+        elif model_path and not uses_tokenizer(cfg):
+            kwargs["skip_tokenizer_init"] = True  # token-id prompts; no text is decoded
     if cfg.engine.precision == "w8a16" and engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
         # σ = alpha/r enters the fused op as a Python float, which torch.compile bakes into the graph; vLLM's
         # compile cache is keyed by config hashes that see the rank slot but not alpha. additional_config is
@@ -184,17 +192,20 @@ class RolloutEngine:
             yield
 
     def generate(self, prompt_ids_P: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True, logprobs: int = 0
+                 top_p: float = 1.0, seed: int | None = None, use_adapter: bool = True, logprobs: int = 0,
+                 ignore_eos: bool = False
                  ) -> list[list[Completion]]:
         """n samples per prompt with the sampled tokens' processed log-probs; returns [P][n].
 
         `logprobs=k` > 0 also returns the k most likely tokens at every position (`Completion.top_logprobs`,
-        vLLM's `SamplingParams.logprobs`; at most the engine's `max_logprobs`, 20 by default)."""
+        vLLM's `SamplingParams.logprobs`; at most the engine's `max_logprobs`, 20 by default). `ignore_eos`: every
+        sample runs to `max_tokens` (benchmarks that force the longest responses)."""
         from vllm import SamplingParams
 
         self._check_awake()
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=seed, logprobs=logprobs, detokenize=self.tokenizer is not None)
+                                seed=seed, logprobs=logprobs, detokenize=self.tokenizer is not None,
+                                ignore_eos=ignore_eos)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids_P]
         lora = self.lora_request(use_adapter)
         with self.serving(lora):
@@ -207,7 +218,7 @@ class RolloutEngine:
                 lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if ids else []
                 top = ([{token: lp.logprob for token, lp in c.logprobs[i].items()} for i in range(len(ids))]
                        if logprobs else [])
-                group.append(Completion(ids, lps, c.text, c.finish_reason or "length", top))
+                group.append(Completion(ids, lps, c.text or "", c.finish_reason or "length", top))
             result.append(group)
         return result
 

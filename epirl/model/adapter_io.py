@@ -83,6 +83,10 @@ def save_adapter(policy: Policy, out_dir: str | os.PathLike, cfg=None) -> Path:
     tmp_config.write_text(json.dumps(config, indent=2))
     os.replace(tmp_weights, out_dir / ADAPTER_WEIGHTS)
     os.replace(tmp_config, out_dir / ADAPTER_CONFIG)
+    if getattr(policy, "random_weights", False):  # eval and resume refuse it (epirl.model.dummy)
+        from epirl.model.dummy import mark_random_weights
+
+        mark_random_weights(out_dir)
     return out_dir
 
 

@@ -12,19 +12,19 @@ Every path starts from a skeleton on the meta device (no memory) and materialise
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from epirl.config import check_lora_targets, concrete_dtype, resolve_model_path
 from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
 from epirl.model.fp8 import Fp8Linear
+from epirl.model.linear_attention import select_gdn_kernel
 from epirl.model.policy import Policy
 from epirl.model.skeleton import build_skeleton, load_text_config
 from epirl.model.weights import RandomSource, SafetensorsSource, checkpoint_to_model_name
@@ -233,20 +233,12 @@ def build_policy(config: PretrainedConfig, source, base: str, device: torch.devi
         # Non-reentrant: works although the frozen embeddings' outputs do not require grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    _warn_if_slow_linear_attention(config, device)
     policy = Policy(model, base, rank, alpha, targets, model_path)
+    policy.linear_attention_kernel = select_gdn_kernel(model, device)  # Qwen3.5: fla if it works here, else torch
     if base == "shared":  # storages the engine owns: the memory report counts them apart
         engine_tensors = [t for pair in (engine_views or {}).values() for t in pair] + list(mapped.values())
         policy.engine_storages = {t.untyped_storage().data_ptr() for t in engine_tensors}
     return policy
-
-
-def _warn_if_slow_linear_attention(config: PretrainedConfig, device: torch.device) -> None:
-    """transformers picks flash-linear-attention's chunk_gated_delta_rule when `fla` imports, else torch."""
-    if "linear_attention" in (getattr(config, "layer_types", None) or []) and device.type == "cuda" \
-            and importlib.util.find_spec("fla") is None:
-        log.warning("Qwen3.5 linear attention on CUDA without flash-linear-attention: transformers' torch "
-                    "fallback is correct but >10x slower; pip install flash-linear-attention")
 
 
 def load_policy(cfg, device, engine=None) -> Policy:
@@ -260,12 +252,16 @@ def load_policy(cfg, device, engine=None) -> Policy:
             raise ValueError("trainer.base=shared needs the rollout engine (its FP8 weights are the base)")
         engine_views = engine.base_weight_views()
         engine_embeddings = engine.embedding_views() if hasattr(engine, "embedding_views") else None
-    source = SafetensorsSource(model_dir)
+    dummy = getattr(cfg.model, "load_format", "auto") == "dummy"  # tests may pass a bare namespace
+    source = RandomSource(cfg.seed) if dummy else SafetensorsSource(model_dir)
     policy = build_policy(load_text_config(model_dir), source, cfg.trainer.base, device, dtype, cfg.lora.rank,
                           cfg.lora.alpha, list(cfg.lora.targets), cfg.seed, model_path=str(cfg.model.path),
                           gradient_checkpointing=cfg.trainer.gradient_checkpointing, engine_views=engine_views,
                           engine_embeddings=engine_embeddings)
-    policy.nests_text_model = source.nests_text_model  # saved adapters are named as this checkpoint is
+    # Saved adapters are named as this checkpoint is (a vision-language config nests the text model).
+    policy.nests_text_model = (hasattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config") if dummy
+                               else source.nests_text_model)
+    policy.random_weights = dummy
     return policy
 
 

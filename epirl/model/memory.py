@@ -7,6 +7,7 @@ model dtype (bf16) under every base: they are reported separately as `base_other
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from epirl.config import resolve_model_path
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
 from epirl.model.skeleton import build_skeleton
 
+log = logging.getLogger(__name__)
 GiB = 1024 ** 3
 # AdamW keeps two fp32 moments per trainable element; gradients are the parameters' dtype (fp32 masters).
 ADAM_STATE_BYTES_PER_ELEMENT = 8
@@ -189,3 +191,50 @@ def preflight_beside_engine(cfg, device: torch.device) -> None:
             f"engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} leaves "
             f"{(1 - cfg.engine.gpu_memory_utilization) * total / 2**30:.1f} GiB beside the engine, but the trainer keeps "
             f"~{persistent / 2**30:.1f} GiB between steps: lower engine.gpu_memory_utilization or use trainer.base=shared")
+
+
+def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token takes in the full-attention layers (Qwen3.5's linear-attention layers keep a
+    fixed state per sequence instead)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    full_layers = sum(1 for t in layer_types if t == "full_attention")
+    return 2 * full_layers * config.num_key_value_heads * head_dim * dtype_bytes
+
+
+def memory_plan(cfg, device: torch.device) -> dict[str, float]:
+    """The recipe's expected memory, before the engine starts (bytes; `plan/...` keys).
+
+    Engine weights: FP8 projections + 16-bit embeddings/norms (bf16 engine: all 16-bit), text model only.
+    KV pool: what vLLM's budget leaves after the weights (an upper bound: vLLM also keeps activations and
+    CUDA-graph buffers inside it). Trainer: its own base bytes (0 projections under `trainer.base: shared`),
+    LoRA parameters + gradients + AdamW moments, and the activation peak of one micro-batch of
+    `data.max_prompt_tokens + rl.max_tokens` tokens."""
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path)).get_text_config()
+    engine_base = "bf16" if cfg.engine.precision == "bf16" else "fp8"
+    engine = estimate_trainer_bytes(config, engine_base, cfg.lora.rank, list(cfg.lora.targets), 1, False, 1)
+    tokens = cfg.trainer.micro_batch_size * min(cfg.data.max_prompt_tokens + cfg.rl.max_tokens, cfg.model.max_model_len)
+    trainer = estimate_trainer_bytes(config, cfg.trainer.base, cfg.lora.rank, list(cfg.lora.targets), tokens,
+                                     cfg.trainer.gradient_checkpointing, cfg.trainer.logprob_chunk_tokens)
+    engine_weights = engine.base_projection_bytes + engine.base_other_bytes
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        kv_pool = max(0.0, cfg.engine.gpu_memory_utilization * total - engine_weights)
+    else:
+        total, kv_pool = 0, cfg.engine.cpu_kv_cache_gb * GiB
+    per_token = kv_bytes_per_token(config)
+    return {"plan/device_total_bytes": float(total), "plan/engine_weight_bytes": float(engine_weights),
+            "plan/kv_pool_bytes": float(kv_pool), "plan/kv_tokens": float(kv_pool // per_token) if per_token else 0.0,
+            "plan/trainer_base_bytes": float(trainer.base_projection_bytes + trainer.base_other_bytes),
+            "plan/trainer_lora_optimizer_bytes": float(trainer.lora_total_bytes),
+            "plan/trainer_activation_bytes": float(trainer.activation_bytes),
+            "plan/micro_batch_tokens": float(tokens)}
+
+
+def log_memory_plan(plan: dict[str, float]) -> None:
+    g = {k.removeprefix("plan/"): v / GiB for k, v in plan.items() if k.endswith("_bytes")}
+    log.info(
+        "memory plan: engine weights %.2f GiB + KV pool %.2f GiB (~%d tokens) | trainer base %.2f GiB, LoRA+AdamW "
+        "%.2f GiB, activations %.2f GiB (%d tokens/micro-batch) | device %.1f GiB", g["engine_weight_bytes"],
+        g["kv_pool_bytes"], plan["plan/kv_tokens"], g["trainer_base_bytes"], g["trainer_lora_optimizer_bytes"],
+        g["trainer_activation_bytes"], plan["plan/micro_batch_tokens"], g["device_total_bytes"])

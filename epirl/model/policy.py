@@ -78,6 +78,8 @@ class Policy:
         self.engine_storages: set[int] = set()
         # The checkpoint keeps the text model under `model.language_model.` (Qwen3.5): adapter files use it.
         self.nests_text_model = False
+        self.random_weights = False  # model.load_format=dummy: saved adapters are marked, never evaluated
+        self.linear_attention_kernel = "none"  # Qwen3.5 gated DeltaNet: "fla" or "torch (...)"
 
     @property
     def device(self) -> torch.device:

@@ -9,7 +9,8 @@ Per step:
   5. train         release the engine's KV cache, recompute log-probs on the trainer (same base weights),
                    DAPO loss with truncated importance sampling against the engine's log-probs, AdamW;
   6. publish       the adapter goes to the engine in memory under a new name; KV cache re-acquired;
-  7. probe         the engine continues a fixed set of prompts, the trainer re-scores them: they must agree;
+  7. probe         the engine continues a fixed set of prompts; the trainer scores them under the new adapter,
+                   the previous one and none: the engine must sit nearer the new one (epirl/rl/probe.py);
   8. log / save    metrics to JSONL + W&B, checkpoints for exact resume.
 Shapes: P prompts, G samples per prompt, B = P·G sequences, T tokens.
 """
@@ -17,7 +18,6 @@ Shapes: P prompts, G samples per prompt, B = P·G sequences, T tokens.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,10 +31,14 @@ from epirl.data import Prompt, PromptStream, load_problems, render_prompt
 from epirl.engine import RolloutEngine
 from epirl.engine.engine import check_vllm_args
 from epirl.model import Policy, load_policy, save_adapter
-from epirl.model.memory import preflight_beside_engine
+from epirl.model.dummy import prepare as prepare_random_weights
+from epirl.model.dummy import uses_tokenizer
+from epirl.model.memory import log_memory_plan, memory_plan, preflight_beside_engine
 from epirl.rewards import RewardPool, overlong_penalty
 from epirl.rl.advantages import group_advantages, informative_groups
+from epirl.rl import benchmark as bench
 from epirl.rl.hooks import PeriodicEval, periodic_mismatch
+from epirl.rl.probe import ProbeMismatch, PublishProbe  # noqa: F401 - ProbeMismatch is part of the loop's API
 from epirl.rl.trainer import build_batch, build_optimizer, train_step
 from epirl.tracking import PhaseTimer, Tracker, memory_metrics
 
@@ -65,10 +69,12 @@ class Run:
     pool: RewardPool
     device: torch.device
     pad_id: int
-    probe_prompts: list[list[int]] = field(default_factory=list)
-    """Token ids the post-publish probe continues: the data's first problems, fixed for the whole run."""
+    probe: PublishProbe | None = None
+    """The post-publish probe (its prompts: the data's first problems, fixed for the whole run); None = off."""
     tracker: Tracker | None = None
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    benchmark: bench.BenchmarkSettings | None = None
+    """`epirl train --benchmark`: synthetic prompts, coin rewards, no checkpoints (epirl/rl/benchmark.py)."""
 
 
 @dataclass
@@ -78,10 +84,6 @@ class StepResult:
     metrics: dict[str, float]
     samples: list[dict]
     prompt_ids: list[list[int]]
-
-
-class ProbeMismatch(RuntimeError):
-    """Engine and trainer disagree after a publish: the adapter did not arrive, or the arithmetic drifted."""
 
 
 def step_seed(seed: int, step: int, round_: int) -> int:
@@ -104,9 +106,11 @@ def grade_groups(prompts: list[Prompt], completions_P_G: list[list], pool, cfg: 
     return groups, stats
 
 
-def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int) -> tuple[list[Group], dict]:
+def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step: int, timer: PhaseTimer | None = None,
+                     ignore_eos: bool = False) -> tuple[list[Group], dict]:
     """Generate and grade until P informative groups are collected or the refill rounds run out."""
     rl = cfg.rl
+    timer = timer or PhaseTimer()
     kept: list[Group] = []
     seen: list[Group] = []
     totals: dict[str, float] = {}
@@ -114,9 +118,12 @@ def collect_rollouts(engine, stream: PromptStream, pool, cfg: EpirlConfig, step:
         need = rl.prompts_per_step - len(kept)
         prompts = stream.take(need)
         torch.manual_seed(step_seed(cfg.seed, step, round_))
-        completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
-                                          max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p)
-        groups, stats = grade_groups(prompts, completions_P_G, pool, cfg)
+        with timer("generate"):
+            completions_P_G = engine.generate([p.token_ids for p in prompts], n=rl.samples_per_prompt,
+                                              max_tokens=rl.max_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                                              ignore_eos=ignore_eos)
+        with timer("score"):
+            groups, stats = grade_groups(prompts, completions_P_G, pool, cfg)
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
         seen += groups
@@ -149,6 +156,7 @@ def rollout_metrics(seen: list[Group], kept: list[Group], cfg: EpirlConfig) -> d
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": truncated.mean().item(),
+        "rollout/generated_tokens": lengths.sum().item(),
         "rollout/groups_generated": float(len(seen)),
         "rollout/groups_kept": float(len(kept)),
         "rollout/informative_frac": len(kept) / max(len(seen), 1),
@@ -165,33 +173,9 @@ def groups_to_batch(groups: list[Group], cfg: EpirlConfig, pad_id: int):
     return build_batch(sequences, pad_id) if sequences else None
 
 
-@torch.no_grad()
-def probe(engine, policy, prompts: list[list[int]], cfg: EpirlConfig, device, pad_id: int) -> dict[str, float]:
-    """After a publish, the engine (new adapter) continues a fixed set of prompts and the trainer re-scores
-    the same tokens: their log-probs must agree, else the publish did not take (or the arithmetic drifted).
-    Uses generate-time log-probs rather than prompt log-probs, which vLLM's CPU LoRA path lacks."""
-    if not prompts:
-        return {}
-    torch.manual_seed(cfg.seed)
-    outs = engine.generate(prompts, n=1, max_tokens=min(16, cfg.rl.max_tokens), temperature=cfg.rl.temperature)
-    picks = [(p, list(o[0].token_ids), list(o[0].logprobs)) for p, o in zip(prompts, outs) if o[0].token_ids]
-    if not picks:
-        return {}
-    batch = build_batch([(p, c, lp, 0.0) for p, c, lp in picks], pad_id).to(device)
-    policy.model.eval()
-    trainer_lp_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, cfg.rl.temperature,
-                                              cfg.trainer.logprob_chunk_tokens)
-    diff_N = (trainer_lp_B_T.float() - batch.engine_logprobs_B_T).abs()[batch.mask_B_T]
-    mean_diff, max_diff = diff_N.mean().item(), diff_N.max().item()
-    if not math.isfinite(mean_diff) or mean_diff > cfg.engine.probe_tolerance:
-        raise ProbeMismatch(
-            f"engine and trainer disagree after publishing the adapter: mean |Δ log p| = {mean_diff:.4g} > "
-            f"engine.probe_tolerance={cfg.engine.probe_tolerance} (max {max_diff:.4g}, precision "
-            f"{cfg.engine.precision}, trainer.base {cfg.trainer.base})")
-    return {"probe/mean_abs_logp_diff": mean_diff, "probe/max_abs_logp_diff": max_diff}
-
-
 def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
+    if tokenizer is None:  # token-id prompts (random weights without a tokenizer): nothing to read
+        return []
     rows = []
     for g in groups[:count]:
         c = g.completions[0]
@@ -200,15 +184,22 @@ def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
     return rows
 
 
-def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, problems: list | None = None) -> Path:
+def train(cfg: EpirlConfig, resume: Path | None = None, progress=None,
+          benchmark: bench.BenchmarkSettings | None = None, problems: list | None = None) -> Path:
     """Run (or resume) a GRPO/DAPO training job; returns the run folder.
 
     `progress`: an observer (`epirl.progress.RunProgress`): `progress.started(start_step, memory_report)` once
-    the engine and trainer are up, then `progress(step, metrics)` after every step. `problems`: the output
-    of `check_inputs(cfg)` when the caller has run it already."""
+    the engine and trainer are up, then `progress(step, metrics)` after every step. `benchmark`: the same loop
+    for `benchmark.steps` steps on synthetic token-id prompts with seeded-coin rewards; writes benchmark.json
+    instead of checkpoints and an adapter (epirl/rl/benchmark.py). `problems`: the output of
+    `check_inputs(cfg)` when the caller has run it already."""
+    if cfg.model.load_format == "dummy":
+        prepare_random_weights(cfg)  # model.path becomes the folder of the architecture's config; one log line
     if problems is None:  # bad model path, data, vLLM arguments: one line, before anything starts
-        problems = check_inputs(cfg)
+        problems = check_inputs(cfg, need_data=benchmark is None)
     device = resolve_runtime(cfg)
+    plan = memory_plan(cfg, device)
+    log_memory_plan(plan)  # before the engine starts: what the recipe should take
     if device.type == "cuda":  # fail in seconds, before the engine loads, when the trainer cannot fit
         preflight_beside_engine(cfg, device)
     run_dir = Path(resume) if resume else cfg.run_dir
@@ -220,10 +211,11 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, problems:
     engine = None
     try:
         engine = RolloutEngine(cfg)
-        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
-            run = start_run(cfg, engine, pool, device, problems, tracker)
+        pool = bench.CoinRewards(cfg.seed) if benchmark else RewardPool(cfg.reward.workers, cfg.reward.timeout_s)
+        with pool:
+            run = start_run(cfg, engine, pool, device, problems, tracker, benchmark)
             start_step = restore(run, run_dir) if resume else 0
-            run_steps(run, run_dir, start_step, progress)
+            run_steps(run, run_dir, start_step, progress, plan)
     finally:
         tracker.close()
         if engine is not None:
@@ -231,7 +223,7 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None, problems:
     return run_dir
 
 
-def check_inputs(cfg: EpirlConfig) -> list:
+def check_inputs(cfg: EpirlConfig, need_data: bool = True) -> list:
     """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
 
     Raises ConfigError / DataError with one line naming the field or file."""
@@ -248,21 +240,35 @@ def check_inputs(cfg: EpirlConfig) -> list:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"model.path: {cfg.model.path}: {reason}") from None
     check_vllm_args(cfg)
+    if not need_data:
+        return []
+    if not uses_tokenizer(cfg):
+        raise ConfigError("model.load_format=dummy: this config has no tokenizer, so prompts can only be token ids: "
+                          "run `epirl train ... --benchmark N`, or set model.tokenizer")
     return load_problems(cfg.data, cfg.seed)
 
 
-def start_run(cfg: EpirlConfig, engine: RolloutEngine, pool: RewardPool, device: torch.device, problems: list,
-              tracker: Tracker | None = None) -> Run:
-    """The trainer beside a started engine (policy, optimizer, prompt stream, probe prompts)."""
+def start_run(cfg: EpirlConfig, engine: RolloutEngine, pool, device: torch.device, problems: list,
+              tracker: Tracker | None = None, benchmark: bench.BenchmarkSettings | None = None) -> Run:
+    """The trainer beside a started engine (policy, optimizer, prompt stream, post-publish probe)."""
     policy = load_policy(cfg, device, engine=engine)
     optimizer, scheduler = build_optimizer(policy.lora_parameters(), cfg)
-    stream = PromptStream(problems, engine.tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
-                          thinking=cfg.model.thinking, max_prompt_tokens=cfg.prompt_token_limit)
-    pad_id = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
-    # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
-    probe_prompts = [render_prompt(engine.tokenizer, p.messages, cfg.model.thinking)
-                     for p in problems[: cfg.engine.probe_prompts]]
-    return Run(cfg, engine, policy, optimizer, scheduler, stream, pool, device, pad_id, probe_prompts, tracker)
+    tokenizer = engine.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    if benchmark is not None:
+        stream = bench.SyntheticPrompts(cfg, benchmark)
+        probe_prompts = bench.probe_prompts(cfg, benchmark)
+    else:
+        stream = PromptStream(problems, tokenizer, seed=cfg.seed, shuffle=cfg.data.shuffle,
+                              thinking=cfg.model.thinking, max_prompt_tokens=cfg.prompt_token_limit)
+        # A fixed probe set for the whole run (the first problems in file order; the stream is not touched).
+        probe_prompts = [render_prompt(tokenizer, p.messages, cfg.model.thinking)
+                         for p in problems[: cfg.engine.probe_prompts]]
+    # Random weights: engine and trainer hold different values (epirl.model.dummy), so the probe only reports.
+    probe = (PublishProbe(cfg, probe_prompts, device, pad_id, enforce=cfg.model.load_format != "dummy")
+             if probe_prompts else None)
+    return Run(cfg, engine, policy, optimizer, scheduler, stream, pool, device, pad_id, probe, tracker,
+               benchmark=benchmark)
 
 
 def restore(run: Run, run_dir: Path) -> int:
@@ -278,40 +284,56 @@ def restore(run: Run, run_dir: Path) -> int:
     return state["step"]
 
 
-def run_steps(run: Run, run_dir: Path, start_step: int, progress=None) -> None:
-    """Steps `start_step` .. `rl.steps`: each step, then in-training eval / mismatch, logging, checkpoints."""
+def run_steps(run: Run, run_dir: Path, start_step: int, progress=None, plan: dict | None = None) -> None:
+    """Steps `start_step` .. `rl.steps` (or `benchmark.steps` more): each step, then in-training eval /
+    mismatch, logging, checkpoints; a benchmark records its rows instead of saving anything."""
     cfg, tracker = run.cfg, run.tracker
+    random_weights = float(cfg.model.load_format == "dummy")
     run.engine.publish(run.policy.lora_state_dict(), step=start_step)  # the engine always samples with our adapter
+    if run.probe is not None:
+        run.probe(run.engine, run.policy, None, start_step)  # the noise floor (a fresh adapter is zero: new = base)
     if tracker is not None:
-        tracker.summary(run.policy.memory_report())
+        tracker.summary(run.policy.memory_report() | {"model/random_weights": random_weights})
     if progress is not None:
         progress.started(start_step, run.policy.memory_report())
-    evaluate = PeriodicEval(cfg, run_dir)
-    for step in range(start_step, cfg.rl.steps):
+    recorder = bench.Recorder(cfg, run.benchmark, plan, run.engine, run_dir) if run.benchmark else None
+    evaluate = PeriodicEval(cfg, run_dir) if recorder is None else None
+    last_step = start_step + run.benchmark.steps if run.benchmark else cfg.rl.steps
+    for step in range(start_step, last_step):
         result = run_step(run, step)
-        metrics = result.metrics
-        if evaluate.due(step + 1):
-            metrics |= evaluate(step + 1, run.engine, run.pool)
-        metrics |= periodic_mismatch(step + 1, cfg, run.engine, run.policy, result.prompt_ids, run.device)
+        metrics = result.metrics | {"model/random_weights": random_weights}
+        if recorder is not None:
+            metrics |= recorder.record(step + 1, metrics, run.policy, run.optimizer)
+        else:
+            if evaluate.due(step + 1):
+                metrics |= evaluate(step + 1, run.engine, run.pool)
+            metrics |= periodic_mismatch(step + 1, cfg, run.engine, run.policy, result.prompt_ids, run.device)
         if tracker is not None:
             tracker.log(step + 1, metrics)
-            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0:
+            if cfg.tracking.samples_every and (step + 1) % cfg.tracking.samples_every == 0 and result.samples:
                 tracker.log_samples(step + 1, result.samples)
         if progress is not None:
             progress(step + 1, metrics)
-        last = step + 1 == cfg.rl.steps
-        if last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0):
-            save_checkpoint(run_dir, step + 1, policy=run.policy, cfg=cfg, optimizer=run.optimizer,
-                            scheduler=run.scheduler, data_state=run.stream.state_dict(),
-                            keep_last=cfg.checkpoint.keep_last)
-    save_adapter(run.policy, run_dir / "adapter", cfg)
+        if recorder is None:
+            maybe_checkpoint(run, run_dir, step + 1)
+    if recorder is not None:
+        recorder.finish()
+    else:
+        save_adapter(run.policy, run_dir / "adapter", cfg)
+
+
+def maybe_checkpoint(run: Run, run_dir: Path, step: int) -> None:
+    cfg = run.cfg
+    if step == cfg.rl.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+        save_checkpoint(run_dir, step, policy=run.policy, cfg=cfg, optimizer=run.optimizer, scheduler=run.scheduler,
+                        data_state=run.stream.state_dict(), keep_last=cfg.checkpoint.keep_last)
 
 
 def run_step(run: Run, step: int) -> StepResult:
     """One GRPO step (module docstring, 1-7): rollouts, release, train, publish, re-acquire, probe."""
     cfg, engine, policy, timer = run.cfg, run.engine, run.policy, run.timer
-    with timer("generate"):
-        groups, metrics = collect_rollouts(engine, run.stream, run.pool, cfg, step)
+    ignore_eos = run.benchmark is not None and run.benchmark.force_max_tokens
+    groups, metrics = collect_rollouts(engine, run.stream, run.pool, cfg, step, timer, ignore_eos)
     batch = groups_to_batch(groups, cfg, run.pad_id)
     with timer("release_kv"):
         metrics |= engine.release_kv()
@@ -321,15 +343,18 @@ def run_step(run: Run, step: int) -> StepResult:
         if batch is not None and bool((batch.advantages_B != 0).any()):
             metrics |= train_step(policy, run.optimizer, run.scheduler, batch, cfg, run.device)
             metrics["train/skipped"] = 0.0
+            metrics["train/processed_tokens"] = float(sum(len(g.prompt.token_ids) + len(c.token_ids)
+                                                          for g in groups for c in g.completions if c.token_ids))
         else:  # every group had equal rewards: no gradient signal, keep the adapter as it is
             metrics["train/skipped"] = 1.0
+    previous = engine.adapter.tensors if engine.adapter is not None else None  # what the probe tells apart
     with timer("publish"):
         metrics |= engine.publish(policy.lora_state_dict(), step=step + 1)
     with timer("reacquire_kv"):
         metrics |= engine.reacquire_kv()
-    if cfg.engine.probe_prompts:
+    if run.probe is not None:
         with timer("probe"):
-            metrics |= probe(engine, policy, run.probe_prompts, cfg, run.device, run.pad_id)
+            metrics |= run.probe(engine, policy, previous, step + 1)
     metrics |= timer.pop() | memory_metrics()
     metrics |= {f"mem/trainer_{k}": float(v) for k, v in policy.memory_report().items() if isinstance(v, (int, float))}
     metrics["time/step_s"] = sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/step_s")

