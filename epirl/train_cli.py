@@ -39,7 +39,7 @@ from epirl.engine.vllm_compat import engine_args
 from epirl.model.memory import PreflightError, preflight_beside_engine
 from epirl.plan import plan_lines
 from epirl.progress import RunProgress
-from epirl.rl.benchmark import BenchmarkSettings
+from epirl.rl.benchmark import BenchmarkSettings, format_table
 from epirl.rl.loop import check_inputs, train
 
 log = logging.getLogger("epirl.train")
@@ -259,9 +259,10 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
             console.rule(style="dim")
         return 1
     observer.print_summary(out_dir)
-    if benchmark is not None:
-        console.print(f"[green]benchmark:[/] {benchmark.out or out_dir / 'benchmark.json'} (rewards were a seeded coin)",
-                      soft_wrap=True, highlight=False)
+    if benchmark is not None:  # the table is the benchmark's result: on the console, not only in train.log
+        result = Path(benchmark.out) if benchmark.out else out_dir / "benchmark.json"
+        console.print(format_table(json.loads(result.read_text())), markup=False, highlight=False, soft_wrap=True)
+        console.print(f"[green]benchmark:[/] {result} (rewards were a seeded coin)", soft_wrap=True, highlight=False)
     return 0
 
 
