@@ -6,7 +6,9 @@ validated range. Unknown keys and bad values fail with one line that names the f
 
 from __future__ import annotations
 
+import difflib
 import logging
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -376,25 +378,70 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
         for key in keys[:-1]:
             child = node.setdefault(key, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override '{item}': '{key}' is not a section")
+                raise ConfigError(f"override {item}: '{key}' is a value, not a section")
             node = child
         node[keys[-1]] = value
     return tree
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _section_keys(loc: tuple) -> list[str]:
+    """The keys allowed beside the last element of `loc` (a pydantic error location), for "did you mean"."""
+    model: Any = EpirlConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        model = field.annotation
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return []
+
+
+def _did_you_mean(loc: tuple) -> str:
+    close = difflib.get_close_matches(str(loc[-1]), _section_keys(loc), n=1, cutoff=0.6)
+    prefix = ".".join(str(p) for p in loc[:-1])
+    return f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
+
+
+def _blamed_override(loc: tuple, overrides: list[str]) -> str | None:
+    """The override that set the field at `loc` (or a section around it, or a key inside it); the last wins,
+    as it does when the overrides are applied."""
+    field = [str(p) for p in loc]
+    for item in reversed(overrides):
+        keys = item.split("=", 1)[0].strip().split(".")
+        if keys[: len(field)] == field or field[: len(keys)] == keys:
+            return item
+    return None
+
+
+def _named_override(message: str, overrides: list[str]) -> str | None:
+    """For a check across sections (its message names the fields): the last override of a field it names."""
+    for item in reversed(overrides):
+        if re.search(rf"\b{re.escape(item.split('=', 1)[0].strip())}\b", message):
+            return item
+    return None
+
+
+def _format_validation_error(err: ValidationError, source: str, overrides: list[str] = ()) -> str:
     first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "<root>"
+    loc = tuple(first["loc"])
+    field = ".".join(str(p) for p in loc) or "<root>"
+    override = _blamed_override(loc, list(overrides)) if loc else _named_override(first["msg"], list(overrides))
+    where = f"override {override}" if override else source
     if first["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{field}'"
+        return f"{where}: unknown key '{field}'{_did_you_mean(loc)}"
     message = first["msg"].removeprefix("Value error, ")  # our validators' own words, without pydantic's tag
-    if not first["loc"]:  # a check across sections: its message names the fields itself
-        return f"{source}: {message}"
-    return f"{source}: {field}: {message} (got {first.get('input')!r})"
+    if not loc:  # a check across sections: its message names the fields itself
+        return f"{where}: {message}"
+    if override and override.split("=", 1)[0].strip() == field:  # the override already names the field
+        return f"{where}: {message}"
+    return f"{where}: {field}: {message} (got {first.get('input')!r})"
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> EpirlConfig:
-    """Read a YAML recipe, apply `key.sub=value` overrides, validate. Raises ConfigError (one line)."""
+    """Read a YAML recipe, apply `key.sub=value` overrides, validate. Raises ConfigError (one line).
+
+    Errors name where the bad value came from: the recipe file, or `override key=value`."""
     tree: dict = {}
     source = "config"
     if recipe is not None:
@@ -414,7 +461,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     try:
         return EpirlConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source, overrides or [])) from None
 
 
 def dump_config(cfg: EpirlConfig, path: Path) -> None:

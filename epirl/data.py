@@ -44,11 +44,18 @@ class Prompt:
 
 # ----------------------------------------------------------------------------------------------- readers
 def read_records(source: str, split: str = "train") -> list[dict[str, Any]]:
-    """Rows of a local .jsonl/.json/.parquet file, or of a hub dataset (id or `id:config`)."""
-    path = Path(source)
-    if path.suffix in {".jsonl", ".json", ".parquet"} or path.exists():
+    """Rows of a local .jsonl/.json/.parquet file, or of a hub dataset (`org/name` or `org/name:config`).
+
+    What is a path and what is a hub id: `epirl.hub` (a path-like source that does not exist is a missing
+    file, never a hub lookup)."""
+    from epirl import hub
+
+    path = hub.local_path(source)
+    if path is not None:
+        if not path.exists():
+            raise DataError(f"data.source: no such file: {source}")
         if not path.is_file():
-            raise DataError(f"data file not found: {path}")
+            raise DataError(f"data.source: {source} is a folder; give a .jsonl, .json or .parquet file")
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -62,13 +69,16 @@ def read_records(source: str, split: str = "train") -> list[dict[str, Any]]:
                     except json.JSONDecodeError:
                         raise DataError(f"{path}:{lineno}: not a JSON object") from None
         return rows
+    hub.require_hub("data.source", source, DataError)
     import datasets
 
     name, _, config = source.partition(":")
     try:
         dataset = datasets.load_dataset(name, config or None, split=split)
     except Exception as exc:  # hub unreachable, unknown id, bad split: one line naming the source
-        raise DataError(f"cannot load dataset '{source}' (split {split}): {type(exc).__name__}: {exc}") from None
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise DataError(f"data.source: cannot load hub dataset '{source}' (split {split}): "
+                        f"{type(exc).__name__}: {reason}") from None
     return dataset.to_list()
 
 

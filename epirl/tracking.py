@@ -56,12 +56,16 @@ class Tracker:
             import wandb
 
             run_id_file = run_dir / "wandb_id"
-            # Our own id (wandb.util.generate_id is gone in recent wandb); kept so a resumed run continues.
+            # Our own id (wandb.util.generate_id is gone in recent wandb); kept so a resumed run continues the
+            # same W&B run (resume="allow"). wandb writes one folder per session under run_dir/wandb/ (offline:
+            # offline-run-<time>-<id>); `wandb sync` uploads them in start-time order into that one run.
             run_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else uuid.uuid4().hex[:12]
             run_id_file.write_text(run_id)
             return wandb.init(project=self.cfg.tracking.project, name=self.cfg.name, id=run_id, mode=mode,
                               dir=str(run_dir), config=self.cfg.model_dump(mode="json"),
-                              resume="allow" if resume else None, reinit="finish_previous")
+                              resume="allow" if resume else None, reinit="finish_previous",
+                              # train.log already holds the console; W&B's own copy of it would be a second one
+                              settings=wandb.Settings(console="off"))
         except Exception as exc:  # network, auth, disk: training goes on with local metrics
             log.warning("W&B disabled for this run (%s: %s); metrics still go to %s", type(exc).__name__, exc, self.path)
             return None

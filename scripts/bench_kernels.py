@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from epirl.kernels import Fp8LoRALinear, quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora
+from epirl.kernels.gpu_timing import graph_us
 
 HBM_BYTES_PER_S = 4.4e12
 RANK, ALPHA = 64, 128
@@ -35,46 +36,6 @@ TRAIN_TOKENS = [4096, 8192]
 
 def bench_us(fn, **kw) -> float:
     return do_bench(fn, warmup=10, rep=40, **kw) * 1e3
-
-
-_FLUSH = None
-
-
-def _graph_ms(body, reps: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()  # warm-up outside capture (compiles kernels, fills allocator pools)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            body()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[2]
-
-
-def graph_us(fn, reps: int = 10) -> float:
-    """Median per-call GPU time of fn replayed in a CUDA graph, L2 flushed before each call."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
-
-    def flushed():
-        _FLUSH.zero_()
-        fn()
-
-    t = _graph_ms(flushed, reps) - _graph_ms(_FLUSH.zero_, reps)
-    return max(t, 0.0) * 1e3 / reps
 
 
 def floor_us(M, K, N, r=RANK) -> float:

@@ -99,7 +99,7 @@ def floor_us(M, bandwidth) -> float:
 
 
 def layer_table(layer, bandwidth):
-    from epirl.kernels.w8a8_multi_lora.timing import graph_us
+    from epirl.kernels.gpu_timing import graph_us
 
     rows = []
     for M in TOKENS:
@@ -120,7 +120,8 @@ def layer_table(layer, bandwidth):
 def projection_table(layer):
     """Per projection at 1 and 16 tokens: fused (best path) vs base, to see where the layer's time goes."""
     from epirl.kernels import w8a8_multi_lora
-    from epirl.kernels.w8a8_multi_lora.timing import graph_us, vendor_base
+    from epirl.kernels.gpu_timing import graph_us
+    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
 
     rows = []
     print("\n| projection | tokens | base µs | fused µs | fused no-LoRA µs |\n|---|---|---|---|---|")
@@ -167,7 +168,7 @@ def numerics_table(layer, M=16):
 
 
 def sweep_table(layer):
-    from epirl.kernels.w8a8_multi_lora.timing import graph_us
+    from epirl.kernels.gpu_timing import graph_us
 
     rows = []
     print("\n| K2 decode config | layer µs at 1 tok | 16 tok |\n|---|---|---|")
@@ -189,7 +190,8 @@ def sweep_table(layer):
 def dispatch_table(cache_dir):
     """The engine's timed dispatch on this layer's projection shapes (buckets 1 and 16), as the engine runs it."""
     from epirl.kernels.w8a8_multi_lora import dispatch
-    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates, graph_us
+    from epirl.kernels.gpu_timing import graph_us
+    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates
 
     shapes = [dispatch.Shape(name, K, N, RANK) for name, K, N in LAYER]
     table = dispatch.load_or_time(cache_dir, torch.cuda.get_device_name(), "none", shapes, gpu_candidates, graph_us,

@@ -5,8 +5,8 @@
 # Usage: bash scripts/gpu_train_smollm2.sh [steps] [pairing ...]
 #   pairings: bf16 w8a16 w8a8 (default: all three). The KV cache is released around training (on vLLM
 #   0.26-0.27 by the manual unmap; export EPIRL_KV_RELEASE_MANUAL=0 to keep it resident). Each run's table
-#   (and, when it failed, the end of its log without progress bars) is kept as $OUT/train_<pairing>.md;
-#   runs live in /tmp/runs.
+#   with its console output (and, when it failed, the end of its train.log without progress bars) is kept as
+#   $OUT/train_<pairing>.md, with the number of console lines up to step 1; runs live in /tmp/runs.
 set -o pipefail
 source scripts/device_env.sh
 STEPS=${1:-6}; shift || true
@@ -20,14 +20,21 @@ declare -A OVERRIDES=(
   [w8a8]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis"
 )
 for pairing in "${PAIRINGS[@]}"; do
-  name=${pairing}_engine; log=/tmp/$name.log; t0=$(date +%s)
+  name=${pairing}_engine; console=/tmp/$name.console; t0=$(date +%s)
   report=$OUT/train_$pairing.md
+  rm -rf /tmp/runs/$name /tmp/runs/$name.failed
+  # The console is quiet (plan, step lines, summary); everything else is in the run's train.log
+  # (/tmp/runs/<name>.failed/train.log when the run failed before its first step).
   if timeout 420 python3 -P -m epirl.cli train recipes/smollm2_arith_cpu.yaml \
-      name=$name "${COMMON[@]}" ${OVERRIDES[$pairing]} > $log 2>&1; then
-    echo "$name: ok in $(( $(date +%s) - t0 )) s ($(grep -o 'started in [0-9.]* s' $log | head -1))" | tee $report
+      name=$name "${COMMON[@]}" ${OVERRIDES[$pairing]} > $console 2>&1; then
+    log=/tmp/runs/$name/train.log
+    echo "$name: ok in $(( $(date +%s) - t0 )) s ($(grep -o 'started in [0-9.]* s' $log | head -1)," \
+         "$(grep -n -m1 '^step 1/' $console | cut -d: -f1) console lines up to step 1)" | tee $report
+    { echo '```'; cat $console; echo '```'; } >> $report
   else
+    log=/tmp/runs/$name/train.log; [ -f $log ] || log=/tmp/runs/$name.failed/train.log
     echo "$name: FAILED after $(( $(date +%s) - t0 )) s" | tee $report
-    grep -v '^\[rank0\]:\s*[~^]*$' $log | grep -E "Error|error|Traceback|File \"/tmp/epirl" | tail -n 12
+    cat $console | tail -n 12
     { echo '```'; grep -v -E 'it/s|s/it|^\s*$' $log | cut -c1-300 | tail -n 300; echo '```'; } >> $report
   fi
   grep -E "KV|kv_cache|checksum" $log | cut -c1-240 | head -n 4

@@ -51,6 +51,9 @@ def test_dummy_configs_resolve_without_a_hub(tmp_path, monkeypatch):
     cfg = load_config(RECIPES / "qwen3_8b_dapo.yaml", ["model.load_format=dummy"])
     cfg.model.path = str(dummy_model_dir(cfg.model.path))
     assert not uses_tokenizer(cfg)
+    from epirl.rl.benchmark import regular_token_limit
+
+    assert regular_token_limit(cfg) == 151643  # synthetic prompts hold no <|endoftext|>, EOS or image tokens
     plan = memory_plan(cfg, torch.device("cpu"))
     # Qwen3-8B: 6.95e9 FP8 projection bytes + 1.24e9 bf16 embedding/norm elements = 9.43e9 bytes
     assert plan["plan/engine_weight_bytes"] == pytest.approx(9.43e9, rel=0.01)

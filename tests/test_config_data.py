@@ -39,12 +39,13 @@ def test_overrides_parse_yaml_values():
 
 
 @pytest.mark.parametrize("override, message", [
-    (["rl.stepz=3"], "unknown key 'rl.stepz'"),
-    (["rl.clip_low=3"], "rl.clip_low: Input should be less than or equal to 1"),
-    (["engine.precision=fp4"], "engine.precision"),
-    (["lora.targets=[]"], "lora"),
+    (["rl.stepz=3"], "override rl.stepz=3: unknown key 'rl.stepz' (did you mean 'rl.steps'?)"),
+    (["rl.clip_low=3"], "override rl.clip_low=3: Input should be less than or equal to 1"),
+    (["engine.precision=fp4"], "override engine.precision=fp4: Input should be 'bf16', 'w8a8' or 'w8a16'"),
+    (["lora.targets=[]"], "override lora.targets=[]: must name at least one module"),
     (["rl.steps"], "not of the form key.sub=value"),
-    (["rl.steps.x=1"], "rl.steps"),
+    (["rl.steps.x=1"], "override rl.steps.x=1: rl.steps: Input should be a valid integer"),
+    (["rl.steps=3", "rl.stepz=4"], "override rl.stepz=4: unknown key"),
 ])
 def test_bad_overrides_fail_with_one_line_naming_the_field(override, message):
     with pytest.raises(ConfigError) as info:
@@ -63,6 +64,17 @@ def test_bad_recipe_files(tmp_path):
     unknown.write_text("trainer:\n  learning_rate: 1e-4\n")
     with pytest.raises(ConfigError, match="unknown.yaml: unknown key 'trainer.learning_rate'"):
         load_config(unknown)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("rl:\n  temprature: 0.7\n")
+    with pytest.raises(ConfigError, match=r"^\S*typo.yaml: unknown key 'rl.temprature' \(did you mean 'rl.temperature'\?\)$"):
+        load_config(typo)
+    # the recipe's own bad value is the recipe's; an override's is the override's
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rl:\n  clip_low: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: rl.clip_low: Input should be less than or equal to 1 \(got 3\)"):
+        load_config(bad, ["rl.steps=2"])
+    with pytest.raises(ConfigError, match=r"^override rl.clip_low=5: "):
+        load_config(bad, ["rl.clip_low=5"])
 
 
 def test_cli_bad_recipe_exits_2_without_creating_a_run(tmp_path):
@@ -113,7 +125,7 @@ def test_parquet_math_schema_and_errors(tmp_path):
     pq.write_table(pa.table({"problem": ["1+1?", "2+2?"], "answer": ["2", "4"]}), path)
     problems = load_problems(DataConfig(source=str(path)), seed=0)
     assert problems[0].ground_truth == "2" and "\\boxed{}" in problems[0].messages[0]["content"]
-    with pytest.raises(DataError, match="data file not found"):
+    with pytest.raises(DataError, match="data.source: no such file"):
         load_problems(DataConfig(source=str(tmp_path / "nope.jsonl")), seed=0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no schema"}\n')
@@ -171,7 +183,7 @@ def test_in_training_eval_loads_local_benchmarks(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("engine.vllm_args.not_a_vllm_arg=1", "engine.vllm_args.not_a_vllm_arg: not an argument of vLLM"),
     ("model.path=/nonexistent/model", "model.path: /nonexistent/model: no such folder"),
-    ("data.source=/nonexistent/data.jsonl", "data file not found: /nonexistent/data.jsonl"),
+    ("data.source=/nonexistent/data.jsonl", "data.source: no such file: /nonexistent/data.jsonl"),
 ])
 def test_cli_bad_inputs_found_at_start_exit_2_with_one_line(tmp_path, override, message):
     """Inputs only checkable once read (model folder, data file, vLLM's own argument names): still one line,
@@ -196,20 +208,21 @@ def test_cli_resume_without_a_checkpoint_exits_2(tmp_path):
 
 
 def test_unknown_lora_target_is_a_config_error_naming_the_field():
-    with pytest.raises(ConfigError, match=r"^config: lora\.targets: unknown projection\(s\) \['q_projx'\]; known: "):
+    with pytest.raises(ConfigError, match=r"^override lora\.targets=\[q_proj, q_projx\]: unknown projection\(s\) \['q_projx'\]; known: "):
         load_config(None, ["lora.targets=[q_proj, q_projx]"])
 
 
 def test_responses_must_leave_room_for_a_prompt_and_prompts_are_capped_by_the_context():
-    with pytest.raises(ConfigError, match=r"^config: rl\.max_tokens=512 leaves no room for a prompt in "
-                                          r"model\.max_model_len=512"):
+    with pytest.raises(ConfigError, match=r"^override rl\.max_tokens=512: rl\.max_tokens=512 leaves no room for a "
+                                          r"prompt in model\.max_model_len=512"):
         load_config(None, ["model.max_model_len=512", "rl.max_tokens=512"])
     cfg = load_config(None, ["model.max_model_len=512", "rl.max_tokens=32", "data.max_prompt_tokens=1024"])
     assert cfg.prompt_token_limit == 480
 
 
 def test_a_shared_base_needs_an_fp8_engine_refused_before_anything_loads():
-    with pytest.raises(ConfigError, match=r"^config: trainer\.base=shared maps the engine's FP8 weights, but "
+    with pytest.raises(ConfigError, match=r"^override trainer\.base=shared: trainer\.base=shared maps the engine's FP8 "
+                                          r"weights, but "
                                           r"engine\.precision=bf16 has none"):
         load_config(None, ["trainer.base=shared"])
     for precision in ("w8a8", "w8a16"):

@@ -92,7 +92,7 @@ def test_checkpoint_records_its_rank_count(tmp_path):
 
 
 def test_nproc_becomes_the_same_command_under_torchrun():
-    from epirl.cli import torchrun_command
+    from epirl.train_cli import torchrun_command
 
     argv = ["-v", "train", "r.yaml", "rl.steps=2", "--nproc", "2", "--resume", "runs/x"]
     assert torchrun_command(2, argv) == [sys.executable, "-m", "torch.distributed.run", "--standalone",

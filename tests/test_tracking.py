@@ -31,6 +31,25 @@ def test_tracker_writes_jsonl_and_an_offline_wandb_run(tmp_path, monkeypatch):
     assert (tmp_path / "wandb_id").read_text()
 
 
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    """Same id (runs/<name>/wandb_id), resume="allow", the same runs/<name>/wandb/ folder: wandb keeps one
+    session folder per process, and `wandb sync` uploads the sessions of one id into that one run."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config(None, ["tracking.wandb=offline", "name=t"])
+    first = Tracker(cfg, tmp_path)
+    first.log(1, {"reward/mean": 0.5})
+    run_id = first._wandb.id
+    first.close()
+    resumed = Tracker(cfg, tmp_path, resume=True)
+    assert resumed._wandb.id == run_id and resumed._wandb.settings.resume == "allow"
+    resumed.log(2, {"reward/mean": 0.6})
+    resumed.close()
+    sessions = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert sessions and all(path.name.endswith(run_id) for path in sessions)
+    assert (tmp_path / "wandb_id").read_text() == run_id
+
+
 def test_phase_timer_accumulates():
     timer = PhaseTimer()
     for _ in range(2):

@@ -130,6 +130,15 @@ def test_cli_writes_the_run_folder(tmp_path):
                                                                      "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "cli"
+    # The quiet console: the plan, then the step line; library output (vLLM, Triton, W&B) is in train.log only
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/1"))
+    assert first_step <= 15, lines[:first_step]
+    assert proc.stdout == "" and not any("INFO" in line or "[W" in line for line in lines), lines
+    assert any(line.startswith("accuracy ") for line in lines[first_step:]), lines[first_step:]
+    log = (run / "train.log").read_text()
+    assert "step 1/1  acc" in log and "vllm" in log  # every step line, and what the console left out
+    assert (run / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert load_config(run / "config.yaml").rl.steps == 1
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     for key in ("reward/mean", "reward/accuracy", "response/length_mean", "time/generate_s", "time/train_s",

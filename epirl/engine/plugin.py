@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 import torch
 
+from epirl.engine import serving_lora
 from epirl.engine.naming import NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
 from epirl.engine.vllm_compat import lora_layers, model_access, quantization
@@ -64,6 +65,10 @@ def register() -> None:
     quantization.register(W8A8_EMU, _make_config_class(W8A8_EMU, activation_fp8=True))
     patched = lora_layers.wrap_lora_apply(lambda base: getattr(base, "_epirl_lora", None) is not None, _fused_apply)
     log.debug("epirl plugin: patched apply of %d LoRA linear classes", patched)
+    # EPIRL_SERVING_KERNELS=fused|timed: serve FP8 (W8A8) LoRA layers with epirl.kernels.w8a8_multi_lora, in
+    # `vllm serve` / `vllm.LLM` too. Opt-in until an end-to-end vLLM run shows it beats vLLM's LoRA path.
+    if serving_lora.read_mode() != "off":
+        serving_lora.install()
     _registered = True
 
 

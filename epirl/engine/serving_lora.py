@@ -99,7 +99,8 @@ def _choice(K: int, N: int, r: int, M: int, device) -> str:
 
 def _time_shape(shape):
     from epirl.kernels.w8a8_multi_lora import dispatch
-    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates, graph_us, release
+    from epirl.kernels.gpu_timing import graph_us, release
+    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates
 
     try:
         import vllm

@@ -43,19 +43,34 @@ def prompt_length(cfg, settings: BenchmarkSettings) -> int:
     return max(1, min(settings.prompt_tokens or 256, cfg.prompt_token_limit))
 
 
-def _vocab_size(cfg) -> int:
+SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "video_token_id",
+                        "vision_start_token_id", "vision_end_token_id")
+
+
+def regular_token_limit(cfg) -> int:
+    """Synthetic prompts draw ids below this: the vocabulary, up to the first special token in its upper half
+    (Qwen's specials — EOS, image placeholders — sit after the regular tokens; a stray image token in a
+    text-only prompt is not what a real prompt holds)."""
     from transformers import AutoConfig
 
     from epirl.config import resolve_model_path
 
-    return int(AutoConfig.from_pretrained(resolve_model_path(cfg.model.path)).get_text_config().vocab_size)
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    vocab = int(config.get_text_config().vocab_size)
+    ids = []
+    for holder in (config, config.get_text_config()):
+        for name in SPECIAL_TOKEN_FIELDS:
+            value = getattr(holder, name, None)
+            ids += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
+    upper = [i for i in ids if vocab // 2 <= i < vocab]
+    return min(upper) if upper else vocab
 
 
 class SyntheticPrompts:
     """The prompt stream's interface (take / cursor / state) over seeded random token ids."""
 
     def __init__(self, cfg, settings: BenchmarkSettings, salt: int = 0):
-        self.length, self.vocab = prompt_length(cfg, settings), _vocab_size(cfg)
+        self.length, self.vocab = prompt_length(cfg, settings), regular_token_limit(cfg)
         self.seed = cfg.seed * 1_000_003 + salt
         self.cursor = 0
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from epirl import hub
 from epirl.checkpoint import checkpoint_world_size, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
 from epirl.config import ConfigError, EpirlConfig, dump_config, resolve_model_path, resolve_runtime
 from epirl.data import Prompt, PromptStream, load_problems, render_prompt
@@ -233,15 +234,18 @@ def sample_rows(groups: list[Group], tokenizer, count: int) -> list[dict]:
 
 
 def train(cfg: EpirlConfig, resume: Path | None = None, progress=None,
-          benchmark: bench.BenchmarkSettings | None = None) -> Path:
+          benchmark: bench.BenchmarkSettings | None = None, problems: list | None = None) -> Path:
     """Run (or resume) a GRPO/DAPO training job; returns the run folder.
 
-    `benchmark`: the same loop for `benchmark.steps` steps on synthetic token-id prompts with seeded-coin
-    rewards; writes benchmark.json instead of checkpoints and an adapter (epirl/rl/benchmark.py)."""
+    `progress`: an observer (`epirl.progress.RunProgress`): `progress.started(start_step, memory_report)` once
+    the engine and trainer are up, then `progress(step, metrics)` after every step. `benchmark`: the same loop
+    for `benchmark.steps` steps on synthetic token-id prompts with seeded-coin rewards; writes benchmark.json
+    instead of checkpoints and an adapter (epirl/rl/benchmark.py). `problems`: the output of
+    `check_inputs(cfg)` when the caller has run it already."""
     if cfg.model.load_format == "dummy":
         prepare_random_weights(cfg)  # model.path becomes the folder of the architecture's config; one log line
-    # bad model path, data, vLLM arguments: one line, before anything starts
-    problems = check_inputs(cfg, need_data=benchmark is None)
+    if problems is None:  # bad model path, data, vLLM arguments: one line, before anything starts
+        problems = check_inputs(cfg, need_data=benchmark is None)
     device = resolve_runtime(cfg)
     plan = memory_plan(cfg, device)
     log_memory_plan(plan)  # before the engine starts: what the recipe should take
@@ -289,8 +293,13 @@ def check_inputs(cfg: EpirlConfig, need_data: bool = True) -> list:
     """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
 
     Raises ConfigError / DataError with one line naming the field or file."""
-    if cfg.model.path.startswith(("/", ".", "~")) and not Path(cfg.model.path).is_dir():
-        raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
+    if cfg.model.path != resolve_model_path(cfg.model.path):
+        pass  # an alias of a pip-shipped model
+    elif (local := hub.local_path(cfg.model.path)) is not None:
+        if not local.is_dir():
+            raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
+    else:  # a hub id: one line when the hub cannot be reached, instead of a minute of retries
+        hub.require_hub("model.path", cfg.model.path, ConfigError)
     try:  # a folder, an alias or a hub id: its config only (the weights come after the memory pre-flight)
         AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     except Exception as exc:  # noqa: BLE001 - missing folder, bad hub id, offline: all one line
@@ -354,6 +363,8 @@ def run_steps(run: Run, run_dir: Path, start_step: int, progress=None, plan: dic
         run.probe(run.engine, run.policy, None, start_step)  # the noise floor (a fresh adapter is zero: new = base)
     if tracker is not None:
         tracker.summary(run.policy.memory_report() | {"model/random_weights": random_weights})
+    if progress is not None:
+        progress.started(start_step, run.policy.memory_report())
     recorder = bench.Recorder(cfg, run.benchmark, plan, run.engine, run_dir) if run.benchmark and main else None
     evaluate = PeriodicEval(cfg, run_dir) if run.benchmark is None and main else None
     last_step = start_step + run.benchmark.steps if run.benchmark else cfg.rl.steps

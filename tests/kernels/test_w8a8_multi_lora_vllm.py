@@ -67,3 +67,21 @@ def test_engine_scores_with_serving_kernels(served_engine):
     diff = max(abs(a - b) for a, b in zip(ours, vllm_lp))
     effect = max(abs(a - b) for a, b in zip(base, vllm_lp))
     assert diff < 1e-3 and effect > 10 * diff, (diff, effect)
+
+
+def test_plugin_register_installs_the_serving_kernels_only_when_the_setting_asks(monkeypatch):
+    """`vllm serve` / `vllm.LLM` load the plugin: EPIRL_SERVING_KERNELS alone picks the kernels there."""
+    from epirl.engine import plugin, serving_lora
+
+    calls = []
+    monkeypatch.setattr(serving_lora, "install", lambda: calls.append(serving_lora.read_mode()) or 0)
+    for setting, expected in (("0", []), ("timed", ["timed"])):
+        monkeypatch.setenv(serving_lora.ENV, setting)
+        monkeypatch.setattr(plugin, "_registered", False)
+        calls.clear()
+        plugin.register()
+        assert calls == expected
+    monkeypatch.setenv(serving_lora.ENV, "fast")
+    monkeypatch.setattr(plugin, "_registered", False)
+    with pytest.raises(ValueError, match="EPIRL_SERVING_KERNELS='fast'"):
+        plugin.register()

@@ -1,0 +1,337 @@
+"""`epirl train`: recipe + overrides → checked inputs → plan → the run, with a quiet console.
+
+    epirl train recipes/smollm2_arith_cpu.yaml rl.steps=20 engine.precision=w8a16
+    epirl train recipes/qwen35_9b_dapo.yaml --dry-run        # check data, model, vLLM args, memory; no training
+    epirl train recipes/qwen35_9b_dapo.yaml --print-config   # the resolved config as YAML
+    epirl train --resume runs/qwen35_9b_dapo                 # continue from the last checkpoint
+
+Bad input (recipe, override, data, model, engine argument, memory plan, `--resume` folder) is one line on
+the terminal and exit code 2, found before any engine starts, and leaves no run folder behind. Any other
+failure before step 1 moves the new run folder to `runs/<name>.failed/` (its train.log shows why) and
+prints the end of that log; a folder that existed before the command (resume) is never moved or removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import tempfile
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from epirl.checkpoint import STATE_FILE, latest_checkpoint
+from epirl.config import ConfigError, EpirlConfig, describe_fields, load_config, resolve_model_path, resolve_runtime
+from epirl.console import RunOutput, error_line, log_tail, quiet_library_environment
+from epirl.cpu_threads import apply_thread_plan, plan_threads
+from epirl.data import DataError
+from epirl.engine import plugin
+from epirl.engine.engine import _llm_kwargs, _quantization
+from epirl.engine.vllm_compat import engine_args
+from epirl.model.memory import PreflightError, preflight_beside_engine
+from epirl.plan import plan_lines
+from epirl.progress import RunProgress
+from epirl.rl.distributed import launched_world
+from epirl.rl.benchmark import BenchmarkSettings, format_table
+from epirl.rl.loop import check_inputs, train
+
+log = logging.getLogger("epirl.train")
+
+
+class InputError(Exception):
+    """Bad input found before training: the message is the one line to show; exit code 2."""
+
+
+def add_train_args(sub) -> None:
+    train = sub.add_parser("train", help="colocated GRPO/DAPO training",
+                           description="Colocated GRPO/DAPO training of a LoRA adapter from a YAML recipe.")
+    train.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/)")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rl.steps=5")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    train.add_argument("--help-config", action="store_true",
+                       help="print every config key (with the recipe's values when a recipe is given) and exit")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    train.add_argument("--dry-run", action="store_true",
+                       help="check data, model, engine arguments and the memory plan, print the plan, and exit")
+    train.add_argument("--verbose", dest="train_verbose", action="store_true",
+                       help="show library logs (vLLM, Triton, W&B, transformers) on the console too")
+    train.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                       type=str.upper, help="level of runs/<name>/train.log (default INFO)")
+    train.add_argument("--benchmark", type=int, metavar="N", help="measure the real loop for N steps on synthetic "
+                       "token-id prompts with seeded-coin rewards (no data, no checkpoints); writes benchmark.json")
+    train.add_argument("--prompt-tokens", type=int, default=None, help="--benchmark prompt length (default 256)")
+    train.add_argument("--force-max-tokens", action="store_true", help="--benchmark: every response runs to rl.max_tokens")
+    train.add_argument("--benchmark-out", default=None, help="--benchmark JSON path (default RUN/benchmark.json)")
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="N data-parallel ranks on this node, one GPU each (execs torchrun --nproc-per-node N; "
+                            "several nodes: run torchrun yourself, see README)")
+    train.set_defaults(func=cmd_train)
+
+
+def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    """`epirl train ... --nproc N` on one node: torchrun running the same command without --nproc
+    (`--standalone`: a free rendezvous port, so two jobs on one host do not collide)."""
+    rest, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            rest.append(item)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "epirl", *rest]
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    rank, world, _ = launched_world()
+    if args.nproc is not None and (args.nproc < 1 or (world > 1 and args.nproc != world)):
+        error_line(console, f"--nproc {args.nproc}: must be at least 1 and, inside a torchrun job, its rank count {world}")
+        return 2
+    if args.nproc not in (None, 1) and world == 1:
+        command = torchrun_command(args.nproc, sys.argv[1:])
+        os.execv(command[0], command)  # torchrun replaces this process: its exit status is the job's
+    verbose = bool(getattr(args, "verbose", False) or getattr(args, "train_verbose", False))
+    try:
+        recipe, cfg = _recipe_and_config(args)
+        if args.help_config:
+            print_config_reference(cfg if recipe is not None else None)
+            return 0
+        if args.print_config:
+            sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            return 0
+        start_step = _resume_step(args.resume)
+        benchmark = _benchmark_settings(args, cfg)
+    except InputError as exc:
+        error_line(console, str(exc))
+        return 2
+    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    quiet_library_environment()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.dry_run:
+        return _dry_run(cfg, run_dir, verbose, args.log_level)
+    # Rank 0 owns the run folder and the console; other ranks log to train.rank<r>.log and remove nothing.
+    created = _first_missing(run_dir) if rank == 0 else None
+    with RunOutput(run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log"), verbose, args.log_level) as out:
+        return _run(cfg, run_dir, start_step, out, created, resume=args.resume is not None, benchmark=benchmark,
+                    rank=rank)
+
+
+def _benchmark_settings(args, cfg) -> BenchmarkSettings | None:
+    """`--benchmark N`: the real loop on synthetic prompts, in its own `<name>-benchmark` folder."""
+    if args.benchmark is None:
+        return None
+    if args.benchmark < 1 or args.resume is not None:
+        raise InputError("--benchmark N needs N >= 1 and no --resume")
+    cfg.name = f"{cfg.name}-benchmark"  # never the folder of a real run
+    return BenchmarkSettings(args.benchmark, args.prompt_tokens, args.force_max_tokens, args.benchmark_out)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def _recipe_and_config(args):
+    """(recipe path or None, validated config). `--resume` without a recipe reuses the run's config.yaml."""
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe and not Path(recipe).is_file():  # `--resume RUN rl.steps=20`
+        recipe, overrides = None, [recipe, *overrides]
+    if args.resume is not None:
+        run = Path(args.resume)
+        if not run.is_dir():
+            raise InputError(f"--resume {args.resume}: the run folder does not exist")
+        if recipe is None:
+            recipe = run / "config.yaml"
+            if not recipe.is_file():
+                raise InputError(f"--resume {args.resume}: not a run folder (no config.yaml in it)")
+    if recipe is None:
+        if args.help_config:
+            return None, EpirlConfig()
+        raise InputError("epirl train needs a recipe (or --resume RUN_DIR); see recipes/")
+    try:
+        return recipe, load_config(recipe, overrides)
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _resume_step(resume: str | None) -> int:
+    if resume is None:
+        return 0
+    checkpoint = latest_checkpoint(Path(resume))
+    if checkpoint is None:
+        raise InputError(f"--resume {resume}: no complete checkpoint under {Path(resume) / 'checkpoints'}")
+    return int(json.loads((checkpoint / STATE_FILE).read_text())["step"])
+
+
+def _check_and_plan(cfg, run_dir: Path, console: Console, benchmark=None) -> list | None:
+    """Inputs checked (one-line errors as InputError), thread plan applied, the plan printed; the problems.
+
+    Random weights (`model.load_format=dummy`) are set up and checked by `train` itself (it rewrites
+    model.path first): then only the threads are planned here, and None is returned."""
+    threads = plan_threads()
+    try:
+        device = resolve_runtime(cfg)
+        if device.type == "cpu":  # before vLLM starts: it keeps an OMP_NUM_THREADS it finds (cpu_threads)
+            apply_thread_plan(threads)
+        if cfg.model.load_format == "dummy":
+            return None
+        problems = check_inputs(cfg, need_data=benchmark is None)
+        if device.type == "cuda":
+            preflight_beside_engine(cfg, device)
+    except (ConfigError, DataError, PreflightError) as exc:
+        raise InputError(str(exc)) from None
+    thread_text = threads.describe() if device.type == "cpu" else None
+    for label, text in plan_lines(cfg, device, len(problems), thread_text, run_dir):
+        line = f"{label:<8} {text}"
+        log.info(line, extra={"terminal": False})
+        console.print(f"[bold]{label:<8}[/] {escape(text)}", soft_wrap=True, highlight=False)
+    warning = threads.warning(device.type == "cpu")
+    if warning:
+        log.warning(warning)  # once, at start; the terminal handler shows epirl warnings
+    return problems
+
+
+def _dry_run(cfg, run_dir: Path, verbose: bool, level: str) -> int:
+    """Everything `train` checks before the engine starts, and the plan; writes nothing."""
+    with tempfile.TemporaryDirectory(prefix="epirl-dry-run-") as tmp, \
+            RunOutput(Path(tmp) / "train.log", verbose, level) as out:
+        try:
+            _check_and_plan(cfg, run_dir, out.console)
+            _check_engine_config(cfg)
+        except InputError as exc:
+            error_line(out.console, str(exc))
+            return 2
+        out.console.print("[green]dry run:[/] data, model, engine arguments and memory plan are valid; "
+                          "nothing was trained or written", soft_wrap=True, highlight=False)
+    return 0
+
+
+def _check_engine_config(cfg) -> None:
+    """vLLM's own validation of the engine arguments (EngineArgs → VllmConfig), without loading weights."""
+    try:
+        engine_args.set_process_env(cfg.engine.cpu_kv_cache_gb)  # read by vLLM when it is imported (next)
+        from vllm.engine.arg_utils import EngineArgs  # vLLM only here, once output goes to train.log
+
+        plugin.register()  # epirl's quantization methods, which the arguments may name
+        kwargs = _llm_kwargs(cfg, resolve_model_path(cfg.model.path), _quantization(cfg.engine.precision))
+        EngineArgs(**kwargs).create_engine_config()
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - vLLM's refusal, in its own words, on one line
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(f"engine: vLLM refuses the engine arguments: {type(exc).__name__}: {reason}") from None
+
+
+# ------------------------------------------------------------------------------------------ the run
+def _first_missing(run_dir: Path) -> Path | None:
+    """The outermost folder of `run_dir` (itself or a parent) that does not exist yet: what this command
+    creates, and all it may remove again."""
+    missing = None
+    for folder in [run_dir, *run_dir.parents]:
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
+def _remove_created(run_dir: Path, created: Path | None) -> None:
+    """Remove the run folder and the parents this command created, as long as they are empty."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if created is None or created == run_dir:
+        return
+    for parent in run_dir.parents:
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (another run appeared) or gone
+            return
+        if parent == created:
+            return
+
+
+def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | None, resume: bool,
+         benchmark: BenchmarkSettings | None = None, rank: int = 0) -> int:
+    console = out.console
+    total = benchmark.steps if benchmark else cfg.rl.steps
+    observer = RunProgress(console, run_dir, total, start_step, cfg.rl.samples_per_prompt)
+    try:
+        problems = _check_and_plan(cfg, run_dir, console, benchmark)
+        out_dir = train(cfg, resume=run_dir if resume else None, progress=observer, benchmark=benchmark,
+                        problems=problems)
+    except KeyboardInterrupt:
+        observer.stop()
+        log.warning("interrupted", extra={"terminal": False})
+        kept = _keep_failed(run_dir, created, observer)
+        console.print(f"[yellow]interrupted[/]: completed checkpoints are intact; continue with "
+                      f"--resume {kept}" if kept == run_dir else f"[yellow]interrupted[/] before step 1; log in {kept}",
+                      soft_wrap=True, highlight=False)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - reported below: one line, or the end of train.log
+        observer.stop()
+        if isinstance(exc, BAD_INPUT) and not observer.session_rows:
+            return _bad_input(out, exc, run_dir, created)
+        log.exception("training failed", extra={"terminal": False})
+        out.restore()
+        kept = _keep_failed(run_dir, created, observer)
+        error_line(console, f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
+        tail = log_tail(kept / "train.log")
+        if tail:
+            console.rule(f"end of {kept / 'train.log'}", style="dim")
+            for line in tail:
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            console.rule(style="dim")
+        return 1
+    if rank != 0:
+        return 0
+    observer.print_summary(out_dir)
+    if benchmark is not None:  # the table is the benchmark's result: on the console, not only in train.log
+        result = Path(benchmark.out) if benchmark.out else out_dir / "benchmark.json"
+        console.print(format_table(json.loads(result.read_text())), markup=False, highlight=False, soft_wrap=True)
+        console.print(f"[green]benchmark:[/] {result} (rewards were a seeded coin)", soft_wrap=True, highlight=False)
+    return 0
+
+
+BAD_INPUT = (ConfigError, DataError, PreflightError, InputError)
+
+
+def _bad_input(out: RunOutput, exc: Exception, run_dir: Path, created: Path | None) -> int:
+    """One line, exit 2, and no run folder left behind by this command."""
+    log.error("%s", exc, extra={"terminal": False})
+    out.restore()
+    if created is not None:
+        _remove_created(run_dir, created)
+    error_line(out.console, str(exc))
+    return 2
+
+
+def _keep_failed(run_dir: Path, created: Path | None, observer) -> Path:
+    """A run this command created that failed before its first step: moved to `<name>.failed` (log kept)."""
+    if created is None or observer.session_rows or not run_dir.exists():
+        return run_dir
+    failed = run_dir.with_name(run_dir.name + ".failed")
+    if failed.exists():
+        shutil.rmtree(failed, ignore_errors=True)
+    run_dir.rename(failed)
+    return failed
+
+
+# ------------------------------------------------------------------------------------------ --help-config
+def print_config_reference(cfg=None) -> None:
+    """Every key with its default and meaning; with a recipe, its value there too (bold where it differs)."""
+    title = "epirl config keys (recipe YAML or key.sub=value)"
+    table = Table(title=title, show_lines=False)
+    columns = ("key", "value", "default", "meaning") if cfg is not None else ("key", "default", "meaning")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for key, default, doc in describe_fields():
+        if cfg is None:
+            table.add_row(key, default, doc)
+            continue
+        value = repr(functools.reduce(getattr, key.split("."), cfg))
+        table.add_row(key, f"[bold]{escape(value)}[/]" if value != default else escape(value), default, doc)
+    Console().print(table)
