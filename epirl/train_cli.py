@@ -216,11 +216,9 @@ def _check_engine_config(cfg) -> None:
     """vLLM's own validation of the engine arguments (EngineArgs → VllmConfig), without loading weights."""
     try:
         engine_args.set_process_env(cfg.engine.cpu_kv_cache_gb)  # read by vLLM when it is imported (next)
-        from vllm.engine.arg_utils import EngineArgs  # vLLM only here, once output goes to train.log
-
         plugin.register()  # epirl's quantization methods, which the arguments may name
         kwargs = _llm_kwargs(cfg, resolve_model_path(cfg.model.path), _quantization(cfg.engine.precision))
-        EngineArgs(**kwargs).create_engine_config()
+        engine_args.validate_engine_config(kwargs)  # imports vLLM: only here, once output goes to train.log
     except ConfigError as exc:
         raise InputError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - vLLM's refusal, in its own words, on one line

@@ -51,7 +51,16 @@ def llm_kwargs_supported(names: list[str]) -> dict[str, bool]:
     return {n: n in fields for n in names}
 
 
+def validate_engine_config(llm_kwargs: dict) -> None:
+    """vLLM's own validation of `vllm.LLM` arguments (EngineArgs -> VllmConfig) without loading weights; raises what
+    vLLM raises. Public replacement: none that stops before the model loads (`vllm.LLM` validates and loads)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs(**llm_kwargs).create_engine_config()
+
+
 def missing() -> list[str]:
     """What this module relies on that the installed vLLM lacks."""
     return absent(["vllm.engine.arg_utils:EngineArgs.__dataclass_fields__",
+                   "vllm.engine.arg_utils:EngineArgs.create_engine_config",
                    "vllm.model_executor.layers.quantization:QUANTIZATION_METHODS"])
