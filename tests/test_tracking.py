@@ -1,6 +1,7 @@
 """Metrics always reach metrics.jsonl; W&B offline gets the config, metrics and the samples table."""
 
 import json
+import re
 
 from epirl.config import load_config
 from epirl.tracking import PhaseTimer, Tracker, wandb_mode
@@ -46,7 +47,8 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     resumed.log(2, {"reward/mean": 0.6})
     resumed.close()
     sessions = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert sessions and all(path.name.endswith(run_id) for path in sessions)
+    # wandb names a session folder offline-run-<date>_<time>-<id>, plus "-1" when two sessions start in one second
+    assert sessions and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", p.name) for p in sessions)
     assert (tmp_path / "wandb_id").read_text() == run_id
 
 
