@@ -206,6 +206,7 @@ def rollout_metrics(seen: list[GroupSummary], kept: int) -> dict[str, float]:
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": truncated.mean().item(),
+        "rollout/generated_tokens": lengths.sum().item(),  # over all ranks (the summaries are all-gathered)
         "rollout/groups_generated": float(len(seen)),
         "rollout/groups_kept": float(kept),
         "rollout/informative_frac": kept / max(len(seen), 1),
@@ -287,19 +288,16 @@ def check_resume_world(run_dir: Path | None, ranks: Ranks) -> None:
                           f"{ranks.world}; resume with --nproc {written_by} (torchrun --nproc-per-node {written_by})")
 
 
-
-
 def check_inputs(cfg: EpirlConfig, need_data: bool = True) -> list:
     """The recipe's inputs, checked before a run folder or an engine exists; returns the problems.
 
     Raises ConfigError / DataError with one line naming the field or file."""
-    if cfg.model.path != resolve_model_path(cfg.model.path):
-        pass  # an alias of a pip-shipped model
-    elif (local := hub.local_path(cfg.model.path)) is not None:
-        if not local.is_dir():
+    if cfg.model.path == resolve_model_path(cfg.model.path):  # not an alias of a pip-shipped model
+        local = hub.local_path(cfg.model.path)
+        if local is None:  # a hub id: one line when the hub cannot be reached, instead of a minute of retries
+            hub.require_hub("model.path", cfg.model.path, ConfigError)
+        elif not local.is_dir():
             raise ConfigError(f"model.path: {cfg.model.path}: no such folder")
-    else:  # a hub id: one line when the hub cannot be reached, instead of a minute of retries
-        hub.require_hub("model.path", cfg.model.path, ConfigError)
     try:  # a folder, an alias or a hub id: its config only (the weights come after the memory pre-flight)
         AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     except Exception as exc:  # noqa: BLE001 - missing folder, bad hub id, offline: all one line
