@@ -11,7 +11,6 @@ flag or file and exits with code 2 before any model is loaded.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -62,25 +61,18 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
 
 def _adapter_lora(adapter_dir: str) -> tuple[int, float]:
     """(r, lora_alpha) of a PEFT folder: the engine's adapter slot must hold it (w8a16 fixes σ = alpha/r too)."""
-    folder = Path(adapter_dir)
-    config_file = folder / "adapter_config.json"
-    if not folder.is_dir():
-        raise EvalUsageError(f"--adapter: folder not found: {adapter_dir}")
-    if not config_file.is_file():
-        raise EvalUsageError(f"--adapter: {adapter_dir} has no adapter_config.json (not a PEFT adapter folder)")
     from epirl.config import ConfigError
+    from epirl.model.adapter_io import AdapterConfigError, read_adapter_settings
     from epirl.model.dummy import refuse_random_weights
 
     try:
-        refuse_random_weights(folder, "--adapter")
+        settings = read_adapter_settings(adapter_dir)
+        refuse_random_weights(adapter_dir, "--adapter")
+    except AdapterConfigError as exc:
+        raise EvalUsageError(f"--adapter: {exc}") from None
     except ConfigError as exc:
         raise EvalUsageError(str(exc)) from None
-    try:
-        config = json.loads(config_file.read_text())
-        rank = int(config["r"])
-        return rank, float(config.get("lora_alpha", 8))  # 8: peft.LoraConfig's default lora_alpha
-    except (ValueError, KeyError, TypeError):
-        raise EvalUsageError(f"--adapter: {config_file} has no integer 'r' (LoRA rank)") from None
+    return settings.rank, settings.alpha
 
 
 def _check_model(model: str) -> None:

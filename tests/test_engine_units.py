@@ -1,12 +1,14 @@
 """Engine pieces that need no running vLLM engine: vLLM boundary helpers, adapter naming, the plugin's
 custom op against the kernel it wraps."""
 
+import json
+
 import pytest
 import torch
 
 from epirl.engine.vllm_compat import engine_args, kv_cache
 from epirl.engine.lora_publish import modules_of
-from epirl.model.adapter_io import peft_adapter_config
+from epirl.model.adapter_io import AdapterConfigError, peft_adapter_config, read_adapter_settings
 
 
 def test_lora_rank_slot_rounds_up_to_vllm_allowed_ranks():
@@ -31,6 +33,26 @@ def test_modules_of_groups_peft_names_and_rejects_half_adapters():
     with pytest.raises(ValueError, match="not a PEFT"):
         modules_of({f"{stem}.weight": a})
     assert peft_adapter_config(8, 16.0, ["q_proj"])["r"] == 8
+
+
+def test_adapter_settings_read_from_a_peft_folder_with_one_line_errors(tmp_path):
+    folder = tmp_path / "adapter"
+    with pytest.raises(AdapterConfigError, match="folder not found"):
+        read_adapter_settings(folder)
+    folder.mkdir()
+    with pytest.raises(AdapterConfigError, match="has no adapter_config.json"):
+        read_adapter_settings(folder)
+    config = folder / "adapter_config.json"
+    config.write_text(json.dumps(peft_adapter_config(8, 16.0, ["model.layers.0.self_attn.q_proj", "v_proj", "q_proj"])))
+    assert read_adapter_settings(folder) == (8, 16.0, ["q_proj", "v_proj"])
+    config.write_text(json.dumps({"r": 4, "target_modules": "k_proj"}))
+    assert read_adapter_settings(folder) == (4, 8.0, ["k_proj"])  # PEFT's default lora_alpha
+    config.write_text(json.dumps({"lora_alpha": 16}))
+    with pytest.raises(AdapterConfigError, match="no integer 'r'"):
+        read_adapter_settings(folder)
+    config.write_text(json.dumps({"r": 4, "lora_alpha": "big"}))
+    with pytest.raises(AdapterConfigError, match="'lora_alpha' is not a number"):
+        read_adapter_settings(folder)
 
 
 def test_plugin_op_is_the_kernel_per_slice():

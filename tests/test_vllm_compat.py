@@ -33,7 +33,9 @@ PRIVATE_NAMES = {
     "release_kv_cache_memory", "bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "punica_cpu", "torch_ops",
     "cleanup_dist_env_and_memory", "register_quantization_config", "QuantizationConfig", "LinearMethodBase",
     "ModelWeightParameter", "set_weight_attrs", "VocabParallelEmbedding", "ParallelLMHead", "EngineArgs",
-    "QUANTIZATION_METHODS", "current_platform",
+    "QUANTIZATION_METHODS", "current_platform", "punica_wrapper", "token_lora_indices", "token_mapping_meta",
+    "token_indices_sorted_by_lora_ids", "lora_a_stacked", "lora_b_stacked", "output_slices", "base_layer",
+    "create_lora_weights",
 }
 # Where the rule applies: the installed package (epirl + the folders mapped into it). Tests and benchmark scripts
 # may inspect vLLM's own ops and layers to compare against them.

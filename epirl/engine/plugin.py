@@ -44,7 +44,7 @@ import torch
 from epirl.engine import serving_lora
 from epirl.engine.naming import NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
-from epirl.engine.vllm_compat import lora_layers, model_access, quantization
+from epirl.engine.vllm_compat import lora_layers, model_access, punica, quantization
 from epirl.engine.vllm_compat.detect import on_cuda
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def _(x, codes, scale, lora_a, lora_b, widths, lora_scale, bias):
 
 def _fused_apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`apply` of a LoRA-wrapped w8a16 layer: base GEMM and the live adapter in the same kernel call."""
-    base = self.base_layer
+    base = punica.base_of(self)
     state = base._epirl_lora
     return torch.ops.epirl.w8a16_lora_slices(x, base.weight.t(), base.weight_scale, state.lora_a,
                                              state.lora_b, state.widths, state.scale, bias)

@@ -28,12 +28,14 @@ from pathlib import Path
 
 import torch
 
-from epirl.engine.vllm_compat.lora_layers import lora_linear_base_class
+from epirl.engine.vllm_compat import lora_layers, punica
+from epirl.engine.vllm_compat.punica import slot_views  # noqa: F401 (part of this module's interface)
 
 log = logging.getLogger(__name__)
 ENV = "EPIRL_SERVING_KERNELS"
 MODES = ("0", "fused", "1", "timed")
 _STATE: dict = {"installed": False, "tables": {}, "mode": "off"}
+_MARKER = "_epirl_serving"  # on the vLLM methods install() wrapped (idempotence)
 
 
 def read_mode() -> str:
@@ -57,25 +59,18 @@ def set_mode(value: str) -> None:
     _STATE["mode"] = value
 
 
-def fp8_codes(base_layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+def fp8_codes(base) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(codes `[N, K]` view, scale `[1]`) of a base layer our kernels can serve, else None."""
-    weight = getattr(base_layer, "weight", None)
-    scale = getattr(base_layer, "weight_scale", None)
-    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn or scale is None:
-        return None
-    if scale.numel() != 1 or getattr(base_layer, "input_scale", None) is not None:
-        return None  # per-channel weights or static activation scales: not this kernel's numerics
-    if getattr(base_layer, "_epirl_lora", None) is not None:
+    fp8 = punica.per_tensor_fp8_weight(base)
+    if fp8 is None:
+        return None  # not FP8, per-channel weights or static activation scales: not this kernel's numerics
+    weight, scale = fp8
+    if getattr(base, "_epirl_lora", None) is not None:
         return None  # epirl's matched W8A16 engine has its own fused path
-    if not getattr(getattr(base_layer, "quant_method", None), "activation_fp8", True):
+    if not getattr(punica.quant_method(base), "activation_fp8", True):
         return None  # epirl's W8A16 method (bf16 activations)
     codes = weight.t() if weight.t().is_contiguous() else weight
     return (codes, scale) if codes.is_contiguous() else None
-
-
-def slot_views(stacked) -> list[torch.Tensor]:
-    """vLLM's per-slice slot buffers `[max_loras, 1, rows, cols]` as `[max_loras, rows, cols]` views (no copy)."""
-    return [t[:, 0] if t.dim() == 4 else t for t in stacked]
 
 
 def _cache_dir() -> Path:
@@ -162,13 +157,13 @@ def register_layer(layer) -> int:
 
 def layer_parts(layer):
     """(codes, scale, A slices, B slices, widths) of a LoRA linear layer we can serve, else None."""
-    fp8 = fp8_codes(layer.base_layer)
+    fp8 = fp8_codes(punica.base_of(layer))
     if fp8 is None:
         return None
-    widths = [int(w) for w in layer.output_slices]
+    widths = punica.slice_widths(layer)
     if sum(widths) != fp8[0].shape[0]:
         return None  # e.g. a tensor-parallel shard layout this op does not handle
-    return (*fp8, slot_views(layer.lora_a_stacked), slot_views(layer.lora_b_stacked), widths)
+    return (*fp8, *punica.slot_buffers(layer), widths)
 
 
 @torch.library.custom_op("epirl::w8a8_multi_lora_layer", mutates_args=())
@@ -203,52 +198,21 @@ def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):
     key = getattr(layer, "_epirl_serving_key", None)
     if key is None:  # a layer built before install(): register now (eager engines only)
         key = register_layer(layer)
-    punica = layer.punica_wrapper
-    order = getattr(getattr(punica, "token_mapping_meta", None), "token_indices_sorted_by_lora_ids", None)
-    return torch.ops.epirl.w8a8_multi_lora_layer(x, punica.token_lora_indices, order, bias, key, parts[0].shape[0])
+    token_lora, order = punica.token_slots(layer)
+    return torch.ops.epirl.w8a8_multi_lora_layer(x, token_lora, order, bias, key, parts[0].shape[0])
 
 
-def _wrap_create_lora_weights(cls) -> bool:
-    original = cls.__dict__.get("create_lora_weights")
-    if original is None or getattr(original, "_epirl_serving", False):
-        return False
-
-    def create_lora_weights(self, *args, _original=original, **kwargs):
-        result = _original(self, *args, **kwargs)
-        register_layer(self)  # at model load, before torch.compile traces `apply`
-        return result
-
-    create_lora_weights._epirl_serving = True
-    cls.create_lora_weights = create_lora_weights
-    return True
+def _serving_apply_when_on(layer, x: torch.Tensor, bias: torch.Tensor | None):
+    """The wrapped `apply`'s first step: epirl's kernels when the mode is on and the layer is ours, else None."""
+    return serving_apply(layer, x, bias) if mode() != "off" else None
 
 
 def install() -> int:
     """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
     many classes were wrapped. Reads EPIRL_SERVING_KERNELS (call it before vLLM builds the model)."""
     _STATE["mode"] = read_mode()  # a bad value fails here, at engine start, with the variable's name
-    classes, todo = [], [lora_linear_base_class()]
-    while todo:
-        cls = todo.pop()
-        classes.append(cls)
-        todo.extend(cls.__subclasses__())
-    wrapped = 0
-    for cls in classes:
-        _wrap_create_lora_weights(cls)
-        original = cls.__dict__.get("apply")
-        if original is None or getattr(original, "_epirl_serving", False):
-            continue
-
-        def apply(self, x, bias=None, _original=original):
-            if mode() != "off":
-                out = serving_apply(self, x, bias)
-                if out is not None:
-                    return out
-            return _original(self, x, bias)
-
-        apply._epirl_serving = True
-        cls.apply = apply
-        wrapped += 1
+    lora_layers.on_lora_weights_created(register_layer, _MARKER)  # at model load, before torch.compile
+    wrapped = lora_layers.wrap_lora_apply_first(_serving_apply_when_on, _MARKER)
     if wrapped and not _STATE["installed"]:
         log.info("epirl serving kernels: %s=%s (LoRA apply wrapped on %d classes)", ENV, mode(), wrapped)
     _STATE["installed"] = True

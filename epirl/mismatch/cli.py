@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import time
@@ -71,14 +70,13 @@ def adapter_settings(adapter: str | None) -> dict:
     """rank / alpha / targets of a PEFT adapter folder (the engine slot and the policies must match it)."""
     if adapter is None:
         return {}
-    folder = Path(adapter)
-    config_path = folder / "adapter_config.json"
-    if not folder.is_dir() or not config_path.is_file():
-        raise MismatchInputError(f"--adapter {adapter}: not a PEFT adapter folder (no adapter_config.json)")
-    config = json.loads(config_path.read_text())
-    targets = config.get("target_modules") or []
-    targets = [t.rsplit(".", 1)[-1] for t in ([targets] if isinstance(targets, str) else targets)]
-    return {"rank": int(config["r"]), "alpha": float(config["lora_alpha"]), "targets": sorted(set(targets))}
+    from epirl.model.adapter_io import AdapterConfigError, read_adapter_settings
+
+    try:
+        settings = read_adapter_settings(adapter)
+    except AdapterConfigError as exc:
+        raise MismatchInputError(f"--adapter: {exc}") from None
+    return {"rank": settings.rank, "alpha": settings.alpha, "targets": settings.targets}
 
 
 def _check_numbers(args) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -45,6 +46,39 @@ def peft_adapter_config(rank: int, alpha: float, targets: list[str], base_model:
         "alpha_pattern": {},
         "revision": None,
     }
+
+
+class AdapterConfigError(ValueError):
+    """An adapter folder that is missing or whose adapter_config.json lacks what epirl reads (one line)."""
+
+
+class AdapterSettings(NamedTuple):
+    rank: int
+    alpha: float
+    targets: list[str]  # module names (last component), sorted; empty when the config lists none
+
+
+def read_adapter_settings(folder: str | os.PathLike) -> AdapterSettings:
+    """r, lora_alpha and target_modules of a PEFT adapter folder's adapter_config.json (lora_alpha defaults to
+    8, `peft.LoraConfig`'s default). Raises AdapterConfigError naming the folder or file."""
+    folder = Path(folder)
+    config_file = folder / ADAPTER_CONFIG
+    if not folder.is_dir():
+        raise AdapterConfigError(f"folder not found: {folder}")
+    if not config_file.is_file():
+        raise AdapterConfigError(f"{folder} has no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
+    try:
+        config = json.loads(config_file.read_text())
+        rank = int(config["r"])
+    except (ValueError, KeyError, TypeError):
+        raise AdapterConfigError(f"{config_file} has no integer 'r' (LoRA rank)") from None
+    try:
+        alpha = float(config.get("lora_alpha", 8))
+    except (ValueError, TypeError):
+        raise AdapterConfigError(f"{config_file}: 'lora_alpha' is not a number") from None
+    targets = config.get("target_modules") or []
+    targets = [t.rsplit(".", 1)[-1] for t in ([targets] if isinstance(targets, str) else targets)]
+    return AdapterSettings(rank, alpha, sorted(set(targets)))
 
 
 TRAINER_STEM = "base_model.model.model."

@@ -16,7 +16,8 @@ outside this package imports a private vLLM name (`tests/test_vllm_compat.py` gr
 | `adapter_loader` | the worker's `_load_adapter`, `LoRAModel.from_lora_tensors`, `PEFTHelper` (in-memory adapters) |
 | `prompt_logprobs` | the sampler's `compute_logprobs` (prompt log-probs at a temperature) |
 | `kv_cache` | KV-cache release / re-acquire: `release_kv_cache_memory` (≥ 0.31), CuMemAllocator (0.26–0.30) |
-| `lora_layers` | `apply` of the LoRA-wrapped linear classes (the matched engine's fused op) |
+| `lora_layers` | `apply` / `create_lora_weights` of the LoRA-wrapped linear classes (the fused ops' class-level wraps) |
+| `punica` | a LoRA linear layer's state: base layer and its FP8 weight, slices, slot buffers, per-token slot map |
 | `quantization` | the out-of-tree quantization plugin API and vLLM's embedding classes |
 | `cpu_lora_ops` | the CPU punica ops (grouped per-slot matmuls instead of a per-token gather) |
 | `shutdown` | engine-core shutdown and the distributed/memory cleanup after `LLM` |

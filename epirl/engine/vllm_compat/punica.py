@@ -1,0 +1,103 @@
+"""A LoRA linear layer's live state as vLLM's punica path reads it: the wrapped base layer and its FP8 weight,
+the slice widths, the adapter slot buffers, and the per-token slot map (with its adapter-sorted order).
+
+Read from vLLM 0.26.0 and 0.32.0 source (same names in both):
+- `vllm/lora/layers/base_linear.py`: `BaseLinearLayerWithLoRA.__init__` sets `self.base_layer`;
+  `create_lora_weights(max_loras, ...)` allocates `self.lora_a_stacked` / `self.lora_b_stacked` (one tensor per
+  slice, `[max_loras, 1, rows, cols]`) and `self.output_slices`; `column_parallel_linear.py` sets
+  `output_slices` per fused slice (q, k, v / gate, up) and overrides `create_lora_weights`.
+- `vllm/lora/layers/base.py`: `BaseLayerWithLoRA.set_mapping(punica_wrapper)` stores `self.punica_wrapper`.
+- `vllm/lora/punica_wrapper/punica_base.py`: the property `PunicaWrapperBase.token_lora_indices` (token -> slot,
+  -1 = no adapter, the first `indices_len[0]` entries of a fixed buffer); `punica_gpu.py` sets
+  `self.token_mapping_meta` (`LoRAKernelMeta`, `vllm/lora/ops/triton_ops/lora_kernel_metadata.py`) whose field
+  `token_indices_sorted_by_lora_ids` is the batch sorted by slot (CPU wrappers have no such metadata).
+- `vllm/model_executor/layers/quantization/fp8.py`: `Fp8LinearMethod` registers `weight` (stored transposed,
+  a `[K, N]` view of `[N, K]` e4m3 codes), `weight_scale` and, for static activation scales only,
+  `input_scale` (set to None for dynamic per-token activations); the layer's method is `quant_method`.
+
+Public API that would replace it: none in 0.26–0.33. A LoRA-kernel hook (a `PunicaWrapper` subclass chosen by
+`LoRAConfig`, receiving the stacked buffers, slices and token mapping) would replace every read here.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from epirl.engine.vllm_compat.detect import absent
+
+
+def base_of(layer):
+    """The linear layer a LoRA layer wraps (its quantized weight lives there)."""
+    return layer.base_layer
+
+
+def per_tensor_fp8_weight(base):
+    """(weight, scale) of a base layer holding FP8 e4m3 codes with one per-tensor scale and dynamic (per-token)
+    activations, else None. `weight` is as vLLM stores it (usually the `[K, N]` view of `[N, K]` codes)."""
+    weight = getattr(base, "weight", None)
+    scale = getattr(base, "weight_scale", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn or scale is None:
+        return None
+    if scale.numel() != 1 or getattr(base, "input_scale", None) is not None:
+        return None  # per-channel weights or static activation scales
+    return weight, scale
+
+
+def quant_method(base):
+    """The base layer's quantization method object (None if it has none)."""
+    return getattr(base, "quant_method", None)
+
+
+def slice_widths(layer) -> list[int]:
+    """Output rows of each slice (q, k, v / gate, up; one entry for a plain linear)."""
+    return [int(w) for w in layer.output_slices]
+
+
+def slot_views(stacked) -> list[torch.Tensor]:
+    """vLLM's per-slice slot buffers `[max_loras, 1, rows, cols]` as `[max_loras, rows, cols]` views (no copy)."""
+    return [t[:, 0] if t.dim() == 4 else t for t in stacked]
+
+
+def slot_buffers(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(A per slice `[max_loras, r, K]`, B per slice `[max_loras, N_i, r]`): views of vLLM's own buffers."""
+    return slot_views(layer.lora_a_stacked), slot_views(layer.lora_b_stacked)
+
+
+def token_slots(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token -> slot map of the current batch, -1 = no adapter; the token indices sorted by slot, or None where
+    vLLM's punica wrapper keeps no such metadata)."""
+    punica = layer.punica_wrapper
+    order = getattr(getattr(punica, "token_mapping_meta", None), "token_indices_sorted_by_lora_ids", None)
+    return punica.token_lora_indices, order
+
+
+def _source_lacks(symbol: str, needles: list[str]) -> list[str]:
+    """`symbol:needle` for each instance attribute assignment the class's source no longer makes."""
+    module, _, path = symbol.partition(":")
+    import importlib
+
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    source = inspect.getsource(obj)
+    return [f"{symbol} sets {needle}" for needle in needles if needle not in source]
+
+
+def missing() -> list[str]:
+    """What this module relies on that the installed vLLM lacks."""
+    base_linear = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA"
+    lacking = absent([f"{base_linear}.create_lora_weights", "vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping",
+                      "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase.token_lora_indices",
+                      "vllm.lora.ops.triton_ops.lora_kernel_metadata:LoRAKernelMeta"])
+    if lacking:
+        return lacking
+    from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
+
+    if "token_indices_sorted_by_lora_ids" not in getattr(LoRAKernelMeta, "__annotations__", {}):
+        lacking.append("vllm.lora.ops.triton_ops.lora_kernel_metadata:LoRAKernelMeta.token_indices_sorted_by_lora_ids")
+    lacking += _source_lacks(base_linear, ["self.base_layer =", "self.lora_a_stacked =", "self.lora_b_stacked =",
+                                           "self.output_slices"])
+    lacking += _source_lacks("vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping", ["self.punica_wrapper"])
+    return lacking
