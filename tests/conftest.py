@@ -57,6 +57,21 @@ def smollm2_dir() -> str:
 ENGINE_POOL_SIZE = 1
 
 
+def run_interpreter_cases(script, cases: list[str]) -> dict[str, dict]:
+    """Run `script case ...` under Triton's CPU interpreter (own process: TRITON_INTERPRET is read at import) and
+    collect the JSON line each case prints ({"case", "ok", "error"}); fails the test when none came back."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", EPIRL_KERNELS="auto")
+    proc = subprocess.run([sys.executable, str(script), *cases], env=env, capture_output=True, text=True, timeout=600)
+    results = {rec["case"]: rec for rec in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    if not results:
+        pytest.fail(f"interpreter run produced no results:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return results
+
+
 def engine_test_config(precision: str = "bf16", **sections):
     """A small EpirlConfig for engine tests on SmolLM2 (CPU-sized KV cache and lengths)."""
     from epirl.config import EpirlConfig

@@ -1,13 +1,14 @@
 """Triton kernels' indexing, masks and epilogues on CPU, in Triton's interpreter (one subprocess, because
 TRITON_INTERPRET must be set before triton decorates the kernels)."""
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_interpreter_cases
 
 pytest.importorskip("triton")
 
@@ -19,17 +20,7 @@ SCRIPT = Path(__file__).with_name("interpreter_cases.py")
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", EPIRL_KERNELS="auto")
-    proc = subprocess.run([sys.executable, str(SCRIPT), *CASES], env=env, capture_output=True, text=True,
-                          timeout=600)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            results[rec["case"]] = rec
-    if not results:
-        pytest.fail(f"interpreter run produced no results:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return results
+    return run_interpreter_cases(SCRIPT, CASES)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -9,7 +9,6 @@ values / 8 with one ±56 per row, i.e. s_x = 1/8 exactly. The other cases feed K
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 
@@ -201,13 +200,9 @@ def case_fused_slices_one_launch_pair():
 @pytest.fixture(scope="module")
 def interpreter_results():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", EPIRL_KERNELS="auto")
-    proc = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True, text=True, timeout=600)
-    results = {rec["case"]: rec for rec in map(json.loads, filter(lambda s: s.startswith("{"),
-                                                                  proc.stdout.splitlines()))}
-    if not results:
-        pytest.fail(f"interpreter run produced no results:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return results
+    from conftest import run_interpreter_cases  # not at the top: this file also runs as the interpreter's script
+
+    return run_interpreter_cases(__file__, CASES)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -46,21 +46,11 @@ def lora_linear_classes() -> list[type]:
 def wrap_lora_apply(takes_over: Callable[[object], bool], fused_apply: Callable) -> int:
     """Wrap `apply` of BaseLinearLayerWithLoRA and of each subclass that overrides it (idempotent): where
     `takes_over(base_layer)`, `fused_apply(self, x, bias)` runs instead of vLLM's. Returns the classes wrapped."""
-    patched = 0
-    for cls in lora_linear_classes():
-        original = cls.__dict__.get("apply")
-        if original is None or getattr(original, _WRAPPED, False):
-            continue
 
-        def apply(self, x, bias=None, _original=original):
-            if takes_over(self.base_layer):
-                return fused_apply(self, x, bias)
-            return _original(self, x, bias)
+    def first_apply(self, x, bias):
+        return fused_apply(self, x, bias) if takes_over(self.base_layer) else None
 
-        setattr(apply, _WRAPPED, True)
-        cls.apply = apply
-        patched += 1
-    return patched
+    return wrap_lora_apply_first(first_apply, _WRAPPED)
 
 
 def wrap_lora_apply_first(first_apply: Callable, marker: str) -> int:
