@@ -326,6 +326,13 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message is one line naming the field or file."""
 
 
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first line of an exception's message (a library's multi-line error, shown as one line); `default`
+    (the exception's type name when None) for an empty message."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else (type(exc).__name__ if default is None else default)
+
+
 def concrete_dtype(name: str, device_type: str) -> str:
     """`model.dtype` made concrete for a device: `auto` = bfloat16 on CUDA, float32 on CPU."""
     if name == "auto":

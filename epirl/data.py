@@ -10,10 +10,9 @@ import json
 import logging
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable
 
-from epirl.config import DataConfig
+from epirl.config import DataConfig, first_line
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ def read_records(source: str, split: str = "train") -> list[dict[str, Any]]:
     try:
         dataset = datasets.load_dataset(name, config or None, split=split)
     except Exception as exc:  # hub unreachable, unknown id, bad split: one line naming the source
-        reason = (str(exc).strip().splitlines() or [""])[0]
+        reason = first_line(exc, "")
         raise DataError(f"data.source: cannot load hub dataset '{source}' (split {split}): "
                         f"{type(exc).__name__}: {reason}") from None
     return dataset.to_list()

@@ -29,7 +29,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from epirl.checkpoint import STATE_FILE, latest_checkpoint
-from epirl.config import ConfigError, EpirlConfig, describe_fields, load_config, resolve_model_path, resolve_runtime
+from epirl.config import (ConfigError, EpirlConfig, describe_fields, first_line, load_config, resolve_model_path,
+                          resolve_runtime)
 from epirl.console import RunOutput, error_line, log_tail, quiet_library_environment
 from epirl.cpu_threads import apply_thread_plan, plan_threads
 from epirl.data import DataError
@@ -222,7 +223,7 @@ def _check_engine_config(cfg) -> None:
     except ConfigError as exc:
         raise InputError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - vLLM's refusal, in its own words, on one line
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         raise InputError(f"engine: vLLM refuses the engine arguments: {type(exc).__name__}: {reason}") from None
 
 
@@ -276,7 +277,7 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
         log.exception("training failed", extra={"terminal": False})
         out.restore()
         kept = _keep_failed(run_dir, created, observer)
-        error_line(console, f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
+        error_line(console, f"{type(exc).__name__}: {first_line(exc, '')}")
         tail = log_tail(kept / "train.log")
         if tail:
             console.rule(f"end of {kept / 'train.log'}", style="dim")

@@ -16,6 +16,8 @@ import logging
 import shutil
 from pathlib import Path
 
+from epirl.config import first_line
+
 log = logging.getLogger(__name__)
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
@@ -66,7 +68,7 @@ def dummy_model_dir(path: str) -> Path:
 
         config = AutoConfig.from_pretrained(resolved)
     except Exception as exc:  # noqa: BLE001 - offline, unknown id: one line
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         shipped_names = sorted(p.name for p in SHIPPED_CONFIGS.iterdir()) if SHIPPED_CONFIGS.is_dir() else []
         raise ConfigError(f"model.path: {path}: no config for load_format=dummy ({reason}); give a config.json or "
                           f"one of {shipped_names}") from None

@@ -16,6 +16,8 @@ import sys
 import torch
 from torch import nn
 
+from epirl.config import first_line
+
 log = logging.getLogger(__name__)
 GLOBAL_NAME = "torch_chunk_gated_delta_rule"  # the module-level function the layers call (transformers ≥ 5)
 ATTRIBUTE_NAME = "chunk_gated_delta_rule"  # the per-layer attribute older transformers set in __init__
@@ -51,7 +53,7 @@ def _fla_works(fn, device: torch.device) -> str | None:
         out.float().sum().backward()
         torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any failure means: use the fallback
-        return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+        return f"{type(exc).__name__}: {first_line(exc, '')[:160]}"
     return None
 
 

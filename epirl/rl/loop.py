@@ -29,7 +29,7 @@ from transformers import AutoConfig
 
 from epirl import hub
 from epirl.checkpoint import checkpoint_world_size, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
-from epirl.config import ConfigError, EpirlConfig, dump_config, resolve_model_path, resolve_runtime
+from epirl.config import ConfigError, EpirlConfig, dump_config, first_line, resolve_model_path, resolve_runtime
 from epirl.data import Prompt, PromptStream, load_problems, render_prompt
 from epirl.engine import RolloutEngine
 from epirl.engine.engine import check_vllm_args
@@ -301,7 +301,7 @@ def check_inputs(cfg: EpirlConfig, need_data: bool = True) -> list:
     try:  # a folder, an alias or a hub id: its config only (the weights come after the memory pre-flight)
         AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     except Exception as exc:  # noqa: BLE001 - missing folder, bad hub id, offline: all one line
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         raise ConfigError(f"model.path: {cfg.model.path}: {reason}") from None
     check_vllm_args(cfg)
     if not need_data:
