@@ -32,20 +32,14 @@ def _hf_text_config(cfg: EpirlConfig):
 
 
 def memory_line(cfg: EpirlConfig, device: torch.device) -> str:
-    """The trainer's estimated bytes (epirl.model.memory) and the engine's budget on this device."""
-    from epirl.model.memory import estimate_trainer_bytes
+    """The pre-flight memory plan (epirl.model.memory.memory_plan, the one the run logs) and the engine's budget."""
+    from epirl.model.memory import memory_plan
 
-    text = _hf_text_config(cfg)
-    tokens = cfg.trainer.micro_batch_size * (cfg.prompt_token_limit + cfg.rl.max_tokens)
-    est = estimate_trainer_bytes(text, cfg.trainer.base, cfg.lora.rank, list(cfg.lora.targets), tokens,
-                                 cfg.trainer.gradient_checkpointing, cfg.trainer.logprob_chunk_tokens)
-    # The estimate counts 16-bit values; a float32 model (CPU default) holds twice as many bytes.
-    widen = 2.0 if cfg.model.dtype == "float32" else 1.0
-    base = est.base_projection_bytes * (widen if cfg.trainer.base == "bf16" else 1.0) + est.base_other_bytes * widen
-    activations = est.activation_bytes * widen
-    trainer = (f"trainer ≤ {(base + est.lora_total_bytes + activations) / GiB:.1f} GiB (base {base / GiB:.2f}, "
-               f"LoRA+AdamW {est.lora_total_bytes / GiB:.2f}, activations ≤ {activations / GiB:.2f} with every "
-               f"sequence at full length: {tokens} tokens/micro-batch)")
+    plan = memory_plan(cfg, device)
+    base, lora, activations = (plan[f"plan/trainer_{k}_bytes"] / GiB for k in ("base", "lora_optimizer", "activation"))
+    trainer = (f"trainer ≤ {base + lora + activations:.1f} GiB (base {base:.2f}, LoRA+AdamW {lora:.2f}, activations "
+               f"≤ {activations:.2f} with every sequence at full length: {plan['plan/micro_batch_tokens']:.0f} "
+               "tokens/micro-batch)")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         engine = (f"engine {cfg.engine.gpu_memory_utilization:.0%} of {total / GiB:.0f} GiB"

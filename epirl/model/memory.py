@@ -217,6 +217,10 @@ def memory_plan(cfg, device: torch.device) -> dict[str, float]:
     trainer = estimate_trainer_bytes(config, cfg.trainer.base, cfg.lora.rank, list(cfg.lora.targets), tokens,
                                      cfg.trainer.gradient_checkpointing, cfg.trainer.logprob_chunk_tokens)
     engine_weights = engine.base_projection_bytes + engine.base_other_bytes
+    # The estimates count 16-bit values; a float32 trainer (the CPU default) holds twice as many bytes.
+    widen = 2.0 if cfg.model.dtype == "float32" else 1.0
+    trainer_base = (trainer.base_projection_bytes * (widen if cfg.trainer.base == "bf16" else 1.0)
+                    + trainer.base_other_bytes * widen)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         kv_pool = max(0.0, cfg.engine.gpu_memory_utilization * total - engine_weights)
@@ -225,9 +229,9 @@ def memory_plan(cfg, device: torch.device) -> dict[str, float]:
     per_token = kv_bytes_per_token(config)
     return {"plan/device_total_bytes": float(total), "plan/engine_weight_bytes": float(engine_weights),
             "plan/kv_pool_bytes": float(kv_pool), "plan/kv_tokens": float(kv_pool // per_token) if per_token else 0.0,
-            "plan/trainer_base_bytes": float(trainer.base_projection_bytes + trainer.base_other_bytes),
+            "plan/trainer_base_bytes": float(trainer_base),
             "plan/trainer_lora_optimizer_bytes": float(trainer.lora_total_bytes),
-            "plan/trainer_activation_bytes": float(trainer.activation_bytes),
+            "plan/trainer_activation_bytes": float(trainer.activation_bytes * widen),
             "plan/micro_batch_tokens": float(tokens)}
 
 
