@@ -88,7 +88,13 @@ def _choice(K: int, N: int, r: int, M: int, device) -> str:
     if table is None:
         if torch.cuda.is_current_stream_capturing():
             return "fused"  # never time inside a capture; the eager warm-up calls time first
-        table = _STATE["tables"][shape] = _time_shape(shape)
+        try:
+            table = _time_shape(shape)
+        except Exception as exc:  # timing must not stop the engine: serve this shape with the fused kernels
+            log.warning("epirl serving kernels: timing %s failed (%s); using the fused kernels", shape.tag(), exc)
+            table = dispatch.DispatchTable({f"{shape.name}@{b}": dict(times_us={}, best="fused", failed=str(exc)[:200])
+                                            for b in dispatch.BUCKETS}, dispatch.BUCKETS)
+        _STATE["tables"][shape] = table
     return table.best(shape.name, M)
 
 

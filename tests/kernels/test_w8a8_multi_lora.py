@@ -134,6 +134,27 @@ def test_serving_setting_values(monkeypatch):
         serving_lora.set_mode("on")
 
 
+def test_timed_dispatch_that_fails_serves_fused_and_reports_it(monkeypatch):
+    """A timing failure at engine start (e.g. inside vLLM's profile run) must not stop the engine."""
+    from epirl.engine import serving_lora
+
+    def broken(shape):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(serving_lora, "_time_shape", broken)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setitem(serving_lora._STATE, "tables", {})
+    serving_lora.set_mode("timed")
+    try:
+        assert serving_lora._choice(64, 96, 8, 5, torch.device("cuda")) == "fused"
+        assert serving_lora._choice(64, 96, 8, 300, torch.device("cuda")) == "fused"  # cached, not timed again
+    finally:
+        serving_lora.set_mode("off")
+    tables = serving_lora.dispatch_tables()
+    assert tables["entries"]["64x96@8"]["best"] == "fused" and "capture failed" in tables["entries"]["64x96@8"]["failed"]
+    assert serving_lora.stats()["op_calls"] >= 0
+
+
 def test_serving_op_on_vllm_shaped_slot_buffers_equals_per_slice_reference():
     """The op's body on CPU: vLLM's [max_loras, 1, rows, cols] slot buffers, a token map longer than the batch
     (vLLM's persistent buffer), slices q/k/v -> per-slice w8a8_multi_lora, bitwise."""
