@@ -27,7 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -249,8 +253,7 @@ def write_model_and_adapter(root, plan):
         for mod, (n_out, n_in) in shapes.items():
             stem = f"base_model.model.model.layers.{layer}.{mod}"
             tensors[f"{stem}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) / n_in ** 0.5).bfloat16()
-            # B ~ N(0, 1): vLLM's dummy weights (uniform ±1e-3, norms too) leave a small adapter invisible in the
-            # logits; this one dominates them, so the settings' logprobs show whether the adapter is applied
+            # B ~ N(0, 1): dominates vLLM's tiny dummy weights, so logprobs show whether the adapter is applied
             tensors[f"{stem}.lora_B.weight"] = torch.randn(n_out, rank, generator=g).bfloat16()
     save_file(tensors, os.path.join(adapter, "adapter_model.safetensors"))
     with open(done + ".tmp", "w") as f:  # written last: its presence means the adapter is complete
@@ -261,9 +264,8 @@ def write_model_and_adapter(root, plan):
 
 
 def engine_kwargs(plan, setting, smoke):
-    """vllm.LLM arguments. additional_config carries the setting into vLLM's config hash: its torch.compile cache
-    (AOT on by default with torch >= 2.10) is keyed by config, env and model code, not by what epirl's wrapped
-    `apply` traced, so without it the second setting would silently load the first one's compiled graphs."""
+    """vllm.LLM arguments. additional_config puts the setting in vLLM's config hash: its torch.compile (AOT) cache
+    key does not see what epirl's wrapped `apply` traced; without it one setting would load the other's graphs."""
     kw = dict(load_format="dummy", enable_lora=True, max_lora_rank=plan["rank"], max_loras=plan["tenants"],
               max_cpu_loras=plan["tenants"], max_num_seqs=plan["max_num_seqs"], max_model_len=plan["max_model_len"],
               skip_tokenizer_init=True, seed=0, additional_config={"epirl_serving_kernels": setting})
@@ -430,35 +432,34 @@ def _layer_delta(layer):
     return row
 
 
+class _Stopped(Exception):
+    """SIGTERM (an outer `timeout`) while a child runs: kill the child's group, then print what came back."""
+
+    @staticmethod
+    def raise_(signum, frame):
+        raise _Stopped()
+
+
 def _run_child(setting, json_path, root, smoke, limit_s, log_path):
     """The child in its own process group, output to log_path, killed after limit_s; (result or None, error line)."""
-    import signal
-    import subprocess
-    import sys
-
     cmd = [sys.executable, "-P", os.path.abspath(__file__), "--vllm-child", setting, "--json", json_path,
            "--bench-dir", root] + (["--smoke"] if smoke else [])
     if os.path.exists(json_path):
-        os.remove(json_path)
-    error = None
+        os.remove(json_path)  # no stale result from an earlier run
     with open(log_path, "w") as log:
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = child.wait(timeout=limit_s)
-            if rc:
-                error = f"exit code {rc}"
-        except subprocess.TimeoutExpired:
+            error = f"exit code {rc}" if rc else None
+        except (subprocess.TimeoutExpired, _Stopped) as exc:
             os.killpg(child.pid, signal.SIGKILL)  # our child's group only (vLLM in-process: no other workers)
             child.wait()
-            error = f"killed after {limit_s:.0f}s"
+            error = "killed by SIGTERM" if isinstance(exc, _Stopped) else f"killed after {limit_s:.0f}s"
             time.sleep(3)  # let the driver release the dead engine's GPU memory
-    hung = error is not None and error.startswith("killed")
-    result = None
-    if os.path.exists(json_path):
-        with open(json_path) as f:
-            result = json.load(f)
+    result = json.loads(Path(json_path).read_text()) if os.path.exists(json_path) else None
     if error:
-        error = f"{error} in phase {result['phase'] if result else 'import'}: {_last_error(log_path, hung)}"
+        where = f"phase {result['phase'] if result else 'import'}"
+        error = f"{error} in {where}: {_last_error(log_path, hung=error.startswith('killed'))}"
     return result, error
 
 
@@ -481,15 +482,18 @@ def vllm_mode(json_path, smoke=False, budget_s=420.0):
     print(f"# model + adapter in {root} ({time.time() - t0:.0f}s)", flush=True)
     rows, errors = {}, {}
     settings = ("timed", "0")
+    signal.signal(signal.SIGTERM, _Stopped.raise_)
     for i, setting in enumerate(settings):
         left = budget_s - (time.time() - t0)
         limit = left if i == len(settings) - 1 else max(left / 2, left - 170)
-        log_path = os.path.join(out_dir, f"bench_serving_vllm_{setting}.log")
-        print(f"# child {setting}: limit {limit:.0f}s, log {log_path}", flush=True)
-        rows[setting], errors[setting] = _run_child(setting, f"{json_path}.{setting}.json", root, smoke, limit,
-                                                    log_path)
-        with open(log_path, errors="replace") as f:
+        log = os.path.join(out_dir, f"bench_serving_vllm_{setting}.log")
+        print(f"# child {setting}: limit {limit:.0f}s, log {log}", flush=True)
+        rows[setting], errors[setting] = _run_child(setting, f"{json_path}.{setting}.json", root, smoke, limit, log)
+        with open(log, errors="replace") as f:
             print("".join(ln for ln in f if ln.startswith("# [")), end="", flush=True)
+        if "SIGTERM" in (errors[setting] or ""):
+            break
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     summary = dict(plan={k: v for k, v in plan.items() if k != "config"}, settings=rows, errors=errors,
                    total_s=round(time.time() - t0, 1))
     _save(summary, json_path)
@@ -509,14 +513,11 @@ def _stats(r):
 def _agreement(rows):
     """Batch-1 greedy steps (same prompt, same dummy weights in both children): |Δ logprob| of epirl vs vLLM with
     the adapter should be far below the adapter's own effect (vLLM with vs without), if epirl applies it."""
-    def get(s, k):
-        r = rows.get(s) or {}
-        return r.get(f"tokens_{k}"), r.get(f"logprobs_{k}")
-
+    r = {s: rows.get(s) or {} for s in ("timed", "0")}
     out = []
     for a, b in ((("timed", "adapter"), ("0", "adapter")), (("timed", "no_adapter"), ("0", "no_adapter")),
                  (("0", "adapter"), ("0", "no_adapter")), (("timed", "adapter"), ("0", "no_adapter"))):
-        (ta, la), (tb, lb) = get(*a), get(*b)
+        (ta, la), (tb, lb) = [(r[s].get(f"tokens_{k}"), r[s].get(f"logprobs_{k}")) for s, k in (a, b)]
         if ta and tb:
             same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
             d = [abs(x - y) for x, y in zip(la[:same], lb[:same])]
@@ -535,8 +536,7 @@ def print_summary(rows, errors, plan):
         start = r["t_engine_started_s"] - r.get("t_imported_s", 0) if "t_engine_started_s" in r else None
         print(f"| {names[s]} | {'-' if start is None else f'{start:.0f}'} | {_cell(r, 'tpot_ms_adapter', '.2f')} | "
               f"{_cell(r, 'tpot_ms_no_adapter', '.2f')} | {_cell(r, 'tenants_tok_s', '.0f')} | "
-              f"{_stats(r)} | "
-              f"{errors.get(s) or 'ok'} |")
+              f"{_stats(r)} | {errors.get(s) or ('ok' if s in rows else 'not run')} |")
     ours, theirs = rows.get("timed") or {}, rows.get("0") or {}
     for key, label, target in (("tpot_ms_adapter", "TPOT b1 adapter ratio ours/vLLM", "<= 0.75"),
                                ("tpot_ms_no_adapter", "TPOT b1 no-adapter ratio", "~1"),
