@@ -5,12 +5,14 @@
 # staged vLLM environment when present (../shared/device/README.md).
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 WANDB_MODE=disabled
 ROOT=$(pwd)
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/math_verify ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    || true
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 [ -f "$HOME/vllm-env.sh" ] && source "$HOME/vllm-env.sh"
-EPIRL_PKG=/tmp/epirl_pkg; rm -rf $EPIRL_PKG; mkdir -p $EPIRL_PKG/epirl
+# one tree per shell: two jobs started side by side (one per GPU) must not delete each other's imports
+EPIRL_PKG=/tmp/epirl_pkg_$$; rm -rf $EPIRL_PKG; mkdir -p $EPIRL_PKG/epirl
 for f in "$ROOT"/epirl/*; do ln -s "$f" $EPIRL_PKG/epirl/; done
 for top in kernels rewards eval; do ln -s "$ROOT/$top" $EPIRL_PKG/epirl/$top; done
 export PYTHONPATH=$EPIRL_PKG${PYTHONPATH:+:$PYTHONPATH}
