@@ -33,13 +33,15 @@ def _hf_text_config(cfg: EpirlConfig):
 
 def memory_line(cfg: EpirlConfig, device: torch.device) -> str:
     """The pre-flight memory plan (epirl.model.memory.memory_plan, the one the run logs) and the engine's budget."""
-    from epirl.model.memory import memory_plan
+    from epirl.model.memory import GDN_KERNEL_CODES, memory_plan
 
     plan = memory_plan(cfg, device)
     base, lora, activations = (plan[f"plan/trainer_{k}_bytes"] / GiB for k in ("base", "lora_optimizer", "activation"))
+    gdn = {GDN_KERNEL_CODES["torch"]: ", GDN torch fallback assumed",
+           GDN_KERNEL_CODES["fla"]: ", GDN on flash-linear-attention assumed"}.get(plan["plan/gdn_kernel"], "")
     trainer = (f"trainer ≤ {base + lora + activations:.1f} GiB (base {base:.2f}, LoRA+AdamW {lora:.2f}, activations "
                f"≤ {activations:.2f} with every sequence at full length: {plan['plan/micro_batch_tokens']:.0f} "
-               "tokens/micro-batch)")
+               f"tokens/micro-batch{gdn})")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         engine = (f"engine {cfg.engine.gpu_memory_utilization:.0%} of {total / GiB:.0f} GiB"
