@@ -104,12 +104,43 @@ def test_chunked_logprob_gradients_equal_full_logits_gradients(tiny_dirs, checkp
         return [p.grad.clone() for p in policy.lora_parameters()]
 
     lp, ent = policy.token_logprobs(input_ids, targets, 0.9, chunk_tokens=5, with_entropy=True)
-    chunked = grads((lp * weights).sum() + 0.1 * ent.sum())
+    # the entropy is a metric: no autograd graph (its graph kept the [N, V] fp32 log-softmax alive)
+    assert not ent.requires_grad and ent.grad_fn is None
+    chunked = grads((lp * weights).sum())
     lp_ref, ent_ref = full_logprobs(policy, input_ids, targets, 0.9)
-    full = grads((lp_ref * weights).sum() + 0.1 * ent_ref.sum())
+    torch.testing.assert_close(ent, ent_ref.detach(), rtol=1e-5, atol=1e-5)
+    full = grads((lp_ref * weights).sum())
     assert all(g.abs().sum() > 0 for g in full)  # every A and B gets a gradient: the test can fail
     for g, g_ref in zip(chunked, full):
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_entropy_saves_nothing_for_backward():
+    """Asking for the entropy (a metric) must not make autograd keep [N, V] tensors: the bytes one LM-head chunk
+    saves for backward are the same with and without it (with grad, its exp/mul nodes saved fp32 [N, V] tensors,
+    which the chunk's checkpoint recomputed and kept alive until the next micro-batch)."""
+    from epirl.model.policy import _chunk_logprobs
+
+    torch.manual_seed(0)
+    N, H, V = 6, 16, 50
+    hidden = torch.randn(N, H, requires_grad=True)
+    weight, targets = torch.randn(V, H), torch.randint(0, V, (N,))
+
+    def saved_bytes(with_entropy):
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _, entropy = _chunk_logprobs(hidden, targets, weight, None, 0.9, with_entropy)
+        assert not entropy.requires_grad
+        return total[0]
+
+    without = saved_bytes(False)
+    assert without >= N * V * 4  # the log-softmax output itself is saved: the hook sees the chunk's saves
+    assert saved_bytes(True) == without
 
 
 def test_lora_state_dict_names_shapes_and_roundtrip(tiny_dirs):
