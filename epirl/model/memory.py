@@ -112,28 +112,32 @@ def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str
 # decoder layers, kernels/lora_linear), for N = micro_batch_size x sequence tokens:
 #   layer_inputs   gradient checkpointing (non-reentrant, per decoder layer) keeps each layer's input, L·N·H in
 #                  the model dtype; without it every layer's saved tensors (layer_saved below) stay instead.
-#   entropy_graph  the trainer asks for the entropy with grad: the entropy branch's autograd nodes (exp, mul) stay
-#                  referenced (entropy_B_T lives until the next micro-batch's forward), so when the LM-head chunks
-#                  are recomputed in backward, their fp32 log-softmax and its exp are kept for every chunk:
-#                  2·N·V·4 bytes (17 GiB at 4×2304 tokens and Qwen3.5's 248k vocabulary). Without the entropy the
-#                  chunk checkpoint frees them (a fix in policy.py would drop this term).
+#   entropy_graph  only while the entropy metric carries an autograd graph (policy.py before 6f1e04d; probed by
+#                  entropy_keeps_graph): its exp/mul nodes stay referenced (entropy_B_T lives until the next
+#                  micro-batch's forward), so when the LM-head chunks are recomputed in backward their fp32
+#                  log-softmax and its exp are kept for every chunk: 2·N·V·4 bytes (17 GiB at 4×2304 tokens and
+#                  Qwen3.5's 248k vocabulary). The H200 measurements below were taken with it; today it is 0.
 #   head           the final norm's fp32 input, its output (the chunks' input), that output's gradient and the
 #                  residual gradients: H·4 + 3·H·a, plus the per-token fp32 loss tensors.
 #   then the larger of
 #   top_layer      one decoder layer recomputed with its saved tensors (layer_saved) plus its backward
 #                  temporaries (layer_transient): the gated-DeltaNet layer on the torch fallback is 2x an attention
 #                  layer (fp32 copies of q/k/v, the chunked UT-transform matrices, the per-chunk state history);
-#   logits_chunk   one LM-head chunk in flight: fp32 logits, log-softmax, exp and exp·log p (4·C·V·4), while the
-#                  previous micro-batch's entropy graph (the same 2·N·V·4) is still referenced.
+#   logits_chunk   one LM-head chunk in flight: fp32 logits, log-softmax, exp and exp·log p (4·C·V·4) (with the
+#                  entropy graph, while the previous micro-batch's 2·N·V·4 is still referenced).
 #   margin         5 % for what the CPU checks cannot see: cuBLAS / SDPA workspaces, Triton temporaries.
 # The measured peak is torch's max_memory_allocated above what stays allocated, so allocator fragmentation (the
 # reserved-but-free blocks) is not in it and not in this estimate; preflight_check's safety factor covers it.
 #
 # Checked against (see tests/test_memory_estimate.py):
 # - H200 2026-11-30, Qwen3.5-9B shapes, 4×2304 tokens, rank 64 on 12 projections, shared FP8 base, torch GDN
-#   fallback, checkpointing, chunk 1024 (BENCHMARKS.md "Main recipe at full scale"): measured 24.09 GiB (step 2;
-#   step 1's 22.79 is the same peak minus the AdamW moments created after it). Estimate 25.9 GiB: layer_inputs
-#   2.25 + entropy_graph 17.05 + top_layer (GDN torch) 4.99 + head 0.35 + margin 1.23.
+#   fallback, checkpointing, chunk 1024, entropy with grad (BENCHMARKS.md "Main recipe at full scale"): measured
+#   24.09 GiB (step 2; step 1's 22.79 is the same peak minus the AdamW moments created after it). Estimate with
+#   entropy_graph=True 25.9 GiB: layer_inputs 2.25 + entropy_graph 17.05 + top_layer (GDN torch) 4.99 + head 0.35
+#   + margin 1.23. Without the graph (today's code) 8.0 GiB; the measurement implies ~7.05 (not measured yet).
+# - H200 2026-11-30, Qwen3-8B shapes, same settings on 7 projections, shared W8A16 engine and bf16 trainer base:
+#   entropy with grad: measured 15.71 GiB (steps 2-3; step 1 14.41). Estimate 16.49 / 16.50 GiB (1.05x):
+#   layer_inputs 2.53 + entropy_graph 10.43 + top_layer 2.39 + head 0.35 + margin 0.79 (today's code: 5.5 GiB).
 # - CPU, one real-width decoder layer (H 4096, I 12288, bf16, LoRA rank 64), per-token slope of the forward+backward
 #   peak over T = 128..512 (torch.profiler allocation events): GDN torch fallback 578 KiB, Qwen3.5 full attention
 #   297 KiB, Qwen3-8B layer 274 KiB, each including the embedding output, final norm and an fp32 copy of the output
@@ -141,9 +145,10 @@ def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str
 #   488 / 210 / 193 KiB. The kernels' CPU FP8 reference backward computes in float64 (its dX products and one
 #   weight as float64: cpu_reference_fp8 below); the Triton backward keeps only bf16 dX and [N, r] products.
 # - CPU, the real optimizer_step (2 micro-batches, second step: peak - end, as the GPU run measures), estimate /
-#   measured: SmolLM2-135M shapes fp32 no checkpointing 16x96 tokens 1.09 (3397 / 3128 MiB, peak in an LM-head
-#   chunk); Qwen3.5 widths, 4 layers, vocab 32k, 2x256 tokens, checkpointing 1.09, without 1.02; Qwen3-8B widths
-#   1.07; FP8 base on the CPU reference 1.21-1.25; small models in tests/test_memory_estimate.py 1.04-1.10.
+#   measured, entropy without grad: SmolLM2-135M shapes fp32 no checkpointing 16x96 tokens 1.10 (2792 / 2548 MiB,
+#   peak in an LM-head chunk); Qwen3.5 widths, 4 layers, vocab 32k, 2x256 tokens, checkpointing 1.12, without
+#   1.02; Qwen3-8B widths 1.11; small models in tests/test_memory_estimate.py 1.05-1.17. With the entropy graph
+#   (before 6f1e04d): 1.09 / 1.09 / 1.02 / 1.07, FP8 base on the CPU reference 1.21-1.25.
 # Not checked: flash-linear-attention's kernels (no working fla on the machines we measure on): their term counts
 # bf16 q/k/v (+ l2-normed q/k), the fp32 A matrix, and a backward that recomputes w/u/h and holds dh and five
 # bf16 gradients at once — an estimate from fla 0.6's chunk_gated_delta_rule_bwd, not a measurement.
@@ -242,10 +247,25 @@ class ActivationEstimate:
         return sum(self.terms.values())
 
 
+def entropy_keeps_graph() -> bool:
+    """Whether the trainer's entropy metric (Policy.token_logprobs(with_entropy=True)) carries an autograd graph,
+    which keeps every LM-head chunk's fp32 log-softmax and exp alive through backward: probed on a toy head."""
+    from epirl.model.policy import chunked_token_logprobs  # lazy: policy imports this module
+
+    head = nn.Linear(2, 3, bias=False).requires_grad_(False)
+    hidden = torch.zeros(2, 2, requires_grad=True)
+    with torch.enable_grad():
+        _, entropy = chunked_token_logprobs(hidden, torch.zeros(2, dtype=torch.long), head, 1.0, 2, with_entropy=True)
+    return entropy is not None and entropy.requires_grad
+
+
 def activation_estimate(config, tokens: int, gradient_checkpointing: bool, chunk_tokens: int, dtype_bytes: int = 2,
                         gdn_kernel: str = "torch", lora_rank: int = 0, lora_targets: int = 0,
-                        cpu_reference_fp8: bool = False, entropy_graph: bool = True) -> ActivationEstimate:
-    """Upper bound of the trainer's activation peak for one micro-batch of `tokens` tokens (terms: see above)."""
+                        cpu_reference_fp8: bool = False, entropy_graph: bool | None = None) -> ActivationEstimate:
+    """Upper bound of the trainer's activation peak for one micro-batch of `tokens` tokens (terms: see above).
+    `entropy_graph`: None = as the trainer's code does it (entropy_keeps_graph)."""
+    if entropy_graph is None:
+        entropy_graph = entropy_keeps_graph()
     a, hidden, vocab = dtype_bytes, config.hidden_size, config.vocab_size
     kinds = layer_types(config)
     gdn_kernel = gdn_kernel if "linear_attention" in kinds else "none"
@@ -260,7 +280,8 @@ def activation_estimate(config, tokens: int, gradient_checkpointing: bool, chunk
         terms["layer_saved"] = tokens * sum(saved[k] for k in kinds)
         top = max(set(kinds), key=lambda k: transient[k])
         top_layer = tokens * transient[top]
-    terms["entropy_graph"] = 2 * tokens * vocab * 4 if entropy_graph else 0
+    if entropy_graph:
+        terms["entropy_graph"] = 2 * tokens * vocab * 4
     terms["head"] = tokens * (hidden * 4 + 3 * hidden * a + 16 * 4)
     logits_chunk = 4 * min(chunk_tokens, tokens) * vocab * 4
     if top_layer >= logits_chunk:
@@ -295,7 +316,8 @@ def assumed_gdn_kernel(config, device: torch.device) -> str:
 
 def estimate_trainer_bytes(config, base: str, rank: int, targets: list[str], micro_batch_tokens: int,
                            gradient_checkpointing: bool, logprob_chunk_tokens: int, dtype_bytes: int = 2,
-                           gdn_kernel: str = "torch", device_type: str = "cuda") -> TrainerEstimate:
+                           gdn_kernel: str = "torch", device_type: str = "cuda",
+                           entropy_graph: bool | None = None) -> TrainerEstimate:
     projections, other_elements = count_parameters(config, exclude_embeddings=base == "shared")
     projection_elements = sum(o * i for o, i in projections.values())
     bytes_per_code = {"bf16": 2, "fp8": 1, "shared": 0}[base]  # shared: the engine already holds them
@@ -306,7 +328,7 @@ def estimate_trainer_bytes(config, base: str, rank: int, targets: list[str], mic
     activations = activation_estimate(
         config, micro_batch_tokens, gradient_checkpointing, logprob_chunk_tokens, dtype_bytes, gdn_kernel,
         lora_rank=rank if base == "bf16" else 0, lora_targets=targets_per_layer,
-        cpu_reference_fp8=device_type == "cpu" and base != "bf16")
+        cpu_reference_fp8=device_type == "cpu" and base != "bf16", entropy_graph=entropy_graph)
     # Base bytes are counted 16-bit (memory_plan widens them for a float32 trainer); activations in `dtype_bytes`.
     return TrainerEstimate(projection_elements * bytes_per_code, other_elements * 2, lora_total,
                            activations.total_bytes, activations)
