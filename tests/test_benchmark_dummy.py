@@ -107,6 +107,15 @@ def test_benchmark_runs_the_real_loop_on_a_tiny_random_model(tmp_path, monkeypat
         assert 0 < row["publish_kv_share"] < 1 and row["trained_tok_per_s"] > 0
         assert row["engine_weight_bytes"] > 0 and row["trainer_lora_bytes"] > 0 and row["trainer_optimizer_bytes"] > 0
     assert {r["what"] for r in result["plan_vs_measured_gib"]} >= {"engine weights", "trainer LoRA+grad+AdamW"}
+    # the plan sized the batch the benchmark trained on (16-token prompts, not the recipe's prompt cap) ...
+    from epirl.model.memory import memory_plan
+
+    key = "plan/trainer_activation_bytes"
+    assert result["plan"][key] == memory_plan(cfg, torch.device("cpu"), prompt_tokens=16)[key]
+    assert result["plan"][key] < memory_plan(cfg, torch.device("cpu"))[key]
+    # ... and is set beside the largest activation peak of the steps (step 1 reads low by the AdamW moments)
+    peak = next(r["measured"] for r in result["plan_vs_measured_gib"] if r["what"] == "trainer activation peak")
+    assert peak * 2 ** 30 == pytest.approx(max(row["trainer_activation_peak_bytes"] for row in rows), nan_ok=True)  # nan on CPU
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["model/random_weights"] for m in metrics] == [1.0, 1.0]
     assert all(m["reward/seeded_coin"] == 1.0 for m in metrics)

@@ -248,7 +248,8 @@ def train(cfg: EpirlConfig, resume: Path | None = None, progress=None,
     if problems is None:  # bad model path, data, vLLM arguments: one line, before anything starts
         problems = check_inputs(cfg, need_data=benchmark is None)
     device = resolve_runtime(cfg)
-    plan = memory_plan(cfg, device)
+    # a benchmark's synthetic prompts have their own length: plan the batch the run will really train on
+    plan = memory_plan(cfg, device, prompt_tokens=bench.prompt_length(cfg, benchmark) if benchmark else None)
     log_memory_plan(plan)  # before the engine starts: what the recipe should take
     run_dir = Path(resume) if resume else cfg.run_dir
     if resume and latest_checkpoint(run_dir) is None:  # before anything is written or started
