@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig
 
 from epirl.config import ENGINE_PRECISIONS, ConfigError, resolve_model_path
-from epirl.engine import plugin
+from epirl.engine import plugin, serving_lora
 from epirl.engine.lora_publish import AdapterPublisher
 from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, kv_cache, logits_lora, model_access, prompt_logprobs,
                                       shutdown)
@@ -96,6 +96,11 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
         # compile cache is keyed by config hashes that see the rank slot but not alpha. additional_config is
         # hashed: a run with other LoRA settings never replays a graph compiled with the old σ.
         kwargs["additional_config"] = {"epirl_w8a16_lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha}}
+    serving = serving_lora.compile_key_mode()
+    if serving != "off" and engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
+        # EPIRL_SERVING_KERNELS changes what torch.compile traces in every LoRA layer; vLLM's compile cache key
+        # does not see it, so it goes in additional_config (hashed): no graph compiled with another setting is reused
+        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), serving_lora.CONFIG_KEY: serving}
     kwargs.update(_extra_llm_kwargs(cfg, model_path, set(kwargs)))
     return kwargs
 

@@ -10,6 +10,10 @@ One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install(
   "1" / "timed" per projection shape and token bucket, the fastest of {fused, vendor FP8 GEMM + epirl's
                 shrink/expand}, timed once on CUDA-graph replays at the shape's first call and cached on disk
                 (key: GPU, vLLM version, shapes) in $EPIRL_CACHE_DIR or ~/.cache/epirl
+`EPIRL_SERVING_VLLM_FROM=N` (read by `install()`, default: never): batches of at least N tokens run vLLM's own
+LoRA path (base GEMM + punica kernels) inside the op, e.g. prefill chunks, where K1's per-token shrink (CUDA cores,
+each token reading its adapter's A) is expected to cost more than vLLM's grouped tensor-core shrink (not measured
+yet). A batch without adapter always takes vLLM's base path (see the op).
 `install()` (idempotent) wraps `apply` (and `create_lora_weights`, which registers the layer) of vLLM's
 `BaseLinearLayerWithLoRA` and of every subclass overriding them, before the model is built, so that torch.compile
 and CUDA-graph capture see the custom op `epirl::w8a8_multi_lora_layer`. A layer is taken over only if its base
@@ -17,7 +21,8 @@ weight is FP8 e4m3 with one per-tensor scale and dynamic per-token activations (
 checkpoints, epirl's W8A8 emulation); epirl's W8A16 layers and anything else keep their path. vLLM folds
 σ = alpha/r into B when it loads an adapter, so the op uses σ = 1, as vLLM's punica call does.
 Limits: a layer whose slices do not cover its rows (some tensor-parallel shardings) keeps vLLM's path; vLLM's own
-punica kernels are not a dispatch candidate (scripts/bench_serving.py --vllm compares the two end to end).
+punica kernels are not a timed dispatch candidate (EPIRL_SERVING_VLLM_FROM picks them by batch size;
+scripts/bench_serving.py --vllm compares the two end to end).
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from epirl.engine.vllm_compat.punica import slot_views  # noqa: F401 (part of th
 log = logging.getLogger(__name__)
 ENV = "EPIRL_SERVING_KERNELS"
 MODES = ("0", "fused", "1", "timed")
-_STATE: dict = {"installed": False, "tables": {}, "mode": "off", "calls": 0, "short_maps": 0}
+_STATE: dict = {"installed": False, "tables": {}, "mode": "off", "calls": 0, "short_maps": 0, "vendor_calls": 0,
+                "vllm_calls": 0, "vllm_from": None, "checked_configs": []}
+VLLM_FROM_ENV = "EPIRL_SERVING_VLLM_FROM"
+CONFIG_KEY = "epirl_serving_kernels"  # the `additional_config` entry that keys vLLM's compile cache by the mode
 _MARKER = "_epirl_serving"  # on the vLLM methods install() wrapped (idempotence)
 
 
@@ -46,10 +54,31 @@ def read_mode() -> str:
     return {"0": "off", "fused": "fused", "1": "timed", "timed": "timed"}[value]
 
 
+def read_vllm_from() -> int | None:
+    """EPIRL_SERVING_VLLM_FROM as a token count (None: unset / empty / 0, never)."""
+    value = os.environ.get(VLLM_FROM_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{VLLM_FROM_ENV}={value!r}: expected a token count (or unset)")
+    return int(value) or None
+
+
+def set_vllm_from(tokens: int | None) -> None:
+    """Batches of at least `tokens` tokens take vLLM's own LoRA path inside the op from now on (None: never)."""
+    _STATE["vllm_from"] = tokens
+
+
 def mode() -> str:
     """The active mode: read from the environment by `install()`, changed by `set_mode()`. A plain module
     global, so that torch.compile traces the layer's `apply` without touching os.environ."""
     return _STATE["mode"]
+
+
+def compile_key_mode() -> str:
+    """The mode an engine started now traces: the active one once `install()` ran, else the environment's (what
+    `install()`, called by the plugin before vLLM builds the model, will read)."""
+    return mode() if _STATE["installed"] else read_mode()
 
 
 def set_mode(value: str) -> None:
@@ -123,7 +152,8 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
     # vLLM's sorted order is valid for its first len(token_lora) entries only (the rest of its buffer is stale and
-    # may point past this batch): use it when it covers exactly this batch, else K2's wrapper sorts itself.
+    # may point past this batch): use it when it covers exactly this batch, else the fused wrapper and
+    # `_vendor_then_expand` sort the tokens themselves (per call, on the GPU, no host sync).
     order = order[:M] if order is not None and token_lora.numel() == M and order.numel() >= M else None
     ids = token_lora[:M]
     if ids.numel() < M:  # tokens vLLM did not map (padding): no adapter
@@ -158,7 +188,29 @@ def register_layer(layer) -> int:
     if key is None:
         key = layer._epirl_serving_key = len(_LAYERS)
         _LAYERS.append(layer)
+    if mode() != "off":
+        check_compile_key()
     return key
+
+
+def check_compile_key(additional_config: dict | None = None) -> bool:
+    """Warn (once per engine config) when the mode is on but the engine's `additional_config` lacks
+    {"epirl_serving_kernels": mode}: vLLM's torch.compile cache key does not see this setting, so such an engine
+    can load graphs compiled with another setting (e.g. without the op). additional_config: the engine's (read from
+    the vLLM config being built when None). Returns False when it warned."""
+    from epirl.engine.vllm_compat import engine_args
+
+    config = engine_args.current_additional_config() if additional_config is None else additional_config
+    if config is None or any(c is config for c in _STATE["checked_configs"]):
+        return True  # no engine config being built (a layer made by hand), or already checked
+    _STATE["checked_configs"].append(config)  # kept (a few small dicts): an id is never reused for another one
+    if isinstance(config, dict) and config.get(CONFIG_KEY) == mode():
+        return True
+    log.warning("epirl serving kernels: %s=%s but the engine's additional_config lacks {%r: %r}; vLLM's compile "
+                "cache does not see this setting and may load graphs built with another one (pass "
+                "additional_config / --additional-config, see README \"Serving adapters with epirl's kernels\")",
+                ENV, mode(), CONFIG_KEY, mode())
+    return False
 
 
 def layer_parts(layer):
@@ -175,12 +227,43 @@ def layer_parts(layer):
 @torch.library.custom_op("epirl::w8a8_multi_lora_layer", mutates_args=())
 def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torch.Tensor | None,
                           bias: torch.Tensor | None, layer_key: int, n_out: int) -> torch.Tensor:
-    """`serve_slices` on the registered layer `layer_key` (its FP8 codes and vLLM's slot buffers)."""
+    """`serve_slices` on the registered layer `layer_key` (its FP8 codes and vLLM's slot buffers), or, for a batch
+    without adapter, vLLM's own base path. This body runs eagerly (eager steps, the warm-up before a CUDA-graph
+    capture, the capture itself; not graph replays), so it reads the layer's live state here: the traced
+    `token_lora` / `order` arguments are kept for the op's signature but not used (torch.compile bakes the token
+    map's length, a Python int in vLLM's punica wrapper, into the graph at trace time)."""
     _STATE["calls"] += 1  # Python runs: eager / compiled steps and CUDA-graph captures (not graph replays)
-    if token_lora.numel() < x.numel() // max(x.shape[-1], 1):
-        _STATE["short_maps"] += 1  # vLLM's token map shorter than the batch: the rest runs without adapter
-    codes, scale, lora_a, lora_b, widths = layer_parts(_LAYERS[layer_key])
+    layer = _LAYERS[layer_key]
+    M = x.numel() // max(x.shape[-1], 1)
+    token_lora, order = punica.token_slots(layer)
+    # vLLM's own paths below: contiguous as the fake impl says (a padded GEMM's output may be a column slice;
+    # compiled code reading the op's output assumes the fake's strides); a no-op when already contiguous
+    if _no_adapter(layer, token_lora, M, x):
+        _STATE["vendor_calls"] += 1
+        return punica.base_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
+    if _STATE["vllm_from"] is not None and M >= _STATE["vllm_from"]:
+        _STATE["vllm_calls"] += 1
+        return punica.vllm_lora_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
+    if token_lora.numel() < M:
+        _STATE["short_maps"] += 1  # vLLM's token map shorter than the batch (padding): the rest runs without adapter
+    # vLLM's sorted order is valid for its current token count only: not inside a CUDA-graph capture (a replay of a
+    # padded batch would read stale entries past it), and only when it covers exactly this batch
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        order = None
+    codes, scale, lora_a, lora_b, widths = layer_parts(layer)
     return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias)
+
+
+def _no_adapter(layer, token_lora: torch.Tensor, M: int, x: torch.Tensor) -> bool:
+    """Whether no token of this batch has an adapter: vLLM's no-LoRA flag (a CPU tensor, exactly when vLLM's own
+    punica kernels skip their work, so the batch is computed as vLLM computes it, in and out of CUDA graphs); on
+    a CPU wrapper without that flag, the token map (all -1). False where neither can tell without a GPU sync."""
+    flag = punica.no_lora_flag(layer)
+    if flag is not None:
+        return bool(flag[0])
+    if x.is_cuda or token_lora.is_cuda:
+        return False
+    return bool((token_lora[:M] < 0).all())
 
 
 @w8a8_multi_lora_layer.register_fake
@@ -191,11 +274,14 @@ def _(x, token_lora, order, bias, layer_key, n_out):
 def stats() -> dict:
     """served_layers: registered LoRA layers this op can serve; op_calls: runs of the op's Python body (eager and
     compiled steps, CUDA-graph captures; not graph replays); short_maps: calls whose token map was shorter than
-    the batch (its tail ran without adapter). op_calls 0 after an engine started with the setting on means its
-    compiled graphs lack the op, e.g. loaded from a torch.compile cache built with the setting off: vLLM's cache
-    key does not see this setting (pass it in `additional_config`, or use another VLLM_CACHE_ROOT)."""
+    the batch (its tail ran without adapter); vendor_calls: calls of a batch without adapter, computed by vLLM's
+    base path (its quantization method's apply: no LoRA kernel at all); vllm_calls: calls of at least
+    EPIRL_SERVING_VLLM_FROM tokens, computed by vLLM's own LoRA path. op_calls 0 after an engine started with the
+    setting on means its compiled graphs lack the op, e.g. loaded from a torch.compile cache built with the setting
+    off: vLLM's cache key does not see this setting (pass it in `additional_config`, or use another
+    VLLM_CACHE_ROOT)."""
     return dict(served_layers=sum(layer_parts(layer) is not None for layer in _LAYERS), op_calls=_STATE["calls"],
-                short_maps=_STATE["short_maps"])
+                **{k: _STATE[k] for k in ("short_maps", "vendor_calls", "vllm_calls")})
 
 
 def dispatch_tables() -> dict:
@@ -211,11 +297,21 @@ def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bi
     from epirl.kernels import quantize_activation_fp8
     from epirl.kernels.w8a8_multi_lora.triton import expand_into
 
+    if order is None:  # tokens in adapter order, as the fused path sorts them: without it, a K2 tile of a batch
+        order = adapter_order(ids)  # spread over many adapters loops its epilogue over each of them
     q, s = quantize_activation_fp8(x2)
     scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
     base = torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=x2.dtype,
                             bias=None if bias is None else bias.to(x2.dtype))
     return expand_into(base, x2, lora_a, lora_b, ids, 1.0, order=order, widths=widths)
+
+
+def adapter_order(ids: torch.Tensor) -> torch.Tensor | None:
+    """Tokens sorted by adapter (stable) for K2's expand at this batch size, or None when one tile holds them all."""
+    from epirl.kernels.w8a8_multi_lora import triton as k
+
+    tile = (k.DECODE_CONFIG if ids.numel() <= k.DECODE_MAX_TOKENS else k.PREFILL_CONFIG)["BT"]
+    return k.adapter_order(ids, tile)
 
 
 def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):
@@ -239,6 +335,7 @@ def install() -> int:
     """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
     many classes were wrapped. Reads EPIRL_SERVING_KERNELS (call it before vLLM builds the model)."""
     _STATE["mode"] = read_mode()  # a bad value fails here, at engine start, with the variable's name
+    _STATE["vllm_from"] = read_vllm_from()
     lora_layers.on_lora_weights_created(register_layer, _MARKER)  # at model load, before torch.compile
     wrapped = lora_layers.wrap_lora_apply_first(_serving_apply_when_on, _MARKER)
     if wrapped and not _STATE["installed"]:

