@@ -126,6 +126,22 @@ def test_vllm_args_pass_through_checked_and_vl_checkpoints_load_the_language_mod
         kwargs(text, enable_lora=False)
 
 
+def test_dummy_weights_with_a_tokenizer_folder_pass_it_to_vllm(tmp_path):
+    import json
+
+    from epirl.config import EpirlConfig
+    from epirl.engine.engine import _llm_kwargs
+
+    model_dir, tok_dir = tmp_path / "arch", tmp_path / "tok"
+    model_dir.mkdir(), tok_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    cfg = EpirlConfig.model_validate({"model": {"path": str(model_dir), "load_format": "dummy",
+                                                "tokenizer": str(tok_dir)}})
+    kwargs = _llm_kwargs(cfg, str(model_dir), None)
+    assert kwargs["load_format"] == "dummy" and kwargs["tokenizer"] == str(tok_dir)
+    assert "skip_tokenizer_init" not in kwargs
+
+
 @pytest.mark.parametrize("layout", ["transposed_view", "row_major", "square_copy_among_views"])
 def test_fp8_base_views_are_zero_copy_in_either_vllm_weight_layout(layout):
     """The shared base takes vLLM's FP8 weights whichever way a version holds them (read off a non-square

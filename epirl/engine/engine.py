@@ -88,7 +88,7 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
 
         kwargs["load_format"] = "dummy"
         if cfg.model.tokenizer is not None:
-            kwargs["tokenizer"] = _resolve_model_path(cfg.model.tokenizer)
+            kwargs["tokenizer"] = resolve_model_path(cfg.model.tokenizer)
         elif model_path and not uses_tokenizer(cfg):
             kwargs["skip_tokenizer_init"] = True  # token-id prompts; no text is decoded
     if cfg.engine.precision == "w8a16" and engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
