@@ -71,7 +71,9 @@ def forward_row(name, K, N, M, w16, codes, scale, a, b):
     return row
 
 
-def trainer_row(name, K, N, M, w16, codes, scale, a, b):
+def trainer_steps(K, N, M, w16, codes, scale, a, b):
+    """{"fp8": (step, params), "bf16": (step, params)}: one forward + backward of Fp8LoRALinear and of the frozen
+    bf16 Linear + LoRA it replaces, on the same random x and upstream gradient; params get .grad."""
     sigma = ALPHA / RANK
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
@@ -84,8 +86,12 @@ def trainer_row(name, K, N, M, w16, codes, scale, a, b):
     def bf16_step():
         (F.linear(x, w16) + sigma * F.linear(F.linear(x, a16), b16)).backward(gy)
 
+    return {"fp8": (fp8_step, [x, fp8.lora_A, fp8.lora_B]), "bf16": (bf16_step, [x, a16, b16])}
+
+
+def trainer_row(name, K, N, M, w16, codes, scale, a, b):
     row = dict(shape=name, K=K, N=N, M=M)
-    for tag, step, params in (("fp8", fp8_step, [x, fp8.lora_A, fp8.lora_B]), ("bf16", bf16_step, [x, a16, b16])):
+    for tag, (step, params) in trainer_steps(K, N, M, w16, codes, scale, a, b).items():
         step()
         row[f"{tag}_us"] = bench_us(step, grad_to_none=params)
         for p in params:

@@ -14,12 +14,9 @@ import sys
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import ALPHA, RANK, SHAPES, make_layer  # noqa: E402
-
-from epirl.kernels import Fp8LoRALinear  # noqa: E402
+from bench_kernels import SHAPES, make_layer, trainer_steps  # noqa: E402
 
 
 def kernel_us_per_step(step, steps: int) -> dict[str, float]:
@@ -39,23 +36,13 @@ def kernel_us_per_step(step, steps: int) -> dict[str, float]:
 
 
 def profile_shape(name: str, K: int, N: int, M: int, steps: int) -> None:
-    sigma = ALPHA / RANK
-    w16, codes, scale, a, b = make_layer(K, N)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    gy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    fp8 = Fp8LoRALinear(codes, scale, a.clone(), b.clone(), sigma)
-    a16, b16 = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+    for tag, (step, params) in trainer_steps(K, N, M, *make_layer(K, N)).items():
+        def step_and_clear(step=step, params=params):
+            step()
+            for p in params:
+                p.grad = None
 
-    def fp8_step():
-        fp8(x).backward(gy)
-        x.grad = fp8.lora_A.grad = fp8.lora_B.grad = None
-
-    def bf16_step():
-        (F.linear(x, w16) + sigma * F.linear(F.linear(x, a16), b16)).backward(gy)
-        x.grad = a16.grad = b16.grad = None
-
-    for tag, step in (("fp8", fp8_step), ("bf16", bf16_step)):
-        kernels = kernel_us_per_step(step, steps)
+        kernels = kernel_us_per_step(step_and_clear, steps)
         total = sum(kernels.values())
         print(f"\n### {name} K={K} N={N} M={M} {tag}: {total:.0f} µs of kernels per step")
         print("| kernel | µs/step | share |\n|---|---|---|")
