@@ -119,7 +119,7 @@ def test_entropy_saves_nothing_for_backward():
     """Asking for the entropy (a metric) must not make autograd keep [N, V] tensors: the bytes one LM-head chunk
     saves for backward are the same with and without it (with grad, its exp/mul nodes saved fp32 [N, V] tensors,
     which the chunk's checkpoint recomputed and kept alive until the next micro-batch)."""
-    from epirl.model.policy import _chunk_logprobs
+    from epirl.model.logprobs import _chunk_logprobs
 
     torch.manual_seed(0)
     N, H, V = 6, 16, 50

@@ -250,7 +250,7 @@ class ActivationEstimate:
 def entropy_keeps_graph() -> bool:
     """Whether the trainer's entropy metric (Policy.token_logprobs(with_entropy=True)) carries an autograd graph,
     which keeps every LM-head chunk's fp32 log-softmax and exp alive through backward: probed on a toy head."""
-    from epirl.model.policy import chunked_token_logprobs  # lazy: policy imports this module
+    from epirl.model.logprobs import chunked_token_logprobs
 
     head = nn.Linear(2, 3, bias=False).requires_grad_(False)
     hidden = torch.zeros(2, 2, requires_grad=True)

@@ -3,7 +3,7 @@
 The LM head runs over `chunk_tokens` tokens at a time with an fp32 log-softmax, so the
 [tokens, vocab] logits never exist at once (a 9B Qwen3.5 has a 248k vocabulary: 8×2048 tokens of fp32
 logits would be 16 GB). Each chunk is activation-checkpointed, so the backward recomputes one chunk's
-logits at a time instead of keeping all of them.
+logits at a time instead of keeping all of them (epirl/model/logprobs.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from epirl.model.logprobs import chunked_token_logprobs
 from epirl.model.lora import lora_modules as find_lora_modules
 from epirl.model.memory import policy_memory_report
 
@@ -23,47 +22,6 @@ from epirl.model.memory import policy_memory_report
 def peft_key(module_name: str, which: str) -> str:
     """PEFT's saved tensor name: `base_model.model.<module path>.lora_{A,B}.weight`."""
     return f"base_model.model.{module_name}.lora_{which}.weight"
-
-
-def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weight_V_H: torch.Tensor,
-                    head_bias_V: torch.Tensor | None, temperature: float, with_entropy: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The head matmul stays in the model dtype (as vLLM's logits processor); then, as vLLM's sampler does
-    # for processed_logprobs (contract 5): cast to fp32, divide (not multiply by 1/T: the last bit differs)
-    # by the temperature, log_softmax in fp32.
-    logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / temperature
-    logprobs_N_V = torch.log_softmax(logits_N_V, dim=-1)
-    token_logprobs_N = logprobs_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return token_logprobs_N, token_logprobs_N.new_empty(0)
-    # The entropy is a metric, never a loss term: no autograd graph. With grad, its exp/mul nodes kept the
-    # chunk's fp32 [N, V] log-softmax alive (twice) until the next micro-batch — 17 GiB at 4 x 2304 tokens and
-    # Qwen3.5's 248k vocabulary, measured on the H200 (BENCHMARKS "Main recipe at full scale").
-    with torch.no_grad():
-        entropy_N = -(logprobs_N_V.exp() * logprobs_N_V).sum(-1)
-    return token_logprobs_N, entropy_N
-
-
-def chunked_token_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, lm_head: nn.Linear,
-                           temperature: float, chunk_tokens: int, with_entropy: bool = False
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target | hidden) in fp32 for N tokens, computing at most `chunk_tokens` rows of logits at once."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    if chunk_tokens <= 0:
-        raise ValueError(f"trainer.logprob_chunk_tokens must be > 0, got {chunk_tokens}")
-    # Checkpoint only when a backward will come: otherwise there is nothing to save or recompute.
-    recompute = torch.is_grad_enabled() and hidden_N_H.requires_grad
-    logprobs, entropies = [], []
-    for start in range(0, hidden_N_H.shape[0], chunk_tokens):
-        args = (hidden_N_H[start:start + chunk_tokens], targets_N[start:start + chunk_tokens],
-                lm_head.weight, lm_head.bias, float(temperature), with_entropy)
-        logprobs_n, entropy_n = (checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute
-                                 else _chunk_logprobs(*args))
-        logprobs.append(logprobs_n)
-        entropies.append(entropy_n)
-    logprobs_N = torch.cat(logprobs)
-    return logprobs_N, (torch.cat(entropies) if with_entropy else None)
 
 
 class Policy:
