@@ -108,7 +108,7 @@ def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str
 
 # ---- Activation peak of one trainer micro-batch (forward + backward) -------------------------------------------
 #
-# What is alive at the peak, from the code (epirl/rl/trainer.py optimizer_step, epirl/model/policy.py, transformers'
+# What is alive at the peak, from the code (epirl/rl/trainer.py optimizer_step, epirl/model/logprobs.py, transformers'
 # decoder layers, kernels/lora_linear), for N = micro_batch_size x sequence tokens:
 #   layer_inputs   gradient checkpointing (non-reentrant, per decoder layer) keeps each layer's input, L·N·H in
 #                  the model dtype; without it every layer's saved tensors (layer_saved below) stay instead.
