@@ -17,13 +17,16 @@
 # though benchmark rewards are a coin). Qwen3.5 runs with language_model_only (automatic for its config) and
 # vLLM's Triton GDN prefill (FlashInfer is not shipped there). The trainer's gated-DeltaNet layers use
 # flash-linear-attention when it imports and passes a forward+backward check on the device, else transformers'
-# torch fallback; benchmark.json and the table say which ran. (Staging a newer Triton for fla's Hopper backward
-# is not part of this script.) Each part prints the per-step table + the plan-vs-measured line and leaves
+# torch fallback; benchmark.json and the table say which ran. fla 0.6's Hopper backward needs Triton >= 3.7.1 (the
+# image has 3.6): when scripts/triton_kit.sh's kit is staged ($HOME/env-triton37.sh exists) it is sourced after
+# the vLLM environment, so `q35` measures the fla path; the header line says which triton/fla are active. Each part prints the per-step table + the plan-vs-measured line and leaves
 # $OUT/main_<part>.json (the full benchmark.json) and $OUT/main_<part>.log (the log's tail).
 set -o pipefail
 part=${1:?usage: gpu_main_recipe.sh q35|q3|q3w8a16|bf16|q35bf16|q35w8a16}
 STEPS=${STEPS:-3}
 source scripts/device_env.sh
+# after device_env.sh (which sources ~/vllm-env.sh): the kit's PYTHONPATH entry must come first to shadow triton 3.6
+[ -f "$HOME/env-triton37.sh" ] && source "$HOME/env-triton37.sh"
 export COLUMNS=250  # rich wraps log lines at 80 columns when stderr is not a terminal
 
 COMMON=(model.load_format=dummy output_dir=/tmp/runs tracking.wandb=disabled)
@@ -41,6 +44,9 @@ esac
 
 log=/tmp/main_$part.log; json=$OUT/main_$part.json; t0=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+python3 -P -c "import importlib.util as u, importlib.metadata as m, triton
+fla = m.version('flash-linear-attention') if u.find_spec('fla') else 'not installed'
+print(f'[$part] triton {triton.__version__} ({triton.__file__.rsplit(\"/\", 2)[0]}), fla {fla}')" 2>&1 | tail -n 1
 timeout 570 python3 -P -m epirl.cli train "${args[@]}" "${COMMON[@]}" name=main_$part \
     --benchmark "$STEPS" --prompt-tokens 256 --force-max-tokens --benchmark-out "$json" > "$log" 2>&1
 rc=$?
