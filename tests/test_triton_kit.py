@@ -100,13 +100,19 @@ def device_call(repo: Path, home: Path, cmd: str) -> subprocess.CompletedProcess
                           env={**os.environ, "HOME": str(home), "PYTHONPATH": "/x"})
 
 
-def test_device_installer_checks_sums_unpacks_once_and_env_shadows(tmp_path):
+def staged_repo(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(repo, home, repo/.stage) with the device scripts and a two-part fake payload staged."""
     repo, home = tmp_path / "repo", tmp_path / "home"
     stage = repo / ".stage"
     stage.mkdir(parents=True)
     home.mkdir()
     kit("--device-scripts", stage=stage)
     make_payload(stage, tmp_path)
+    return repo, home, stage
+
+
+def test_device_installer_checks_sums_unpacks_once_and_env_shadows(tmp_path):
+    repo, home, stage = staged_repo(tmp_path)
     parts = sorted(stage.glob("triton37.part*"))
     assert len(parts) == 2
     # call 1 carries part00 only; the repo copy of the next call no longer has it (ignored files do not stay)
@@ -124,12 +130,7 @@ def test_device_installer_checks_sums_unpacks_once_and_env_shadows(tmp_path):
 
 
 def test_device_installer_refuses_a_corrupt_part(tmp_path):
-    repo, home = tmp_path / "repo", tmp_path / "home"
-    stage = repo / ".stage"
-    stage.mkdir(parents=True)
-    home.mkdir()
-    kit("--device-scripts", stage=stage)
-    make_payload(stage, tmp_path)
+    repo, home, stage = staged_repo(tmp_path)
     with open(stage / "triton37.part01", "r+b") as f:
         f.write(b"\0garbage")
     res = device_call(repo, home, "bash .stage/install-triton37.sh")
