@@ -31,6 +31,15 @@ LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like 
 
 
 @triton.jit
+def _ws_tile(N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr):
+    """This program's output tile in grouped order: weight rows rn, token columns rm and their masks."""
+    pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    return rn, rm, rn < N, rm < M
+
+
+@triton.jit
 def _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, k_hi, K, stride_wn, stride_wk, stride_xm, stride_xk,
               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     """fp32 [BN, BM] = w[rn, k_lo:k_hi] · x[rm, k_lo:k_hi]ᵀ, accumulated from zero in k order."""
@@ -89,11 +98,7 @@ def _ws_partial_kernel(
     # HAS_BASE=False (lora_down alone) compiles only the LoRA branch: the branches' shared memory adds up
     if HAS_BASE:
         if tl.program_id(0) < n_tiles * m_tiles:
-            pid_n, pid_m = _grouped_tile_ids(n_tiles, m_tiles, GROUP_N)
-            rn = pid_n * BN + tl.arange(0, BN)
-            rm = pid_m * BM + tl.arange(0, BM)
-            mask_n = rn < N
-            mask_m = rm < M
+            rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
             acc = _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, rk_end, K, stride_wn, stride_wk,
                             stride_xm, stride_xk, BN, BM, BK, DOT_F32)
             tl.store(part_ptr + (c * M + rm[None, :].to(tl.int64)) * N + rn[:, None], acc,
@@ -140,11 +145,7 @@ def _ws_reduce_kernel(
     DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     """Adds the chunk partials in chunk order (as the single pass does) and runs the epilogue."""
-    pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    mask_n = rn < N
-    mask_m = rm < M
+    rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
     offs = rm[None, :].to(tl.int64) * N + rn[:, None]
     total = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(0, N_CHUNKS):
@@ -189,11 +190,7 @@ def _ws_single_kernel(
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     """One program per output tile: every chunk from zero, added in chunk order, then the epilogue."""
-    pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    mask_n = rn < N
-    mask_m = rm < M
+    rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
     total = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(0, N_CHUNKS):
         total += _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, c * K_CHUNK, (c + 1) * K_CHUNK, K,
