@@ -6,8 +6,10 @@ transposed) and M bucket, times every candidate config (CUDA-graph replay, L2 fl
 Candidates differ only in tiling (BN, BM, BK, warps, stages, split-K or not), never in the K chunking, so
 every entry of the table gives the same bits (tests/kernels/test_gpu_kernels.py checks it). Also prints
 the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk; not batch invariant
-with split-K, diagnostic only).
-Usage: python scripts/tune_w8a16.py [--out PATH] [--quick]
+with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's.
+`--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`) and prints cuBLAS bf16
+on the same shape beside the many-token bucket; `--shapes`/`--buckets` tune a subset and merge it into the table.
+Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
 
 from __future__ import annotations
@@ -69,31 +71,100 @@ def one_chunk_us(x, w, scale, c):
     return graph_us(run)
 
 
-def tune_shape(name, K, N, log):
+def with_tma(cands):
+    """The pointer-load candidates plus their TMA twins (same tiles; `kernels/gemm/ws_tma.py`) and, for the
+    first two, TMA with a warp-specialized K loop."""
+    return cands + [dict(c, tma=True) for c in cands] + [dict(c, tma=True, warp_spec=True) for c in cands[:2]]
+
+
+def describe(c):
+    return ("/".join(str(c[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
+            + (" split" if c["split"] else "") + (" tma" if c.get("tma") else "") + (" ws" if c.get("warp_spec") else ""))
+
+
+def compiled_kernels() -> dict:
+    """Every compiled GEMM kernel so far (id -> CompiledKernel): registers and spills of a new compile are
+    printed beside the candidate that caused it (a spilling accumulator explains a slow tile)."""
+    from epirl.kernels.gemm.ws_tma import _ws_tma_kernel
+    found = {}
+    for fn in (_ws_single_kernel, _ws_tma_kernel):
+        for cache in getattr(fn, "device_caches", {}).values():
+            for k in (cache[0].values() if isinstance(cache, tuple) else []):
+                found[id(k)] = k
+    return found
+
+
+def report_new_compiles(before: dict, what: str, log: list) -> None:
+    for key, k in compiled_kernels().items():
+        if key in before:
+            continue
+        regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
+        shared = getattr(getattr(k, "metadata", None), "shared", None)
+        print(f"#   compiled {getattr(k, 'name', '?')} for {what}: {regs} regs, {spills} spills, {shared} B smem",
+              flush=True)
+        log.append(dict(compiled=what, kernel=getattr(k, "name", "?"), n_regs=regs, n_spills=spills, shared=shared))
+
+
+def time_candidates(name, op, codes, scale, x, cands, log, entry):
+    """Times every candidate at x; each must give the first one's bits (the table's contract)."""
+    w = codes if op == "fwd" else codes.t()
+    timed, first = [], None
+    for c in cands:
+        before = compiled_kernels()
+        try:
+            us = time_config(op, x, codes, scale, c)
+            report_new_compiles(before, f"{op} {describe(c)}", log)
+            y = weight_stationary_gemm(x, w, torch.bfloat16, w_scale=scale, config=c, op=op)
+        except Exception as err:  # e.g. out of shared memory, or no warp specialization here: not a candidate
+            print(f"# {name} {op} {describe(c)}: {type(err).__name__}: {str(err)[:160]}", flush=True)
+            continue
+        first = y if first is None else first
+        if not torch.equal(y, first):  # never a table entry; loud, but the other candidates still run
+            print(f"# BITS DIFFER: {name} {op} {describe(c)} vs {describe(timed[0][1])}: excluded", flush=True)
+            log.append(dict(entry, config=c, bits_differ=True))
+            continue
+        timed.append((us, c))
+        log.append(dict(entry, config=c, us=us))
+    return timed
+
+
+def cublas_us(op, x, codes, scale):
+    """The vendor path a user would pick instead: cuBLAS bf16 on a bf16 copy of the same weight."""
+    w16 = (codes.float() * scale).bfloat16()
+    return graph_us(lambda: x @ w16.t()) if op == "fwd" else graph_us(lambda: x @ w16)
+
+
+def tune_shape(name, K, N, log, bounds=None, tma=False):
     _, codes, scale, _, _ = make_layer(K, N)
     rows = {}
     for op, buckets in (("fwd", FWD_BUCKETS), ("dx", DX_BUCKETS)):
         n_out, k_red = (N, K) if op == "fwd" else (K, N)
         row = {}
         for bound, (tokens, cands) in buckets.items():
-            xs = {M: torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16) for M in tokens}
-            timed = []
-            for c in cands:
-                try:
-                    us = sum(time_config(op, xs[M], codes, scale, c) for M in tokens)
-                except Exception as err:  # e.g. out of shared memory: not a candidate here
-                    print(f"# {name} {op} {c}: {type(err).__name__}: {str(err)[:120]}", flush=True)
-                    continue
-                timed.append((us, c))
-                log.append(dict(shape=name, op=op, N=n_out, K=k_red, bucket=bound, tokens=tokens, config=c, us=us))
+            if bounds and bound not in bounds:
+                continue
+            cands = with_tma(cands) if tma and bound >= 256 else cands
+            totals: dict[int, list] = {}
+            for M in tokens:
+                x = torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16)
+                entry = dict(shape=name, op=op, N=n_out, K=k_red, bucket=bound, tokens=M)
+                for us, c in time_candidates(name, op, codes, scale, x, cands, log, entry):
+                    totals.setdefault(id(c), [0.0, c, 0])[0] += us
+                    totals[id(c)][2] += 1
+            timed = [(us, c) for us, c, n in totals.values() if n == len(tokens)]
             best_us, best = min(timed, key=lambda t: t[0])
             row[str(bound)] = best
-            print(f"| {name} | {op} | ≤{bound} | {tokens} | {best_us:.1f} | "
-                  f"{'/'.join(str(best[k]) for k in ('BN', 'BM', 'BK', 'num_warps', 'num_stages'))}"
-                  f"{' split' if best['split'] else ''} | {max(t[0] for t in timed):.1f} |", flush=True)
-            if bound == BIG:
+            ref = f" | {cublas_us(op, x, codes, scale):.1f}" if bound == BIG else " | –"
+            if tma and bound >= 256:  # best of each load kind: what TMA (and warp specialization) bought
+                kinds = {"ptr": [t for t in timed if not t[1].get("tma")],
+                         "tma": [t for t in timed if t[1].get("tma") and not t[1].get("warp_spec")],
+                         "tma+ws": [t for t in timed if t[1].get("warp_spec")]}
+                ref += " | " + ", ".join(f"{k} {min(v, key=lambda t: t[0])[0]:.1f}" for k, v in kinds.items() if v)
+            print(f"| {name} | {op} | ≤{bound} | {tokens} | {best_us:.1f} | {describe(best)} | "
+                  f"{max(t[0] for t in timed):.1f}{ref} |", flush=True)
+            if bound == BIG and not tma:
                 w = codes if op == "fwd" else codes.t()
-                one = one_chunk_us(xs[tokens[0]], w, scale, best)
+                one = one_chunk_us(x, w, scale, best)
                 log.append(dict(shape=name, op=op, diagnostic="one_chunk", chunks=k_chunking(n_out, k_red)[1],
                                 us=one, chunked_us=best_us))
                 print(f"#   {name} {op} 4096 tok: {k_chunking(n_out, k_red)[1]} chunks {best_us:.1f} µs, "
@@ -108,15 +179,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ws_configs.json"))
     ap.add_argument("--quick", action="store_true", help="two shapes only")
+    ap.add_argument("--shapes", nargs="*", help="shape names (default: all)")
+    ap.add_argument("--buckets", nargs="*", type=int, help="bucket bounds to tune (default: all; 1000000000 = many)")
+    ap.add_argument("--tma", action="store_true", help="also TMA-load candidates for buckets >= 256")
     args = ap.parse_args()
     table = json.loads(json.dumps(load_table()))  # start from the committed defaults
     log = []
     t0 = time.time()
-    print("| shape | op | bucket | tokens | best µs | BN/BM/BK/warps/stages | worst µs |\n|---|---|---|---|---|---|---|")
+    print("| shape | op | bucket | tokens | best µs | BN/BM/BK/warps/stages | worst µs | cuBLAS bf16 µs (many) "
+          "| best per load kind µs (--tma) |\n|---|---|---|---|---|---|---|---|---|")
     shapes = (SHAPES + EXTRA_SHAPES)[:2] if args.quick else SHAPES + EXTRA_SHAPES
+    shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     for name, K, N in shapes:
-        for op, (key, row) in tune_shape(name, K, N, log).items():
-            table[op][key] = row
+        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma).items():
+            table[op].setdefault(key, {}).update(row)
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
     with open(args.out, "w") as f:
         json.dump(table, f, indent=1)

@@ -283,6 +283,11 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         return y
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
+    if cfg.get("tma"):
+        from .ws_tma import launch_tma_single, tma_ok
+        if tma_ok(x, w):  # else the pointer kernel below: same k-steps, same bits
+            return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
+                                     lora_strides, cfg, flags)
     _ws_single_kernel[(tiles,)](
         x, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),

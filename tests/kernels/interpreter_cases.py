@@ -102,6 +102,29 @@ def case_fused_down_split_equals_single_pass():
     assert close_bf16(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
+def case_tma_single_pass_equals_pointer_kernel():
+    # descriptor loads (zero-filled edges: M, N and K ragged against the tiles) give the pointer kernel's bits,
+    # forward (codes [N, K]) and dX (codes read [K, N], transposed blocks), with and without LoRA
+    from epirl.kernels.gemm.ws_tma import tma_ok
+    x, codes, scale, a, b, bias = problem(21, 592, 88, 8, seed=9)  # K = 592: 3 chunks of 256, last ragged
+    xa = lora_down(x, a, chunk_n=88)
+    cfg = dict(BN=64, BM=16, BK=64, num_warps=4, num_stages=2, split=False)
+    for args in (dict(w_scale=scale), dict(w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7, bias=bias)):
+        ptr = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
+        assert tma_ok(x, codes)
+        tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=True), allow_split=False,
+                                     **args)
+        assert torch.equal(tma, ptr)
+    g = torch.randn(21, 88).bfloat16()
+    cfg_dx = dict(BN=64, BM=16, BK=32, num_warps=4, num_stages=2, split=False)
+    ptr = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=cfg_dx, op="dx")
+    assert tma_ok(g, codes.t())
+    tma = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=dict(cfg_dx, tma=True),
+                                 op="dx")
+    assert torch.equal(tma, ptr)
+    assert not tma_ok(x[:, 1:], codes[:, 1:])  # unaligned rows: the caller falls back to the pointer kernel
+
+
 def case_w8a8_gemm_on_reference_codes():
     # fp8 activation codes come from the reference (interpreter e4m3 rounding is broken), the GEMM,
     # per-row scale and epilogue are the Triton kernel's

@@ -1,0 +1,106 @@
+"""The weight-stationary single pass with TMA tile loads (issue 12): same k-steps, same bits, other loads.
+
+`_ws_single_kernel` loads its tiles with pointer arithmetic (cp.async, masks); this kernel loads them through
+tensor descriptors (the Hopper bulk tensor copy engine: one thread issues a whole tile, out-of-bounds elements
+come back as zeros, which is what the masked loads give). Everything that decides an output element's bits is
+unchanged: the K chunks of `configs.k_chunking`, each accumulated from zero in 16-deep bf16 wgmma k-steps, the
+chunks added in order, the e4m3 → bf16 widening in registers (wgmma's A operand), and `_ws_epilogue`. So a
+table row may pick this kernel for one M bucket and the pointer kernels for another, and the rows stay bitwise
+equal (tests/kernels/test_gpu_kernels.py runs every table config).
+
+- forward: w = codes `[N, K]` (row-major) → descriptor blocks [BN, BK]; x `[M, K]` → [BM, BK], fed as xᵀ.
+- dX: w = codes read `[K, N]` with N the reduction (strides (1, K)): the descriptor is over the codes as
+  stored, `[N, K]`, with blocks [BK, BN] transposed in registers.
+`WARP_SPEC` asks Triton to warp-specialize the K loop (TMA producer warps, wgmma consumer warps) where the
+installed Triton supports it on sm_90.
+
+TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
+falls back to the pointer kernel otherwise (same bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .scaled import _grouped_tile_ids
+from .weight_stationary import _load_xa, _ws_epilogue
+
+
+def tma_available() -> bool:
+    """Host-side tensor descriptors (Triton >= 3.4) and a GPU of compute capability >= 9 (or the interpreter)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    from .._dispatch import interpreting
+    return interpreting() or (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Row-major 2-D with 16-byte aligned base and row stride (TMA's rule for the outer stride)."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether (x, w) of `weight_stationary_gemm` can be read through descriptors: x row-major, and w either
+    row-major `[N, K]` (forward) or the transposed view of a row-major `[K, N]` buffer (dX)."""
+    w_stored = w if w.stride(1) == 1 else w.t()
+    return tma_available() and _aligned(x) and _aligned(w_stored)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ws_tma_kernel(
+    x_desc, w_desc, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
+    stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
+    W_TRANSPOSED: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order."""
+    pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
+    off_n = pid_n * BN
+    off_m = pid_m * BM
+    total = tl.zeros((BN, BM), dtype=tl.float32)
+    for c in range(0, N_CHUNKS):
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in tl.range(c * K_CHUNK, (c + 1) * K_CHUNK, BK, warp_specialize=WARP_SPEC):
+            if W_TRANSPOSED:
+                w = w_desc.load([k0, off_n]).T  # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK]
+            else:
+                w = w_desc.load([off_n, k0])
+            x = x_desc.load([off_m, k0])
+            if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
+                acc += tl.dot(w.to(tl.float32), x.T.to(tl.float32))
+            else:
+                acc = tl.dot(w.to(tl.bfloat16), x.T, acc)  # e4m3 -> bf16 is exact
+        total += acc
+    rn = off_n + tl.arange(0, BN)
+    rm = off_m + tl.arange(0, BM)
+    mask_n = rn < N
+    mask_m = rm < M
+    xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, M, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
+    _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
+                 stride_ym, stride_yn, stride_bn, stride_br, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
+
+
+def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale, lora_strides,
+                      cfg, flags):
+    """`_ws_single_kernel`'s launch with descriptors (`tma_ok(x, w)` must hold; same arguments otherwise)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    BN, BM, BK = cfg["BN"], cfg["BM"], cfg["BK"]
+    transposed = w.stride(1) != 1
+    w_desc = (TensorDescriptor.from_tensor(w.t(), [BK, BN]) if transposed
+              else TensorDescriptor.from_tensor(w, [BN, BK]))
+    x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    has_lora = flags["HAS_LORA"]
+    _ws_tma_kernel[(tiles,)](
+        x_desc, w_desc, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
+        y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
+        W_TRANSPOSED=transposed, WARP_SPEC=bool(cfg.get("warp_spec", False)), BK=BK,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
+    return y
