@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, graph_us, make_layer  # noqa: E402
@@ -194,10 +195,14 @@ def main():
         for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma).items():
             table[op].setdefault(key, {}).update(row)
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
-    with open(args.out, "w") as f:
+        write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned
+
+
+def write_outputs(path, table, log):
+    with open(path, "w") as f:
         json.dump(table, f, indent=1)
-    with open(os.path.splitext(args.out)[0] + "_log.json", "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), log=log), f, indent=1)
+    with open(os.path.splitext(path)[0] + "_log.json", "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), triton=triton.__version__, log=log), f, indent=1)
 
 
 if __name__ == "__main__":
