@@ -7,8 +7,8 @@ Candidates differ only in tiling (BN, BM, BK, warps, stages, split-K or not), ne
 every entry of the table gives the same bits (tests/kernels/test_gpu_kernels.py checks it). Also prints
 the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk; not batch invariant
 with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's.
-`--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`) and prints cuBLAS bf16
-on the same shape beside the many-token bucket; `--shapes`/`--buckets` tune a subset and merge it into the table.
+`--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
+loads only with EPIRL_WS_ALLOW_TMA=1) and prints cuBLAS bf16 on the same shape beside the many-token bucket; `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
 
@@ -73,14 +73,13 @@ def one_chunk_us(x, w, scale, c):
 
 
 def with_tma(cands):
-    """The pointer-load candidates plus their TMA twins (same tiles; `kernels/gemm/ws_tma.py`) and, for the
-    first two, TMA with a warp-specialized K loop."""
-    return cands + [dict(c, tma=True) for c in cands] + [dict(c, tma=True, warp_spec=True) for c in cands[:2]]
+    """The pointer-load candidates plus their TMA twins (same tiles; `kernels/gemm/ws_tma.py`)."""
+    return cands + [dict(c, tma=True) for c in cands]
 
 
 def describe(c):
     return ("/".join(str(c[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
-            + (" split" if c["split"] else "") + (" tma" if c.get("tma") else "") + (" ws" if c.get("warp_spec") else ""))
+            + (" split" if c["split"] else "") + (" tma" if c.get("tma") else ""))
 
 
 def compiled_kernels() -> dict:
@@ -116,7 +115,7 @@ def time_candidates(name, op, codes, scale, x, cands, log, entry):
             us = time_config(op, x, codes, scale, c)
             report_new_compiles(before, f"{op} {describe(c)}", log)
             y = weight_stationary_gemm(x, w, torch.bfloat16, w_scale=scale, config=c, op=op)
-        except Exception as err:  # e.g. out of shared memory, or no warp specialization here: not a candidate
+        except Exception as err:  # e.g. out of shared memory: not a candidate here
             print(f"# {name} {op} {describe(c)}: {type(err).__name__}: {str(err)[:160]}", flush=True)
             continue
         first = y if first is None else first
@@ -157,9 +156,7 @@ def tune_shape(name, K, N, log, bounds=None, tma=False):
             row[str(bound)] = best
             ref = f" | {cublas_us(op, x, codes, scale):.1f}" if bound == BIG else " | –"
             if tma and bound >= 256:  # best of each load kind: what TMA (and warp specialization) bought
-                kinds = {"ptr": [t for t in timed if not t[1].get("tma")],
-                         "tma": [t for t in timed if t[1].get("tma") and not t[1].get("warp_spec")],
-                         "tma+ws": [t for t in timed if t[1].get("warp_spec")]}
+                kinds = {"ptr": [t for t in timed if not t[1].get("tma")], "tma": [t for t in timed if t[1].get("tma")]}
                 ref += " | " + ", ".join(f"{k} {min(v, key=lambda t: t[0])[0]:.1f}" for k, v in kinds.items() if v)
             print(f"| {name} | {op} | ≤{bound} | {tokens} | {best_us:.1f} | {describe(best)} | "
                   f"{max(t[0] for t in timed):.1f}{ref} |", flush=True)

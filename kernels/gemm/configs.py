@@ -19,6 +19,7 @@ from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("ws_configs.json")
 TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own output, before committing it)
+ALLOW_TMA_ENV = "EPIRL_WS_ALLOW_TMA"  # let a table select the TMA-load kernel (experiments only: ws_tma.py)
 CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
 
 # The fixed K chunking: enough chunks that N/128 weight tiles x chunks give ~2 waves of 132 SMs at decode.
@@ -47,6 +48,13 @@ def load_table(path: str | None = None) -> dict:
     for op in ("fwd", "dx"):
         if "default" not in table.get(op, {}):
             raise RuntimeError(f"W8A16 tile table {path}: missing {op}.default")
+    if os.environ.get(ALLOW_TMA_ENV) != "1":
+        tma = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
+               for bound, cfg in row.items() if cfg.get("tma")]
+        if tma:
+            raise RuntimeError(f"W8A16 tile table {path}: {tma[0]} selects TMA loads, which Triton 3.6/3.7.1 "
+                               f"miscompile for some tiles (kernels/gemm/ws_tma.py); set {ALLOW_TMA_ENV}=1 to "
+                               f"experiment")
     return table
 
 

@@ -11,11 +11,17 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 - forward: w = codes `[N, K]` (row-major) → descriptor blocks [BN, BK]; x `[M, K]` → [BM, BK], fed as xᵀ.
 - dX: w = codes read `[K, N]` with N the reduction (strides (1, K)): the descriptor is over the codes as
   stored, `[N, K]`, with blocks [BK, BN] transposed in registers.
-`WARP_SPEC` asks Triton to warp-specialize the K loop (TMA producer warps, wgmma consumer warps) where the
-installed Triton supports it on sm_90.
 
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
+
+Status (H200, 2026-12-01, BENCHMARKS.md § Kernels): 1.1-1.4x faster than the pointer kernel at 4096 tokens (it
+holds no per-element address or mask tensors: q3_qkv forward 544 -> 393 µs, 76 -> 46 spilled registers at
+128x256 tiles), but Triton miscompiles some tile configs of it: with triton 3.6 the dX at 128/128/64/8/4 returns
+garbage in ~2-4 % of its elements, a different count each run; with 3.7.1 also two forward configs. A wrong
+gradient that passes one check is worse than a slow one, so the committed table never selects it
+(`configs.load_table` refuses `tma` entries unless EPIRL_WS_ALLOW_TMA=1, for experiments with
+scripts/tune_w8a16.py --tma and scripts/ws_bits_report.py).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 def _ws_tma_kernel(
     x_desc, w_desc, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
     stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
-    W_TRANSPOSED: tl.constexpr, WARP_SPEC: tl.constexpr,
+    W_TRANSPOSED: tl.constexpr,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
@@ -66,7 +72,7 @@ def _ws_tma_kernel(
     total = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(0, N_CHUNKS):
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in tl.range(c * K_CHUNK, (c + 1) * K_CHUNK, BK, warp_specialize=WARP_SPEC):
+        for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):
             if W_TRANSPOSED:
                 w = w_desc.load([k0, off_n]).T  # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK]
             else:
@@ -101,6 +107,6 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
     _ws_tma_kernel[(tiles,)](
         x_desc, w_desc, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
-        W_TRANSPOSED=transposed, WARP_SPEC=bool(cfg.get("warp_spec", False)), BK=BK,
+        W_TRANSPOSED=transposed, BK=BK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

@@ -42,3 +42,22 @@ def test_op_names_stay_functions_after_their_subpackages_load():
             except ImportError:  # triton missing: only the reference exists
                 pass
         assert callable(getattr(kernels, name)), name
+
+
+def test_a_table_selecting_tma_loads_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """The TMA-load kernel is miscompiled for some tiles by triton 3.6/3.7.1 (kernels/gemm/ws_tma.py): a tuned
+    table that selects it loads only when the user opts in."""
+    import json
+
+    table = json.loads(json.dumps(load_table()))
+    table["dx"]["default"]["1000000000"]["tma"] = True
+    path = tmp_path / "ws_tma.json"
+    path.write_text(json.dumps(table))
+    load_table.cache_clear()
+    monkeypatch.delenv("EPIRL_WS_ALLOW_TMA", raising=False)
+    with pytest.raises(RuntimeError, match=r"dx\.default\.1000000000 selects TMA loads.*EPIRL_WS_ALLOW_TMA"):
+        load_table(str(path))
+    monkeypatch.setenv("EPIRL_WS_ALLOW_TMA", "1")
+    load_table.cache_clear()
+    assert load_table(str(path))["dx"]["default"]["1000000000"]["tma"] is True
+    load_table.cache_clear()

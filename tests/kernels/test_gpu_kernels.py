@@ -192,33 +192,26 @@ def test_split_k_decode_path_equals_single_pass_bitwise(K, N):
 
 
 @pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (4096, 6144)])
-def test_tma_twins_give_the_pointer_kernels_bits(K, N):
-    """TMA loads (kernels/gemm/ws_tma.py), with and without a warp-specialized K loop where this Triton
-    compiles it, give the pointer kernel's bits: forward with LoRA + bias at 4096 and 257 tokens (ragged M),
-    and dX (codes read transposed)."""
+def test_tma_twins_of_the_training_tiles_give_the_pointer_kernels_bits(K, N):
+    """The TMA-load kernel (kernels/gemm/ws_tma.py, experimental: the table refuses it) at the 128x256 training
+    tiles gives the pointer kernel's bits: forward with LoRA + bias at 4096 and 257 tokens, and dX. (Other tiles
+    of it are miscompiled by triton 3.6 / 3.7.1 - scripts/ws_bits_report.py shows which.)"""
     from epirl.kernels.gemm.ws_tma import tma_ok
-    big = dict(BN=128, BM=256, BK=64, num_warps=8, num_stages=3, split=False)
-    mid = dict(BN=64, BM=128, BK=128, num_warps=4, num_stages=3, split=False)
     for M in (4096, 257):
         x, codes, scale, a, b, bias = problem(M, K, N, 64, seed=M + K)
         gy = torch.randn(M, N, device=DEV).bfloat16()
         assert tma_ok(x, codes) and tma_ok(gy, codes.t())
         args = dict(w_scale=scale, xa=lora_down(x, a, chunk_n=N), lora_b=b, lora_scale=2.0, bias=bias)
-        for cfg in (big, mid):
+        for stages in (3, 4):
+            cfg = dict(BN=128, BM=256, BK=64, num_warps=8, num_stages=stages, split=False)
             want = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
+            got = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=True), allow_split=False,
+                                         **args)
+            assert torch.equal(got, want), (K, N, M, stages)
             want_dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, config=cfg, op="dx")
-            for extra in (dict(tma=True), dict(tma=True, warp_spec=True)):
-                try:
-                    got = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, **extra),
-                                                 allow_split=False, **args)
-                    got_dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale,
-                                                    config=dict(cfg, **extra), op="dx")
-                except Exception as err:  # warp specialization is not compiled for sm_90 by every Triton
-                    if extra.get("warp_spec") and "arp" in str(err):
-                        continue
-                    raise
-                assert torch.equal(got, want), (K, N, M, cfg, extra)
-                assert torch.equal(got_dx, want_dx), (K, N, M, cfg, extra, "dx")
+            got_dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale,
+                                            config=dict(cfg, tma=True), op="dx")
+            assert torch.equal(got_dx, want_dx), (K, N, M, stages, "dx")
 
 
 @pytest.mark.parametrize("M", [1, 17, 64, 257, 4096])
