@@ -511,7 +511,8 @@ def _cell(r, key, fmt):
 def _stats(r):
     st = r.get("stats") or r.get("at_start")
     return "-" if not st else \
-        f"{st['served_layers']} / {st['op_calls']} / {st['short_maps']} / {st.get('vendor_calls', '-')}"
+        f"{st['served_layers']} / {st['op_calls']} / {st['short_maps']} / {st.get('vendor_calls', '-')} / " \
+        f"{st.get('vllm_calls', '-')}"
 
 
 def _agreement(rows):
@@ -533,7 +534,7 @@ def _agreement(rows):
 def print_summary(rows, errors, plan):
     names = {"0": "vLLM fp8 + its LoRA kernels", "timed": "epirl serving kernels (timed)"}
     print(f"\n| setting | engine start s | TPOT b1 adapter ms | TPOT b1 no adapter ms | {plan['tenants']} tenants "
-          "tok/s | served layers / op calls / short maps / no-adapter calls | status |\n|---|---|---|---|---|---|---|")
+          "tok/s | served layers / op calls / short maps / no-adapter calls / vLLM-path calls | status |\n|---|---|---|---|---|---|---|")
     for s in ("0", "timed"):
         r = rows.get(s) or {}
         start = r["t_engine_started_s"] - r.get("t_imported_s", 0) if "t_engine_started_s" in r else None

@@ -161,10 +161,13 @@ def test_batches_from_the_vllm_threshold_run_vllms_own_lora_path(monkeypatch):
     """EPIRL_SERVING_VLLM_FROM=N: a batch of at least N tokens with adapters is computed by vLLM's own LoRA path
     (the layer's unwrapped `_apply_sync`) inside the op; smaller batches keep epirl's kernels."""
     monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "8")
-    assert serving_lora.read_vllm_from() == 8
-    for value, want in (("", None), ("0", None)):
+    assert serving_lora.read_vllm_from() == 8 and serving_lora.read_vllm_from("fused") == 8
+    for value, want in (("0", None), ("never", None), (" Never ", None)):
         monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, value)
         assert serving_lora.read_vllm_from() is want
+    monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "")  # unset: timed mode hands batches above 16 tokens to vLLM
+    assert serving_lora.read_vllm_from("timed") == serving_lora.TIMED_VLLM_FROM == 17
+    assert serving_lora.read_vllm_from("fused") is None  # fused: always epirl's kernels
     monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "many")
     with pytest.raises(ValueError, match="EPIRL_SERVING_VLLM_FROM='many'"):
         serving_lora.read_vllm_from()

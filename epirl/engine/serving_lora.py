@@ -10,10 +10,12 @@ One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install(
   "1" / "timed" per projection shape and token bucket, the fastest of {fused, vendor FP8 GEMM + epirl's
                 shrink/expand}, timed once on CUDA-graph replays at the shape's first call and cached on disk
                 (key: GPU, vLLM version, shapes) in $EPIRL_CACHE_DIR or ~/.cache/epirl
-`EPIRL_SERVING_VLLM_FROM=N` (read by `install()`, default: never): batches of at least N tokens run vLLM's own
-LoRA path (base GEMM + punica kernels) inside the op, e.g. prefill chunks, where K1's per-token shrink (CUDA cores,
-each token reading its adapter's A) is expected to cost more than vLLM's grouped tensor-core shrink (not measured
-yet). A batch without adapter always takes vLLM's base path (see the op).
+`EPIRL_SERVING_VLLM_FROM=N` (read by `install()`; default 17 in timed mode, never in fused mode; "0"/"never": never):
+batches of at least N tokens run vLLM's own LoRA path (base GEMM + punica kernels) inside the op. Measured end to
+end (H200, 32 tenants, BENCHMARKS.md): with epirl's paths at every batch size the engine reached 0.55x vLLM's
+throughput (K1's per-token shrink reads each token's adapter A on CUDA cores; K2's epilogue loops over every
+adapter present in a tile), while at <= 16 tokens the fused kernels win (batch-1 TPOT 0.73x vLLM's).
+A batch without adapter always takes vLLM's base path (see the op).
 `install()` (idempotent) wraps `apply` (and `create_lora_weights`, which registers the layer) of vLLM's
 `BaseLinearLayerWithLoRA` and of every subclass overriding them, before the model is built, so that torch.compile
 and CUDA-graph capture see the custom op `epirl::w8a8_multi_lora_layer`. A layer is taken over only if its base
@@ -22,7 +24,8 @@ checkpoints, epirl's W8A8 emulation); epirl's W8A16 layers and anything else kee
 σ = alpha/r into B when it loads an adapter, so the op uses σ = 1, as vLLM's punica call does.
 Limits: a layer whose slices do not cover its rows (some tensor-parallel shardings) keeps vLLM's path; vLLM's own
 punica kernels are not a timed dispatch candidate (EPIRL_SERVING_VLLM_FROM picks them by batch size;
-scripts/bench_serving.py --vllm compares the two end to end).
+scripts/bench_serving.py --vllm compares the two end to end); a CUDA graph is captured per batch size, so no
+choice can depend on how many adapters a batch mixes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ MODES = ("0", "fused", "1", "timed")
 _STATE: dict = {"installed": False, "tables": {}, "mode": "off", "calls": 0, "short_maps": 0, "vendor_calls": 0,
                 "vllm_calls": 0, "vllm_from": None, "checked_configs": []}
 VLLM_FROM_ENV = "EPIRL_SERVING_VLLM_FROM"
+# timed mode's default: batches above the 16-token bucket take vLLM's own LoRA path. Measured on the H200
+# (BENCHMARKS.md § Serving kernels, 2026-12-01): with 32 tenants, epirl's paths at >= 32 tokens (vendor FP8 GEMM +
+# per-token shrink/expand, timed faster than the fused kernels with ONE adapter) made the engine 0.55x vLLM's
+# throughput; vLLM's punica kernels are not yet a timed candidate, so they keep the batches they are measured to win.
+TIMED_VLLM_FROM = 17
 CONFIG_KEY = "epirl_serving_kernels"  # the `additional_config` entry that keys vLLM's compile cache by the mode
 _MARKER = "_epirl_serving"  # on the vLLM methods install() wrapped (idempotence)
 
@@ -54,13 +62,16 @@ def read_mode() -> str:
     return {"0": "off", "fused": "fused", "1": "timed", "timed": "timed"}[value]
 
 
-def read_vllm_from() -> int | None:
-    """EPIRL_SERVING_VLLM_FROM as a token count (None: unset / empty / 0, never)."""
-    value = os.environ.get(VLLM_FROM_ENV, "").strip()
+def read_vllm_from(active_mode: str = "timed") -> int | None:
+    """EPIRL_SERVING_VLLM_FROM as a token count; None (never) for "0" / "never". Unset or empty: in timed mode
+    TIMED_VLLM_FROM, in fused mode never (fused means always epirl's kernels)."""
+    value = os.environ.get(VLLM_FROM_ENV, "").strip().lower()
     if not value:
+        return TIMED_VLLM_FROM if active_mode == "timed" else None
+    if value == "never":
         return None
     if not value.isdigit():
-        raise ValueError(f"{VLLM_FROM_ENV}={value!r}: expected a token count (or unset)")
+        raise ValueError(f"{VLLM_FROM_ENV}={value!r}: expected a token count, 0 or never (or unset)")
     return int(value) or None
 
 
@@ -335,7 +346,7 @@ def install() -> int:
     """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
     many classes were wrapped. Reads EPIRL_SERVING_KERNELS (call it before vLLM builds the model)."""
     _STATE["mode"] = read_mode()  # a bad value fails here, at engine start, with the variable's name
-    _STATE["vllm_from"] = read_vllm_from()
+    _STATE["vllm_from"] = read_vllm_from(_STATE["mode"])
     lora_layers.on_lora_weights_created(register_layer, _MARKER)  # at model load, before torch.compile
     wrapped = lora_layers.wrap_lora_apply_first(_serving_apply_when_on, _MARKER)
     if wrapped and not _STATE["installed"]:
