@@ -18,7 +18,7 @@ falls back to the pointer kernel otherwise (same bits).
 Status (H200, 2026-12-01, BENCHMARKS.md § Kernels): 1.1-1.4x faster than the pointer kernel at 4096 tokens (it
 holds no per-element address or mask tensors: q3_qkv forward 544 -> 393 µs, 76 -> 46 spilled registers at
 128x256 tiles), but Triton miscompiles some tile configs of it: with triton 3.6 the dX at 128/128/64/8/4 returns
-garbage in ~2-4 % of its elements, a different count each run; with 3.7.1 also two forward configs. A wrong
+garbage in ~0.3-0.45 % of its elements, a different count each run; with 3.7.1 also two forward configs. A wrong
 gradient that passes one check is worse than a slow one, so the committed table never selects it
 (`configs.load_table` refuses `tma` entries unless EPIRL_WS_ALLOW_TMA=1, for experiments with
 scripts/tune_w8a16.py --tma and scripts/ws_bits_report.py).
