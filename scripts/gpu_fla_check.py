@@ -8,7 +8,8 @@ transformers' torch reference on odd shapes; epirl's `select_gdn_kernel` verdict
 logits/gradients with fla vs the torch path; torch.compile (inductor's Triton codegen); epirl's own Triton kernels
 through the GPU tests' own assertions; a tiny vLLM Qwen3.5 engine (CUDA graphs, Triton GDN prefill) when vLLM
 imports. Every check runs in its own try/except: one failure shows as one row and never hides the others. Exit
-status 1 when a required check failed. Nothing CUDA is imported at module import (tests/test_triton_kit.py).
+status 1 when a required check failed. Budget several minutes on a fresh machine: on 2026-12-01 the fla-vs-torch
+check alone did not finish in 145 s (fla autotunes and compiles every kernel at each new shape on first use). Nothing CUDA is imported at module import (tests/test_triton_kit.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@
 #   bash scripts/gpu_main_recipe.sh q35bf16   # Qwen3.5-9B,  W8A8 + TIS, trainer.base=bf16     (~8.5 min; STEPS=2: ~6.5)
 #   bash scripts/gpu_main_recipe.sh q35w8a16  # Qwen3.5-9B,  matched W8A16, rl.correction=none  (~9.5 min; use STEPS=2)
 #
+# Qwen3.5 on the fla kit does not fit 3 steps in one call from a cold machine (2026-12-01: engine + trainer start
+# 366 s, step 1 188 s): run `STEPS=1 ... q35` first on the warm machine (fills vLLM's compile cache and Triton's
+# kernel cache under $HOME), then `STEPS=3 ... q35` in the next call.
 # Needs vLLM 0.26 staged (../shared/device/README.md: `source ~/vllm-env.sh` sets VLLM_USE_FLASHINFER_SAMPLER=0)
 # and math-verify carried as wheels in .whl/ (as for scripts/gpu_evidence.sh: the loop imports the grader even
 # though benchmark rewards are a coin). Qwen3.5 runs with language_model_only (automatic for its config) and
