@@ -1,0 +1,119 @@
+"""The GPU tuning/measurement scripts' own logic on CPU (run by test_gpu_scripts_on_cpu.py with TRITON_INTERPRET=1):
+scripts/tune_w8a16.py, bench_one_chunk.py and ws_bits_report.py end to end on a tiny shape, their kernels in
+Triton's interpreter and only the clock replaced (CUDA-graph timing -> wall time of one call; the numbers mean
+nothing, the tables, the bitwise checks and the table they write do). A Python error here would otherwise cost a
+device call. Prints one JSON line per case.
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+_randn = torch.randn
+
+
+_Generator = torch.Generator
+
+
+def _cpu_randn(*args, device=None, **kw):  # the scripts ask for "cuda"; here everything is CPU
+    return _randn(*args, **kw)
+
+
+def wall_us(fn, **_):
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def patch_cuda():
+    torch.randn = _cpu_randn
+    torch.Generator = lambda device=None: _Generator()
+    torch.cuda.get_device_name = lambda *a: "cpu (interpreter)"
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.synchronize = lambda *a: None
+
+
+def tiny_layer(K, N):
+    from epirl.kernels import quantize_weight_fp8
+    codes, scale = quantize_weight_fp8(_randn(N, K) * 0.02, backend="reference")
+    return None, codes, scale, None, None
+
+
+def case_tune_writes_a_bitwise_checked_table(tmp):
+    import tune_w8a16 as tune
+    tune.graph_us = wall_us
+    tune.make_layer = tiny_layer
+    small = [tune.cfg(64, 16, 64, 4, 2, False), tune.cfg(64, 32, 64, 4, 2, False)]
+    tune.FWD_BUCKETS = {256: ([20], small), tune.BIG: ([40], small)}
+    tune.DX_BUCKETS = {tune.BIG: ([40], small)}
+    tune.SHAPES, tune.EXTRA_SHAPES = [("tiny", 512, 96)], []
+    out = tmp / "ws.json"
+    sys.argv = ["tune_w8a16.py", "--tma", "--out", str(out)]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        tune.main()
+    table = json.loads(out.read_text())
+    row = table["fwd"]["96x512"]
+    assert set(row) == {"256", str(tune.BIG)} and "512x96" in table["dx"], table
+    log = json.loads((tmp / "ws_log.json").read_text())["log"]
+    assert len([e for e in log if "us" in e and "config" in e]) == 3 * 4, log  # 3 (op, bucket) x 4 candidates
+    assert "BITS DIFFER" not in text.getvalue() and "| tiny | dx |" in text.getvalue(), text.getvalue()
+
+
+def case_one_chunk_study_prints_both_tables(tmp):
+    import bench_one_chunk as one
+    import tune_w8a16 as tune
+    one.graph_us = tune.graph_us = wall_us
+    one.make_layer = tiny_layer
+    one.SHAPES, one.TRAIN_M = [("tiny", 512, 192)], 40
+    one.ws_config = lambda op, N, K, M: dict(BN=64, BM=32, BK=64, num_warps=4, num_stages=2, split=False)
+    sys.argv = ["bench_one_chunk.py", "--shapes", "tiny"]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        one.main()
+    rows = [line for line in text.getvalue().splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 3, text.getvalue()  # 1 and 16 tokens, then the training row
+
+
+def case_bits_report_finds_every_config_equal(tmp):
+    import ws_bits_report as rep
+    import tune_w8a16 as tune
+    small = [tune.cfg(64, 16, 64, 4, 2, False), tune.cfg(64, 32, 32, 4, 2, False)]
+    rep.FWD_BUCKETS = {256: ([20], small), rep.BIG: ([40], small[:1])}
+    rep.REF = dict(BN=64, BM=16, BK=64, num_warps=4, num_stages=2, split=False)
+    rep.quantize_weight_fp8 = lambda w: tiny_layer(w.shape[1], w.shape[0])[1:3]
+    sys.argv = ["ws_bits_report.py", "--shape", "192", "64", "--tokens", "21"]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rep.main()
+    rows = [line.split(" | ") for line in text.getvalue().splitlines() if line.startswith("| fwd |")
+            or line.startswith("| dx |")]
+    assert len(rows) == 2 * 6 and all(r[3] == "True" for r in rows), text.getvalue()  # (3 ptr + 3 TMA) x 2 ops
+
+
+def main(names):
+    import tempfile
+    patch_cuda()
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                globals()[f"case_{name}"](Path(tmp))
+                print(json.dumps(dict(case=name, ok=True)), flush=True)
+            except Exception:
+                print(json.dumps(dict(case=name, ok=False, error=traceback.format_exc()[-3000:])), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,25 @@
+"""The GPU tuning and measurement scripts run end to end on CPU (kernels in Triton's interpreter, wall-clock
+timer): a Python error in them is found here, not in a device call."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import run_interpreter_cases
+
+pytest.importorskip("triton")
+
+CASES = ["tune_writes_a_bitwise_checked_table", "one_chunk_study_prints_both_tables",
+         "bits_report_finds_every_config_equal"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_interpreter_cases(Path(__file__).with_name("gpu_scripts_cases.py"), CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_script_runs_on_cpu(results, case):
+    rec = results.get(case)
+    assert rec is not None, f"case {case} did not run"
+    assert rec["ok"], rec.get("error")
