@@ -8,8 +8,9 @@ every entry of the table gives the same bits (tests/kernels/test_gpu_kernels.py 
 the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk; not batch invariant
 with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's.
 `--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
-loads only with EPIRL_WS_ALLOW_TMA=1) and prints cuBLAS bf16 on the same shape beside the many-token bucket; `--shapes`/`--buckets` tune a subset and merge it into the table.
-Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--shapes q3_qkv ...] [--buckets 256 ...]
+loads only with EPIRL_WS_ALLOW_TMA=1), `--xw` token-major twins (`kernels/gemm/token_major.py`; kept only where
+their bits equal the pointer kernel's), and it prints cuBLAS bf16 on the same shape beside the many-token bucket; `--shapes`/`--buckets` tune a subset and merge it into the table.
+Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--xw] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
 
 from __future__ import annotations
@@ -72,14 +73,16 @@ def one_chunk_us(x, w, scale, c):
     return graph_us(run)
 
 
-def with_tma(cands):
-    """The pointer-load candidates plus their TMA twins (same tiles; `kernels/gemm/ws_tma.py`)."""
-    return cands + [dict(c, tma=True) for c in cands]
+def with_twins(cands, tma=False, xw=False):
+    """The pointer-load candidates plus their TMA twins (same tiles; `kernels/gemm/ws_tma.py`) and/or their
+    token-major twins (`kernels/gemm/token_major.py`: BM tokens x BN weight rows, tokens as wgmma's M)."""
+    return (cands + ([dict(c, tma=True) for c in cands] if tma else [])
+            + ([dict(c, xw=True) for c in cands] if xw else []))
 
 
 def describe(c):
     return ("/".join(str(c[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
-            + (" split" if c["split"] else "") + (" tma" if c.get("tma") else ""))
+            + (" split" if c["split"] else "") + (" tma" if c.get("tma") else "") + (" xw" if c.get("xw") else ""))
 
 
 def compiled_kernels() -> dict:
@@ -134,7 +137,7 @@ def cublas_us(op, x, codes, scale):
     return graph_us(lambda: x @ w16.t()) if op == "fwd" else graph_us(lambda: x @ w16)
 
 
-def tune_shape(name, K, N, log, bounds=None, tma=False):
+def tune_shape(name, K, N, log, bounds=None, tma=False, xw=False):
     _, codes, scale, _, _ = make_layer(K, N)
     rows = {}
     for op, buckets in (("fwd", FWD_BUCKETS), ("dx", DX_BUCKETS)):
@@ -143,7 +146,7 @@ def tune_shape(name, K, N, log, bounds=None, tma=False):
         for bound, (tokens, cands) in buckets.items():
             if bounds and bound not in bounds:
                 continue
-            cands = with_tma(cands) if tma and bound >= 256 else cands
+            cands = with_twins(cands, tma, xw) if bound >= 256 else cands
             totals: dict[int, list] = {}
             for M in tokens:
                 x = torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16)
@@ -155,12 +158,13 @@ def tune_shape(name, K, N, log, bounds=None, tma=False):
             best_us, best = min(timed, key=lambda t: t[0])
             row[str(bound)] = best
             ref = f" | {cublas_us(op, x, codes, scale):.1f}" if bound == BIG else " | –"
-            if tma and bound >= 256:  # best of each load kind: what TMA (and warp specialization) bought
-                kinds = {"ptr": [t for t in timed if not t[1].get("tma")], "tma": [t for t in timed if t[1].get("tma")]}
+            if (tma or xw) and bound >= 256:  # best of each kernel kind: what TMA / token-major bought
+                kinds = {"ptr": [t for t in timed if not (t[1].get("tma") or t[1].get("xw"))],
+                         "tma": [t for t in timed if t[1].get("tma")], "xw": [t for t in timed if t[1].get("xw")]}
                 ref += " | " + ", ".join(f"{k} {min(v, key=lambda t: t[0])[0]:.1f}" for k, v in kinds.items() if v)
             print(f"| {name} | {op} | ≤{bound} | {tokens} | {best_us:.1f} | {describe(best)} | "
                   f"{max(t[0] for t in timed):.1f}{ref} |", flush=True)
-            if bound == BIG and not tma:
+            if bound == BIG and not (tma or xw):
                 w = codes if op == "fwd" else codes.t()
                 one = one_chunk_us(x, w, scale, best)
                 log.append(dict(shape=name, op=op, diagnostic="one_chunk", chunks=k_chunking(n_out, k_red)[1],
@@ -180,16 +184,17 @@ def main():
     ap.add_argument("--shapes", nargs="*", help="shape names (default: all)")
     ap.add_argument("--buckets", nargs="*", type=int, help="bucket bounds to tune (default: all; 1000000000 = many)")
     ap.add_argument("--tma", action="store_true", help="also TMA-load candidates for buckets >= 256")
+    ap.add_argument("--xw", action="store_true", help="also token-major candidates for buckets >= 256")
     args = ap.parse_args()
     table = json.loads(json.dumps(load_table()))  # start from the committed defaults
     log = []
     t0 = time.time()
     print("| shape | op | bucket | tokens | best µs | BN/BM/BK/warps/stages | worst µs | cuBLAS bf16 µs (many) "
-          "| best per load kind µs (--tma) |\n|---|---|---|---|---|---|---|---|---|")
+          "| best per kernel kind µs (--tma/--xw) |\n|---|---|---|---|---|---|---|---|---|")
     shapes = (SHAPES + EXTRA_SHAPES)[:2] if args.quick else SHAPES + EXTRA_SHAPES
     shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     for name, K, N in shapes:
-        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma).items():
+        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma, args.xw).items():
             table[op].setdefault(key, {}).update(row)
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned

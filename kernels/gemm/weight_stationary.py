@@ -283,6 +283,10 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         return y
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
+    if cfg.get("xw"):  # experimental token-major twin (gemm/token_major.py; not in the table)
+        from .token_major import launch_token_major
+        return launch_token_major(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
+                                  lora_strides, cfg, flags)
     if cfg.get("tma"):
         from .ws_tma import launch_tma_single, tma_ok
         if tma_ok(x, w):  # else the pointer kernel below: same k-steps, same bits
