@@ -132,8 +132,9 @@ def _choice(K: int, N: int, r: int, M: int, device) -> str:
             table = _time_shape(shape)
         except Exception as exc:  # timing must not stop the engine: serve this shape with the fused kernels
             log.warning("epirl serving kernels: timing %s failed (%s); using the fused kernels", shape.tag(), exc)
+            buckets = dispatch.timed_buckets(_STATE["vllm_from"])
             table = dispatch.DispatchTable({f"{shape.name}@{b}": dict(times_us={}, best="fused", failed=str(exc)[:200])
-                                            for b in dispatch.BUCKETS}, dispatch.BUCKETS)
+                                            for b in buckets}, buckets)
         _STATE["tables"][shape] = table
     return table.best(shape.name, M)
 
@@ -150,8 +151,10 @@ def _time_shape(shape):
     except ImportError:
         vllm_version = "none"
     try:
+        # batches from EPIRL_SERVING_VLLM_FROM on never reach the dispatch: their buckets are not timed
         return dispatch.load_or_time(_cache_dir(), torch.cuda.get_device_name(), vllm_version, [shape],
-                                     gpu_candidates, graph_us, ["fused", "vendor+epirl"])
+                                     gpu_candidates, graph_us, ["fused", "vendor+epirl"],
+                                     dispatch.timed_buckets(_STATE["vllm_from"]))
     finally:
         release()
 

@@ -40,6 +40,15 @@ def bucket_of(M: int, buckets: Sequence[int] = BUCKETS) -> int:
     return buckets[-1]
 
 
+def timed_buckets(handed_over_from: int | None, buckets: Sequence[int] = BUCKETS) -> tuple[int, ...]:
+    """The buckets worth timing when batches of `handed_over_from` tokens and more never reach the dispatch
+    (they take vLLM's own LoRA path, EPIRL_SERVING_VLLM_FROM): up to the bucket holding one token fewer."""
+    if handed_over_from is None:
+        return tuple(buckets)
+    top = bucket_of(max(handed_over_from - 1, 1), buckets)
+    return tuple(b for b in buckets if b <= top)
+
+
 def cache_key(gpu: str, vllm_version: str, shapes: Sequence[Shape], buckets: Sequence[int],
               candidates: Sequence[str]) -> str:
     text = json.dumps([CACHE_VERSION, gpu, vllm_version, [s.tag() for s in shapes], list(buckets),

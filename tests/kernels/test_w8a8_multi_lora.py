@@ -117,6 +117,25 @@ def test_dispatch_all_candidates_failing_is_an_error(tmp_path):
         dispatch.load_or_time(tmp_path, "H200", "x", SHAPES[:1], make, timer, ["fused"], (1,))
 
 
+def test_buckets_handed_to_vllm_are_not_timed(monkeypatch):
+    """Batches from EPIRL_SERVING_VLLM_FROM on take vLLM's path before the dispatch is asked: the engine times only
+    the buckets below it (the 32-4096-token ones were most of the timing at engine start)."""
+    from epirl.engine import serving_lora
+
+    assert dispatch.timed_buckets(None) == dispatch.BUCKETS
+    assert dispatch.timed_buckets(17) == (1, 4, 8, 16)
+    assert dispatch.timed_buckets(100) == (1, 4, 8, 16, 32, 64, 256)  # 99 tokens fall in the 256 bucket
+    assert dispatch.timed_buckets(1) == (1,)
+    seen = []
+    monkeypatch.setattr(dispatch, "load_or_time", lambda *args: seen.append(args[-1]) or "table")
+    monkeypatch.setitem(serving_lora._STATE, "vllm_from", 17)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H200")
+    import epirl.kernels.gpu_timing as gpu_timing
+    monkeypatch.setattr(gpu_timing, "release", lambda: None)
+    assert serving_lora._time_shape(dispatch.Shape("4096x6144", 4096, 6144, 64)) == "table"
+    assert seen == [(1, 4, 8, 16)]
+
+
 # ---- the serving setting (epirl.engine.serving_lora) --------------------------------------------------
 
 def test_serving_setting_values(monkeypatch):
