@@ -512,7 +512,7 @@ def _stats(r):
     st = r.get("stats") or r.get("at_start")
     return "-" if not st else \
         f"{st['served_layers']} / {st['op_calls']} / {st['short_maps']} / {st.get('vendor_calls', '-')} / " \
-        f"{st.get('vllm_calls', '-')}"
+        f"{st.get('vllm_calls', '-')} (from {st.get('vllm_from') or 'never'})"
 
 
 def _agreement(rows):

@@ -55,7 +55,7 @@ def test_summary_prints_a_failed_child_as_one_line(bench, capsys, tmp_path):
     assert bench._last_error(str(log)) == "RuntimeError: CUDA out of memory"
     ours = dict(setting="timed", phase="done", t_imported_s=10.0, t_engine_started_s=90.0, tpot_ms_adapter=4.0,
                 tpot_ms_no_adapter=3.7, tenants_tok_s=5000.0, tokens_adapter=[1, 2, 3], logprobs_adapter=[-1, -2, -3],
-                stats=dict(served_layers=144, op_calls=900, short_maps=0, vendor_calls=36),
+                stats=dict(served_layers=144, op_calls=900, short_maps=0, vendor_calls=36, vllm_calls=12, vllm_from=17),
                 tenants=dict(steps=300, prefill_s=4.5, prefill_steps=9, total_s=20.0, tokens=65536),
                 dispatch=dict(entries={"4096x6144@1": dict(times_us={"fused": 20.0, "vendor+epirl": 30.0},
                                                            best="fused")}, buckets=[1, 16]),
@@ -66,7 +66,8 @@ def test_summary_prints_a_failed_child_as_one_line(bench, capsys, tmp_path):
     bench.print_summary({"timed": ours, "0": theirs}, {"0": "killed after 200s in phase engine_started: boom"},
                         bench.PLANS["full"])
     out = capsys.readouterr().out
-    assert "| epirl serving kernels (timed) | 80 | 4.00 | 3.70 | 5000 | 144 / 900 / 0 / 36 | ok |" in out
+    assert ("| epirl serving kernels (timed) | 80 | 4.00 | 3.70 | 5000 | 144 / 900 / 0 / 36 / 12 (from 17) | ok |"
+            in out)
     assert "epirl serving kernels (timed): tenants prefilled after 4.5 s / 9 steps, done after 20.0 s / 300 steps" in out
     assert "killed after 200s in phase engine_started: boom |" in out
     assert "TPOT b1 adapter ratio" not in out  # no ratio without both numbers

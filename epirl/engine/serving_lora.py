@@ -290,12 +290,12 @@ def stats() -> dict:
     compiled steps, CUDA-graph captures; not graph replays); short_maps: calls whose token map was shorter than
     the batch (its tail ran without adapter); vendor_calls: calls of a batch without adapter, computed by vLLM's
     base path (its quantization method's apply: no LoRA kernel at all); vllm_calls: calls of at least
-    EPIRL_SERVING_VLLM_FROM tokens, computed by vLLM's own LoRA path. op_calls 0 after an engine started with the
-    setting on means its compiled graphs lack the op, e.g. loaded from a torch.compile cache built with the setting
-    off: vLLM's cache key does not see this setting (pass it in `additional_config`, or use another
-    VLLM_CACHE_ROOT)."""
+    EPIRL_SERVING_VLLM_FROM tokens, computed by vLLM's own LoRA path; vllm_from: that threshold (None: never).
+    op_calls 0 after an engine started with the setting on means its compiled graphs lack the op, e.g. loaded from
+    a torch.compile cache built with the setting off: vLLM's cache key does not see this setting (pass it in
+    `additional_config`, or use another VLLM_CACHE_ROOT)."""
     return dict(served_layers=sum(layer_parts(layer) is not None for layer in _LAYERS), op_calls=_STATE["calls"],
-                **{k: _STATE[k] for k in ("short_maps", "vendor_calls", "vllm_calls")})
+                **{k: _STATE[k] for k in ("short_maps", "vendor_calls", "vllm_calls", "vllm_from")})
 
 
 def dispatch_tables() -> dict:
