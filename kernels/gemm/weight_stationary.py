@@ -26,6 +26,9 @@ import triton.language as tl
 from .._dispatch import interpreting
 from .configs import CHUNK_ALIGN, k_chunking, ws_config
 from .scaled import _grouped_tile_ids
+from .token_major import launch_token_major
+from .ws_epilogue import _load_xa, _ws_epilogue, _xa_from_parts
+from .ws_tma import launch_tma_single, tma_ok
 
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
 
@@ -56,29 +59,6 @@ def _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, k_hi, K, stride_wn, st
         else:
             acc = tl.dot(w.to(tl.bfloat16), x_t, acc)  # e4m3 -> bf16 is exact
     return acc
-
-
-@triton.jit
-def _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
-                 stride_ym, stride_yn, stride_bn, stride_br,
-                 HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 DOT_F32: tl.constexpr, BR: tl.constexpr):
-    # total: yᵀ tile [BN, BM]; xa_t: bf16 [BR, BM]. Op order of reference.py: scale, + σ·LoRA, + bias, round
-    if HAS_W_SCALE:
-        total = total * tl.load(w_scale_ptr)
-    if HAS_LORA:
-        rr = tl.arange(0, BR)
-        b = tl.load(b_ptr + rn[:, None].to(tl.int64) * stride_bn + rr[None, :] * stride_br,
-                    mask=mask_n[:, None] & (rr < R)[None, :], other=0.0)
-        if DOT_F32:
-            lora = tl.dot(b.to(tl.float32), xa_t.to(tl.float32))
-        else:
-            lora = tl.dot(b, xa_t)
-        total = tl.fma(lora, lora_scale, total)  # explicit FMA: no compiler-dependent contraction
-    if HAS_BIAS:
-        total = total + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None].to(tl.int64) * stride_yn
-    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -125,18 +105,6 @@ def _down_partial(x_ptr, a_ptr, xa_part_ptr, pid_m, c, M, K, R, k_lo, k_hi, stri
              mask=mask_r[:, None] & mask_m[None, :])
 
 
-@triton.jit
-def _xa_from_parts(xa_part_ptr, rm, mask_m, M, R, N_CHUNKS, BR: tl.constexpr, BM: tl.constexpr):
-    """bf16 xa tile [BR, BM]: the chunk partials of the down-projection added in chunk order, then rounded."""
-    rr = tl.arange(0, BR)
-    mask = (rr < R)[:, None] & mask_m[None, :]
-    offs = rm[None, :].to(tl.int64) * R + rr[:, None]
-    xa = tl.zeros((BR, BM), dtype=tl.float32)
-    for c in range(0, N_CHUNKS):
-        xa += tl.load(xa_part_ptr + c * M * R + offs, mask=mask, other=0.0)
-    return xa.to(tl.bfloat16)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _ws_reduce_kernel(
     part_ptr, xa_part_ptr, xa_ptr, y_ptr, w_scale_ptr, b_ptr, bias_ptr, M, N, R, N_CHUNKS, lora_scale,
@@ -154,21 +122,6 @@ def _ws_reduce_kernel(
                     HAS_LORA, XA_PARTS, BR, BM)
     _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
                  stride_ym, stride_yn, stride_bn, stride_br, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
-
-
-@triton.jit
-def _load_xa(xa_part_ptr, xa_ptr, rm, mask_m, M, R, N_CHUNKS, stride_xam, stride_xar,
-             HAS_LORA: tl.constexpr, XA_PARTS: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr):
-    if HAS_LORA:
-        if XA_PARTS:
-            xa_t = _xa_from_parts(xa_part_ptr, rm, mask_m, M, R, N_CHUNKS, BR, BM)
-        else:
-            rr = tl.arange(0, BR)
-            xa_t = tl.load(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rr[:, None] * stride_xar,
-                           mask=(rr < R)[:, None] & mask_m[None, :], other=0.0)
-    else:
-        xa_t = tl.zeros((BR, BM), dtype=tl.bfloat16)
-    return xa_t
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -284,14 +237,11 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
     if cfg.get("xw"):  # experimental token-major twin (gemm/token_major.py; not in the table)
-        from .token_major import launch_token_major
         return launch_token_major(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
                                   lora_strides, cfg, flags)
-    if cfg.get("tma"):
-        from .ws_tma import launch_tma_single, tma_ok
-        if tma_ok(x, w):  # else the pointer kernel below: same k-steps, same bits
-            return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
-                                     lora_strides, cfg, flags)
+    if cfg.get("tma") and tma_ok(x, w):  # else the pointer kernel below: same k-steps, same bits
+        return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
+                                 lora_strides, cfg, flags)
     _ws_single_kernel[(tiles,)](
         x, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .scaled import _grouped_tile_ids
-from .weight_stationary import _load_xa, _ws_epilogue
+from .ws_epilogue import _load_xa, _ws_epilogue
 
 
 def tma_available() -> bool:

@@ -1,0 +1,57 @@
+"""The epilogue shared by the W8A16 GEMM kernels (weight-stationary, its TMA and token-major twins): the LoRA
+intermediate summed in chunk order, and the reference's op order on a [weight rows, tokens] tile."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
+                 stride_ym, stride_yn, stride_bn, stride_br,
+                 HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 DOT_F32: tl.constexpr, BR: tl.constexpr):
+    # total: yᵀ tile [BN, BM]; xa_t: bf16 [BR, BM]. Op order of reference.py: scale, + σ·LoRA, + bias, round
+    if HAS_W_SCALE:
+        total = total * tl.load(w_scale_ptr)
+    if HAS_LORA:
+        rr = tl.arange(0, BR)
+        b = tl.load(b_ptr + rn[:, None].to(tl.int64) * stride_bn + rr[None, :] * stride_br,
+                    mask=mask_n[:, None] & (rr < R)[None, :], other=0.0)
+        if DOT_F32:
+            lora = tl.dot(b.to(tl.float32), xa_t.to(tl.float32))
+        else:
+            lora = tl.dot(b, xa_t)
+        total = tl.fma(lora, lora_scale, total)  # explicit FMA: no compiler-dependent contraction
+    if HAS_BIAS:
+        total = total + tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None].to(tl.int64) * stride_yn
+    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _xa_from_parts(xa_part_ptr, rm, mask_m, M, R, N_CHUNKS, BR: tl.constexpr, BM: tl.constexpr):
+    """bf16 xa tile [BR, BM]: the chunk partials of the down-projection added in chunk order, then rounded."""
+    rr = tl.arange(0, BR)
+    mask = (rr < R)[:, None] & mask_m[None, :]
+    offs = rm[None, :].to(tl.int64) * R + rr[:, None]
+    xa = tl.zeros((BR, BM), dtype=tl.float32)
+    for c in range(0, N_CHUNKS):
+        xa += tl.load(xa_part_ptr + c * M * R + offs, mask=mask, other=0.0)
+    return xa.to(tl.bfloat16)
+
+
+@triton.jit
+def _load_xa(xa_part_ptr, xa_ptr, rm, mask_m, M, R, N_CHUNKS, stride_xam, stride_xar,
+             HAS_LORA: tl.constexpr, XA_PARTS: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr):
+    if HAS_LORA:
+        if XA_PARTS:
+            xa_t = _xa_from_parts(xa_part_ptr, rm, mask_m, M, R, N_CHUNKS, BR, BM)
+        else:
+            rr = tl.arange(0, BR)
+            xa_t = tl.load(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rr[:, None] * stride_xar,
+                           mask=(rr < R)[:, None] & mask_m[None, :], other=0.0)
+    else:
+        xa_t = tl.zeros((BR, BM), dtype=tl.bfloat16)
+    return xa_t
