@@ -88,9 +88,10 @@ def describe(c):
 def compiled_kernels() -> dict:
     """Every compiled GEMM kernel so far (id -> CompiledKernel): registers and spills of a new compile are
     printed beside the candidate that caused it (a spilling accumulator explains a slow tile)."""
+    from epirl.kernels.gemm.token_major import _token_major_kernel
     from epirl.kernels.gemm.ws_tma import _ws_tma_kernel
     found = {}
-    for fn in (_ws_single_kernel, _ws_tma_kernel):
+    for fn in (_ws_single_kernel, _ws_tma_kernel, _token_major_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for k in (cache[0].values() if isinstance(cache, tuple) else []):
                 found[id(k)] = k
