@@ -4,7 +4,7 @@
 #   1. scripts/ws_bits_report.py on three shapes, twice: every pointer / TMA / token-major config vs the
 #      weight-stationary reference config, forward with LoRA + bias and dX, 257 and 4096 tokens (bits must be equal;
 #      a second pass catches nondeterministic mismatches like the TMA kernel's);
-#   2. scripts/tune_w8a16.py --xw on every shape, buckets <= 256 and many tokens: pointer and token-major
+#   2. scripts/tune_w8a16.py --xw on every shape (then, timing only, --tma --xw on two shapes), buckets <= 256 and many tokens: pointer and token-major
 #      candidates, each bitwise-checked, the fastest kept -> $OUT/ws_xw.json (+ _log.json);
 #   3. the GPU kernel tests with that table (EPIRL_WS_CONFIGS): rows bitwise across M and across every table
 #      config, split-K vs single pass, engine call == trainer module, the no-dequantized-weight allocation test;
@@ -27,6 +27,10 @@ done
 echo "[bits done at $(( $(date +%s) - t0 )) s]"
 timeout 300 python3 -P scripts/tune_w8a16.py --xw --buckets 256 1000000000 --out "$OUT/ws_xw.json" > "$OUT/tune_xw.log" 2>&1
 echo "tune rc $? at $(( $(date +%s) - t0 )) s"; grep -E '^\||BITS' "$OUT/tune_xw.log"
+# timing only (TMA entries are refused by the table loader): what TMA loads add to each kernel kind
+timeout 150 python3 -P scripts/tune_w8a16.py --tma --xw --shapes q3_qkv q3_down --buckets 1000000000 \
+    --out /tmp/ws_all.json > "$OUT/tune_all.log" 2>&1
+echo "tune (all kinds) rc $?"; grep -E '^\|' "$OUT/tune_all.log"
 export EPIRL_WS_CONFIGS=$OUT/ws_xw.json
 timeout 200 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider 2>&1 | tail -n 6
 echo "[tests done at $(( $(date +%s) - t0 )) s]"

@@ -75,9 +75,11 @@ def one_chunk_us(x, w, scale, c):
 
 def with_twins(cands, tma=False, xw=False):
     """The pointer-load candidates plus their TMA twins (same tiles; `kernels/gemm/ws_tma.py`) and/or their
-    token-major twins (`kernels/gemm/token_major.py`: BM tokens x BN weight rows, tokens as wgmma's M)."""
+    token-major twins (`kernels/gemm/token_major.py`: BM tokens x BN weight rows, tokens as wgmma's M), and with
+    both flags the token-major TMA twins too."""
     return (cands + ([dict(c, tma=True) for c in cands] if tma else [])
-            + ([dict(c, xw=True) for c in cands] if xw else []))
+            + ([dict(c, xw=True) for c in cands] if xw else [])
+            + ([dict(c, xw=True, tma=True) for c in cands] if tma and xw else []))
 
 
 def describe(c):
@@ -161,7 +163,9 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, xw=False):
             ref = f" | {cublas_us(op, x, codes, scale):.1f}" if bound == BIG else " | –"
             if (tma or xw) and bound >= 256:  # best of each kernel kind: what TMA / token-major bought
                 kinds = {"ptr": [t for t in timed if not (t[1].get("tma") or t[1].get("xw"))],
-                         "tma": [t for t in timed if t[1].get("tma")], "xw": [t for t in timed if t[1].get("xw")]}
+                         "tma": [t for t in timed if t[1].get("tma") and not t[1].get("xw")],
+                         "xw": [t for t in timed if t[1].get("xw") and not t[1].get("tma")],
+                         "xw+tma": [t for t in timed if t[1].get("xw") and t[1].get("tma")]}
                 ref += " | " + ", ".join(f"{k} {min(v, key=lambda t: t[0])[0]:.1f}" for k, v in kinds.items() if v)
             print(f"| {name} | {op} | ≤{bound} | {tokens} | {best_us:.1f} | {describe(best)} | "
                   f"{max(t[0] for t in timed):.1f}{ref} |", flush=True)

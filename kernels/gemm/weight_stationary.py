@@ -236,12 +236,12 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         return y
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
+    if cfg.get("tma") and tma_ok(x, w):  # experimental (gemm/ws_tma.py, token-major with cfg["xw"]); else below
+        return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
+                                 lora_strides, cfg, flags)
     if cfg.get("xw"):  # experimental token-major twin (gemm/token_major.py; not in the table)
         return launch_token_major(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
                                   lora_strides, cfg, flags)
-    if cfg.get("tma") and tma_ok(x, w):  # else the pointer kernel below: same k-steps, same bits
-        return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
-                                 lora_strides, cfg, flags)
     _ws_single_kernel[(tiles,)](
         x, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
