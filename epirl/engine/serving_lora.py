@@ -93,7 +93,8 @@ def compile_key_mode() -> str:
 
 
 def set_mode(value: str) -> None:
-    """"off" | "fused" | "timed" from now on (takes effect in graphs captured or compiled afterwards)."""
+    """"off" | "fused" | "timed" from now on (takes effect in graphs captured or compiled afterwards). The
+    vLLM-path threshold stays what `install()` read (change it with `set_vllm_from`)."""
     if value not in ("off", "fused", "timed"):
         raise ValueError(f"serving kernels mode {value!r}: expected off, fused or timed")
     _STATE["mode"] = value
