@@ -1,9 +1,10 @@
 """Which weight-stationary tile configs give the pointer kernel's bits, and by how much the others differ (GPU).
 
 For each config (pointer loads, its TMA twin `tma=True`, its token-major twin `xw=True` and the token-major TMA
-twin), forward (with LoRA + bias) and dX, at a ragged and a many-token M, compares the output with the reference config's (pointer loads, 128/128/64/8/4): equal or not,
-how many elements differ, the largest difference in bf16 ulps of the element, and each side's error against a
-float64 product (so a rounding-order difference reads as ~1 ulp on both sides and a wrong load as large).
+twin), forward (with LoRA + bias) and dX, at a ragged and a many-token M, compares the output with the reference
+config's (pointer loads, 128/128/64/8/4): equal or not, how many elements differ, the largest difference in bf16
+ulps of the element, and each side's error against a float64 product (so a rounding-order difference reads as
+~1 ulp on both sides and a wrong load as large).
 Usage: python scripts/ws_bits_report.py [--shape K N] [--tokens 257 4096]
 """
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled import _grouped_tile_ids
-from .ws_epilogue import _load_xa, _ws_epilogue
+from .ws_epilogue import _load_xa, _ws_epilogue, _ws_tile
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -37,11 +36,7 @@ def _token_major_kernel(
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     """One program per output tile [BM tokens, BN weight rows]: every chunk from zero, added in chunk order."""
-    pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    mask_n = rn < N
-    mask_m = rm < M
+    rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
     rk = tl.arange(0, BK)
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for c in range(0, N_CHUNKS):

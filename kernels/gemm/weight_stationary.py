@@ -25,21 +25,11 @@ import triton.language as tl
 
 from .._dispatch import interpreting
 from .configs import CHUNK_ALIGN, k_chunking, ws_config
-from .scaled import _grouped_tile_ids
 from .token_major import launch_token_major
-from .ws_epilogue import _load_xa, _ws_epilogue, _xa_from_parts
+from .ws_epilogue import _load_xa, _ws_epilogue, _ws_tile, _xa_from_parts
 from .ws_tma import launch_tma_single, tma_ok
 
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
-
-
-@triton.jit
-def _ws_tile(N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr):
-    """This program's output tile in grouped order: weight rows rn, token columns rm and their masks."""
-    pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    return rn, rm, rn < N, rm < M
 
 
 @triton.jit
@@ -180,8 +170,8 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg):
     _ws_partial_kernel[(programs, n_chunks)](
         x, w_, a_, dummy if part is None else part, dummy if xa_part is None else xa_part,
         M, n_base, K, R, k_chunk, x.stride(0), x.stride(1), w_.stride(0), w_.stride(1), a_.stride(0), a_.stride(1),
-        HAS_BASE=n_base > 0, HAS_DOWN=lora_a is not None, DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"], BK=cfg["BK"],
-        BRT=_lora_tile_rows(R), GROUP_N=cfg.get("GROUP_N", 8),
+        HAS_BASE=n_base > 0, HAS_DOWN=lora_a is not None, DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"],
+        BK=cfg["BK"], BRT=_lora_tile_rows(R), GROUP_N=cfg.get("GROUP_N", 8),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return part, xa_part
 

@@ -1,10 +1,22 @@
-"""The epilogue shared by the W8A16 GEMM kernels (weight-stationary, its TMA and token-major twins): the LoRA
-intermediate summed in chunk order, and the reference's op order on a [weight rows, tokens] tile."""
+"""Parts shared by the W8A16 GEMM kernels (weight-stationary, its TMA and token-major twins): the output tile in
+grouped order, the LoRA intermediate summed in chunk order, and the epilogue in the reference's op order on a
+[weight rows, tokens] tile."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .scaled import _grouped_tile_ids
+
+
+@triton.jit
+def _ws_tile(N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr):
+    """This program's output tile in grouped order: weight rows rn, token columns rm and their masks."""
+    pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    return rn, rm, rn < N, rm < M
 
 
 @triton.jit
