@@ -2,11 +2,10 @@
 tokens as wgmma's M dimension and the widened weight as its B operand.
 
 Why: in the weight-stationary kernel the widened e4m3 tile is wgmma's register A operand, and Triton loads
-8-bit A fragments from shared memory two bytes at a time (SASS of sm_90a built here: 16 `LDS.U16` + 16
-`F2FP.F16.E4M3` + 16 `PRMT` and ~10 CTA barriers per 64-deep K step of a 128×256 tile, 235 instructions per
-4 HGMMA). With the weight as the B operand it is widened once in registers and stored to shared memory as bf16
-(`STS`), and both wgmma operands come from shared memory: 160 instructions and 3 barriers per step of a 256×128
-tile, 9 `LDS`, no spills (tokens × weight rows; the chunk total adds 128 registers).
+8-bit A fragments from shared memory two bytes at a time (`scripts/sass_report.py`, sm_90a: 27 `LDS.U16` per
+64-deep K step of a 128×256 tile, 235 instructions per trip; 43 and 286 in dX). With the weight as the B operand it
+is widened once in registers and stored to shared memory as bf16 (`STS`), and both wgmma operands come from shared
+memory: 9 `LDS` + 4 `STS` and 212 instructions for the same tile work (210 in dX). BENCHMARKS.md § Kernels.
 
 What it keeps: the K chunks of `configs.k_chunking` (each from zero, added in order), 16-deep bf16 k-steps, and
 `_ws_epilogue` itself (the total is transposed into its [weight rows, tokens] orientation, so the LoRA term is

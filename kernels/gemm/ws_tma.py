@@ -12,6 +12,8 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 - dX: w = codes read `[K, N]` with N the reduction (strides (1, K)): the descriptor is over the codes as
   stored, `[N, K]`, with blocks [BK, BN] transposed in registers.
 
+With cfg["xw"] the same kernel runs token-major (`TOKEN_MAJOR`: x · wᵀ, tokens as wgmma's M, gemm/token_major.py).
+
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
