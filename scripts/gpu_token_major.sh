@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 12's next device call (one H200, no vLLM needed, ~7 min): may the token-major W8A16 kernel
-# (kernels/gemm/token_major.py) join the tile table, and what does it buy the trainer?
+# (TOKEN_MAJOR in kernels/gemm/weight_stationary.py) join the tile table, and what does it buy the trainer?
 #   1. scripts/ws_bits_report.py on three shapes, twice: every pointer / TMA / token-major config vs the
 #      weight-stationary reference config, forward with LoRA + bias and dX, 257 and 4096 tokens (bits must be equal;
 #      a second pass catches nondeterministic mismatches like the TMA kernel's);

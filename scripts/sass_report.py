@@ -28,18 +28,12 @@ DIVISIBLE = {"x_ptr", "w_ptr", "y_ptr", "w_scale_ptr", "xa_ptr", "b_ptr", "bias_
              "stride_xm", "stride_wn", "stride_wk", "stride_ym", "stride_xam", "stride_bn"}
 
 
-def kernel(name: str):
-    if name == "xw":
-        from epirl.kernels.gemm.token_major import _token_major_kernel
-        return _token_major_kernel
-    from epirl.kernels.gemm.weight_stationary import _ws_single_kernel
-    return _ws_single_kernel
-
-
-def compile_cubin(fn, tile: str, one_chunk: bool, dx: bool) -> bytes:
+def compile_cubin(name: str, tile: str, one_chunk: bool, dx: bool) -> bytes:
+    """The single-pass kernel for sm_90a: weight-stationary ("ws") or token-major ("xw")."""
+    from epirl.kernels.gemm.weight_stationary import _ws_single_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK, BR=16,
-                 GROUP_N=8, stride_xk=1, stride_yn=1)
+                 GROUP_N=8, TOKEN_MAJOR=name == "xw", stride_xk=1, stride_yn=1)
     const.update({"stride_wn": 1} if dx else {"stride_wk": 1})  # the contiguous dimension of w
     if one_chunk:
         const["N_CHUNKS"] = 1
@@ -98,7 +92,7 @@ def main():
     print("|---|---|---|---|---|" + "---|" * len(KEYS))
     for name in args.kernel:
         for tile in args.tiles:
-            r = report(compile_cubin(kernel(name), tile, args.one_chunk, args.dx))
+            r = report(compile_cubin(name, tile, args.one_chunk, args.dx))
             print(f"| {name} | {tile} | {r['regs']} | {r['stack']} | {r['loop']} | "
                   + " | ".join(str(r[k]) for k in KEYS) + " |", flush=True)
 

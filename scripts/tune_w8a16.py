@@ -8,7 +8,7 @@ every entry of the table gives the same bits (tests/kernels/test_gpu_kernels.py 
 the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk; not batch invariant
 with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's.
 `--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
-loads only with EPIRL_WS_ALLOW_TMA=1), `--xw` token-major twins (`kernels/gemm/token_major.py`; kept only where
+loads only with EPIRL_WS_ALLOW_TMA=1), `--xw` token-major twins (`TOKEN_MAJOR` in `kernels/gemm/weight_stationary.py`; kept only where
 their bits equal the pointer kernel's), and it prints cuBLAS bf16 on the same shape beside the many-token bucket;
 `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--xw] [--shapes q3_qkv ...] [--buckets 256 ...]
@@ -69,14 +69,14 @@ def one_chunk_us(x, w, scale, c):
         _ws_single_kernel[(tiles,)](x, w, y, scale, y, y, y, M, N, K, 0, k_all, 1, 1.0, x.stride(0), x.stride(1),
                                     w.stride(0), w.stride(1), y.stride(0), y.stride(1), 0, 0, 0, 0,
                                     HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=c["BN"],
-                                    BM=c["BM"], BK=c["BK"], BR=16, GROUP_N=8, num_warps=c["num_warps"],
+                                    BM=c["BM"], BK=c["BK"], BR=16, GROUP_N=8, TOKEN_MAJOR=False, num_warps=c["num_warps"],
                                     num_stages=c["num_stages"])
     return graph_us(run)
 
 
 def with_twins(cands, tma=False, xw=False):
     """The pointer-load candidates plus their TMA twins (same tiles; `kernels/gemm/ws_tma.py`) and/or their
-    token-major twins (`kernels/gemm/token_major.py`: BM tokens x BN weight rows, tokens as wgmma's M), and with
+    token-major twins (config key xw: BM tokens x BN weight rows, tokens as wgmma's M), and with
     both flags the token-major TMA twins too."""
     return (cands + ([dict(c, tma=True) for c in cands] if tma else [])
             + ([dict(c, xw=True) for c in cands] if xw else [])
@@ -91,10 +91,9 @@ def describe(c):
 def compiled_kernels() -> dict:
     """Every compiled GEMM kernel so far (id -> CompiledKernel): registers and spills of a new compile are
     printed beside the candidate that caused it (a spilling accumulator explains a slow tile)."""
-    from epirl.kernels.gemm.token_major import _token_major_kernel
     from epirl.kernels.gemm.ws_tma import _ws_tma_kernel
     found = {}
-    for fn in (_ws_single_kernel, _ws_tma_kernel, _token_major_kernel):
+    for fn in (_ws_single_kernel, _ws_tma_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for k in (cache[0].values() if isinstance(cache, tuple) else []):
                 found[id(k)] = k

@@ -12,7 +12,8 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 - dX: w = codes read `[K, N]` with N the reduction (strides (1, K)): the descriptor is over the codes as
   stored, `[N, K]`, with blocks [BK, BN] transposed in registers.
 
-With cfg["xw"] the same kernel runs token-major (`TOKEN_MAJOR`: x · wᵀ, tokens as wgmma's M, gemm/token_major.py).
+With cfg["xw"] the same kernel runs token-major (`TOKEN_MAJOR`: x · wᵀ, tokens as wgmma's M; see
+weight_stationary.py).
 
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
@@ -81,7 +82,7 @@ def _ws_tma_kernel(
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order.
-    TOKEN_MAJOR: the dot runs as x · wᵀ (tokens as wgmma's M, gemm/token_major.py) and the total is transposed."""
+    TOKEN_MAJOR: the dot runs as x · wᵀ (tokens as wgmma's M) and the total is transposed."""
     pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     off_n = pid_n * BN
     off_m = pid_m * BM

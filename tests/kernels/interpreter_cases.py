@@ -126,7 +126,7 @@ def case_tma_single_pass_equals_pointer_kernel():
 
 
 def case_token_major_twin_matches_the_reference():
-    # kernels/gemm/token_major.py: tokens as wgmma's M, the widened weight as its B operand; the chunked K loop
+    # token-major single pass (xw): tokens as wgmma's M, the widened weight as its B operand; the chunked K loop
     # and _ws_epilogue on the transposed total (forward with LoRA + bias, ragged M/N/K; dX with codes transposed)
     # (pointer loads, and through the TMA kernel's TOKEN_MAJOR branch)
     x, codes, scale, a, b, bias = problem(37, 592, 88, 8, seed=10)

@@ -216,7 +216,7 @@ def test_tma_twins_of_the_training_tiles_give_the_pointer_kernels_bits(K, N):
 
 @pytest.mark.parametrize("M", [17, 257, 4096])
 def test_token_major_twin_vs_reference(M):
-    """kernels/gemm/token_major.py (experimental; not in the table until its bits are shown equal to the
+    """The token-major single pass (xw; experimental, not in the table until its bits are shown equal to the
     weight-stationary kernel's) computes the forward with LoRA + bias and dX within the kernels' tolerances."""
     x, codes, scale, a, b, bias = problem(M, K_ODD, N_ODD, 64, seed=M)
     gy = torch.randn(M, N_ODD, device=DEV).bfloat16()

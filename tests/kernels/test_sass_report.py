@@ -21,6 +21,6 @@ def test_kernels_compile_for_sm90_with_wgmma_in_the_k_loop(name):
     import sass_report
     if not _have_tools():
         pytest.skip("this triton ships no ptxas/cuobjdump")
-    r = sass_report.report(sass_report.compile_cubin(sass_report.kernel(name), "128/128/64/8/3", False, False))
+    r = sass_report.report(sass_report.compile_cubin(name, "128/128/64/8/3", False, False))
     assert r["HGMMA"] >= 1 and 0 < r["regs"] <= 255 and r["loop"] > 0, r
     assert r["LDL"] == 0 and r["STL"] == 0, f"spill traffic inside the K loop: {r}"
