@@ -8,8 +8,8 @@ every entry of the table gives the same bits (tests/kernels/test_gpu_kernels.py 
 the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk; not batch invariant
 with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's.
 `--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
-loads only with EPIRL_WS_ALLOW_TMA=1), `--xw` token-major twins (`TOKEN_MAJOR` in `kernels/gemm/weight_stationary.py`; kept only where
-their bits equal the pointer kernel's), and it prints cuBLAS bf16 on the same shape beside the many-token bucket;
+loads only with EPIRL_WS_ALLOW_TMA=1), `--xw` token-major twins (`TOKEN_MAJOR` in
+`kernels/gemm/weight_stationary.py`; kept only where their bits equal the pointer kernel's), and it prints cuBLAS bf16 on the same shape beside the many-token bucket;
 `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--xw] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
@@ -69,8 +69,8 @@ def one_chunk_us(x, w, scale, c):
         _ws_single_kernel[(tiles,)](x, w, y, scale, y, y, y, M, N, K, 0, k_all, 1, 1.0, x.stride(0), x.stride(1),
                                     w.stride(0), w.stride(1), y.stride(0), y.stride(1), 0, 0, 0, 0,
                                     HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=c["BN"],
-                                    BM=c["BM"], BK=c["BK"], BR=16, GROUP_N=8, TOKEN_MAJOR=False, num_warps=c["num_warps"],
-                                    num_stages=c["num_stages"])
+                                    BM=c["BM"], BK=c["BK"], BR=16, GROUP_N=8, TOKEN_MAJOR=False,
+                                    num_warps=c["num_warps"], num_stages=c["num_stages"])
     return graph_us(run)
 
 
