@@ -9,7 +9,8 @@ the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk
 with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's.
 `--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
 loads only with EPIRL_WS_ALLOW_TMA=1), `--xw` token-major twins (`TOKEN_MAJOR` in
-`kernels/gemm/weight_stationary.py`; kept only where their bits equal the pointer kernel's), and it prints cuBLAS bf16 on the same shape beside the many-token bucket;
+`kernels/gemm/weight_stationary.py`; kept only where their bits equal the pointer kernel's), and it prints cuBLAS
+bf16 on the same shape beside the many-token bucket;
 `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--xw] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
