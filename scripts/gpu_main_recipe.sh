@@ -13,8 +13,10 @@
 #   bash scripts/gpu_main_recipe.sh q35w8a16  # Qwen3.5-9B,  matched W8A16, rl.correction=none  (~9.5 min; use STEPS=2)
 #
 # Qwen3.5 on the fla kit does not fit 3 steps in one call from a cold machine (2026-12-01: engine + trainer start
-# 366 s, step 1 188 s): run `STEPS=1 ... q35` first on the warm machine (fills vLLM's compile cache and Triton's
-# kernel cache under $HOME), then `STEPS=3 ... q35` in the next call.
+# 366 s, step 1 188 s): run it in the background across calls, one start and then waits back to back
+# (TIMEOUT raises the 570 s limit on the train command):
+#   bash scripts/device_bg.sh start q35 env STEPS=3 TIMEOUT=1500 bash scripts/gpu_main_recipe.sh q35
+#   bash scripts/device_bg.sh wait q35 580      # again while it prints "still running".
 # Needs vLLM 0.26 staged (../shared/device/README.md: `source ~/vllm-env.sh` sets VLLM_USE_FLASHINFER_SAMPLER=0)
 # and math-verify carried as wheels in .whl/ (as for scripts/gpu_evidence.sh: the loop imports the grader even
 # though benchmark rewards are a coin). Qwen3.5 runs with language_model_only (automatic for its config) and
@@ -50,7 +52,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -P -c "import importlib.util as u, importlib.metadata as m, triton
 fla = m.version('flash-linear-attention') if u.find_spec('fla') else 'not installed'
 print(f'[$part] triton {triton.__version__} ({triton.__file__.rsplit(\"/\", 2)[0]}), fla {fla}')" 2>&1 | tail -n 1
-timeout 570 python3 -P -m epirl.cli train "${args[@]}" "${COMMON[@]}" name=main_$part \
+timeout "${TIMEOUT:-570}" python3 -P -m epirl.cli train "${args[@]}" "${COMMON[@]}" name=main_$part \
     --benchmark "$STEPS" --prompt-tokens 256 --force-max-tokens --benchmark-out "$json" > "$log" 2>&1
 rc=$?
 echo "[$part] exit $rc after $(( $(date +%s) - t0 )) s (engine: $(grep -o 'started in [0-9.]* s' "$log" | head -1))"

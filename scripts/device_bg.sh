@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Run one long GPU job across several device calls (each call is limited to 10 minutes; a process started in its
+# own session survives the end of a call while the machine stays warm, ../.library/device/README.md):
+#   bash scripts/device_bg.sh start NAME CMD...   # copies the repo to $HOME/bg/NAME/repo, starts CMD there with
+#                                                 # setsid (OUT=$HOME/bg/NAME/out), returns at once
+#   bash scripts/device_bg.sh wait NAME SECONDS   # waits until the job ends or SECONDS pass, prints the log's
+#                                                 # tail and copies the job's OUT into this call's $OUT
+# The copy keeps the job's imports stable while later calls re-sync the working tree. Exit status of `wait`:
+# the job's when it ended, 99 while it still runs (call `wait` again within the 30 s idle window).
+set -o pipefail
+cmd=${1:?usage: device_bg.sh start NAME CMD... | wait NAME SECONDS}; name=${2:?job name}; shift 2
+dir=$HOME/bg/$name
+case "$cmd" in
+  start)
+    rm -rf "$dir"; mkdir -p "$dir/out"
+    tar --exclude=./.git --exclude=./.stage -cf - . | (mkdir -p "$dir/repo" && tar -xf - -C "$dir/repo")
+    (cd "$dir/repo" && OUT=$dir/out setsid bash -c '"$@"; echo $? > '"$dir/rc" bash "$@" \
+        > "$dir/log" 2>&1 < /dev/null &)
+    sleep 2; echo "[bg $name] started: $*"; tail -n 5 "$dir/log" ;;
+  wait)
+    limit=${1:?seconds}; t0=$(date +%s)
+    while [ ! -f "$dir/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+    mkdir -p "${OUT:-/tmp/out}"; cp -r "$dir/out/." "${OUT:-/tmp/out}/" 2>/dev/null; cp "$dir/log" "${OUT:-/tmp/out}/bg_$name.log"
+    if [ -f "$dir/rc" ]; then
+      echo "[bg $name] ended, exit $(cat "$dir/rc")"; cat "$dir/log" | tail -n 60; exit "$(cat "$dir/rc")"
+    fi
+    echo "[bg $name] still running after $limit s more"; tail -n 15 "$dir/log"; exit 99 ;;
+  *) echo "unknown subcommand: $cmd (start | wait)"; exit 2 ;;
+esac
