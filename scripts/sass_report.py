@@ -3,7 +3,7 @@ any machine (no GPU: Triton's compiler, its bundled ptxas and cuobjdump). A prof
 emits, not of a run: the installed Triton may differ from the device's (the H200's image has 3.6), and the
 device specializes integer arguments the same way (`tt.divisibility` 16 on pointers, N, K, row strides).
 
-    python scripts/sass_report.py [--kernel ws|xw] [--tiles 128/256/64/8/3 ...] [--one-chunk] [--dx]
+    python scripts/sass_report.py [--tiles 128/256/64/8/3 ...] [--one-chunk] [--dx]
 
 Per tile (BN weight rows / BM tokens / BK / warps / stages): registers, stack bytes (spills), and per trip of the
 innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.async), BAR, the e4m3 → bf16
@@ -28,12 +28,12 @@ DIVISIBLE = {"x_ptr", "w_ptr", "y_ptr", "w_scale_ptr", "xa_ptr", "b_ptr", "bias_
              "stride_xm", "stride_wn", "stride_wk", "stride_ym", "stride_xam", "stride_bn"}
 
 
-def compile_cubin(name: str, tile: str, one_chunk: bool, dx: bool) -> bytes:
-    """The single-pass kernel for sm_90a: weight-stationary ("ws") or token-major ("xw")."""
+def compile_cubin(tile: str, one_chunk: bool, dx: bool) -> bytes:
+    """The weight-stationary single-pass kernel for sm_90a."""
     from epirl.kernels.gemm.weight_stationary import _ws_single_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK, BR=16,
-                 GROUP_N=8, TOKEN_MAJOR=name == "xw", stride_xk=1, stride_yn=1)
+                 GROUP_N=8, stride_xk=1, stride_yn=1)
     const.update({"stride_wn": 1} if dx else {"stride_wk": 1})  # the contiguous dimension of w
     if one_chunk:
         const["N_CHUNKS"] = 1
@@ -81,20 +81,18 @@ def report(cubin: bytes) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=["ws", "xw"], nargs="+", default=["ws", "xw"])
     ap.add_argument("--tiles", nargs="+", default=["128/256/64/8/3", "128/128/64/8/4", "256/128/64/8/3"])
     ap.add_argument("--one-chunk", action="store_true", help="N_CHUNKS = 1 (as Triton specializes it)")
     ap.add_argument("--dx", action="store_true", help="dX operand strides (codes read transposed)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90a, {'dX' if args.dx else 'forward'}, "
           f"{'one chunk' if args.one_chunk else 'chunked'}\n")
-    print("| kernel | BN/BM/BK/warps/stages | regs | stack B | loop instr | " + " | ".join(KEYS) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(KEYS))
-    for name in args.kernel:
-        for tile in args.tiles:
-            r = report(compile_cubin(name, tile, args.one_chunk, args.dx))
-            print(f"| {name} | {tile} | {r['regs']} | {r['stack']} | {r['loop']} | "
-                  + " | ".join(str(r[k]) for k in KEYS) + " |", flush=True)
+    print("| BN/BM/BK/warps/stages | regs | stack B | loop instr | " + " | ".join(KEYS) + " |")
+    print("|---|---|---|---|" + "---|" * len(KEYS))
+    for tile in args.tiles:
+        r = report(compile_cubin(tile, args.one_chunk, args.dx))
+        print(f"| {tile} | {r['regs']} | {r['stack']} | {r['loop']} | "
+              + " | ".join(str(r[k]) for k in KEYS) + " |", flush=True)
 
 
 if __name__ == "__main__":

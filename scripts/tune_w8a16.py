@@ -8,11 +8,9 @@ every entry of the table gives the same bits (tests/kernels/test_gpu_kernels.py 
 the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk; not batch invariant
 with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's.
 `--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
-loads only with EPIRL_WS_ALLOW_TMA=1), `--xw` token-major twins (`TOKEN_MAJOR` in
-`kernels/gemm/weight_stationary.py`; kept only where their bits equal the pointer kernel's), and it prints cuBLAS
-bf16 on the same shape beside the many-token bucket;
+loads only with EPIRL_WS_ALLOW_TMA=1), and it prints cuBLAS bf16 on the same shape beside the many-token bucket;
 `--shapes`/`--buckets` tune a subset and merge it into the table.
-Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--xw] [--shapes q3_qkv ...] [--buckets 256 ...]
+Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
 
 from __future__ import annotations
@@ -70,23 +68,19 @@ def one_chunk_us(x, w, scale, c):
         _ws_single_kernel[(tiles,)](x, w, y, scale, y, y, y, M, N, K, 0, k_all, 1, 1.0, x.stride(0), x.stride(1),
                                     w.stride(0), w.stride(1), y.stride(0), y.stride(1), 0, 0, 0, 0,
                                     HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=c["BN"],
-                                    BM=c["BM"], BK=c["BK"], BR=16, GROUP_N=8, TOKEN_MAJOR=False,
+                                    BM=c["BM"], BK=c["BK"], BR=16, GROUP_N=8,
                                     num_warps=c["num_warps"], num_stages=c["num_stages"])
     return graph_us(run)
 
 
-def with_twins(cands, tma=False, xw=False):
-    """The pointer-load candidates plus their TMA twins (same tiles; `kernels/gemm/ws_tma.py`) and/or their
-    token-major twins (config key xw: BM tokens x BN weight rows, tokens as wgmma's M), and with
-    both flags the token-major TMA twins too."""
-    return (cands + ([dict(c, tma=True) for c in cands] if tma else [])
-            + ([dict(c, xw=True) for c in cands] if xw else [])
-            + ([dict(c, xw=True, tma=True) for c in cands] if tma and xw else []))
+def with_twins(cands, tma=False):
+    """The pointer-load candidates plus, with tma, their TMA twins (same tiles; `kernels/gemm/ws_tma.py`)."""
+    return cands + ([dict(c, tma=True) for c in cands] if tma else [])
 
 
 def describe(c):
     return ("/".join(str(c[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
-            + (" split" if c["split"] else "") + (" tma" if c.get("tma") else "") + (" xw" if c.get("xw") else ""))
+            + (" split" if c["split"] else "") + (" tma" if c.get("tma") else ""))
 
 
 def compiled_kernels() -> dict:
@@ -141,7 +135,7 @@ def cublas_us(op, x, codes, scale):
     return graph_us(lambda: x @ w16.t()) if op == "fwd" else graph_us(lambda: x @ w16)
 
 
-def tune_shape(name, K, N, log, bounds=None, tma=False, xw=False):
+def tune_shape(name, K, N, log, bounds=None, tma=False):
     _, codes, scale, _, _ = make_layer(K, N)
     rows = {}
     for op, buckets in (("fwd", FWD_BUCKETS), ("dx", DX_BUCKETS)):
@@ -150,7 +144,7 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, xw=False):
         for bound, (tokens, cands) in buckets.items():
             if bounds and bound not in bounds:
                 continue
-            cands = with_twins(cands, tma, xw) if bound >= 256 else cands
+            cands = with_twins(cands, tma) if bound >= 256 else cands
             totals: dict[int, list] = {}
             for M in tokens:
                 x = torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16)
@@ -162,15 +156,12 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, xw=False):
             best_us, best = min(timed, key=lambda t: t[0])
             row[str(bound)] = best
             ref = f" | {cublas_us(op, x, codes, scale):.1f}" if bound == BIG else " | –"
-            if (tma or xw) and bound >= 256:  # best of each kernel kind: what TMA / token-major bought
-                kinds = {"ptr": [t for t in timed if not (t[1].get("tma") or t[1].get("xw"))],
-                         "tma": [t for t in timed if t[1].get("tma") and not t[1].get("xw")],
-                         "xw": [t for t in timed if t[1].get("xw") and not t[1].get("tma")],
-                         "xw+tma": [t for t in timed if t[1].get("xw") and t[1].get("tma")]}
+            if tma and bound >= 256:  # best of each kernel kind: what TMA loads bought
+                kinds = {"ptr": [t for t in timed if not t[1].get("tma")], "tma": [t for t in timed if t[1].get("tma")]}
                 ref += " | " + ", ".join(f"{k} {min(v, key=lambda t: t[0])[0]:.1f}" for k, v in kinds.items() if v)
             print(f"| {name} | {op} | ≤{bound} | {tokens} | {best_us:.1f} | {describe(best)} | "
                   f"{max(t[0] for t in timed):.1f}{ref} |", flush=True)
-            if bound == BIG and not (tma or xw):
+            if bound == BIG and not tma:
                 w = codes if op == "fwd" else codes.t()
                 one = one_chunk_us(x, w, scale, best)
                 log.append(dict(shape=name, op=op, diagnostic="one_chunk", chunks=k_chunking(n_out, k_red)[1],
@@ -190,17 +181,16 @@ def main():
     ap.add_argument("--shapes", nargs="*", help="shape names (default: all)")
     ap.add_argument("--buckets", nargs="*", type=int, help="bucket bounds to tune (default: all; 1000000000 = many)")
     ap.add_argument("--tma", action="store_true", help="also TMA-load candidates for buckets >= 256")
-    ap.add_argument("--xw", action="store_true", help="also token-major candidates for buckets >= 256")
     args = ap.parse_args()
     table = json.loads(json.dumps(load_table()))  # start from the committed defaults
     log = []
     t0 = time.time()
     print("| shape | op | bucket | tokens | best µs | BN/BM/BK/warps/stages | worst µs | cuBLAS bf16 µs (many) "
-          "| best per kernel kind µs (--tma/--xw) |\n|---|---|---|---|---|---|---|---|---|")
+          "| best per kernel kind µs (--tma) |\n|---|---|---|---|---|---|---|---|---|")
     shapes = (SHAPES + EXTRA_SHAPES)[:2] if args.quick else SHAPES + EXTRA_SHAPES
     shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     for name, K, N in shapes:
-        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma, args.xw).items():
+        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma).items():
             table[op].setdefault(key, {}).update(row)
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned

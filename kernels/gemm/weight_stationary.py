@@ -15,14 +15,6 @@ are added in chunk order. Two schedules give the same bits:
   programs (no extra launch), and `_ws_reduce_kernel` sums its chunks in order before rounding xa to bf16;
   for many tokens `lora_down` runs those programs alone (same chunks, same order), then the single pass.
 The σ·LoRA + y step is an explicit `tl.fma` (no compiler-chosen contraction).
-
-Token-major (experimental, config key "xw", `TOKEN_MAJOR`; not in the table): the single pass computes y = x·Wᵀ
-with the tokens as wgmma's M and the widened weight as its B operand, same chunks and k-steps, the total
-transposed into the same epilogue. Why: as the A operand, Triton loads the 8-bit weight fragments from shared
-memory two bytes at a time (`scripts/sass_report.py`, sm_90a: 27 `LDS.U16` and 235 instructions per 64-deep K step
-of a 128×256 tile; 43 and 286 in dX); as the B operand it is widened once and stored to shared memory as bf16:
-9 `LDS` + 4 `STS`, 212 instructions (210 in dX). Whether the tensor core gives an element the same bits with the
-operand roles swapped decides whether it may enter the table (`scripts/gpu_token_major.sh`; not yet run).
 """
 
 from __future__ import annotations
@@ -41,35 +33,20 @@ LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like 
 
 @triton.jit
 def _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, k_hi, K, stride_wn, stride_wk, stride_xm, stride_xk,
-              BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-              TOKEN_MAJOR: tl.constexpr):
-    """fp32 [BN, BM] = w[rn, k_lo:k_hi] · x[rm, k_lo:k_hi]ᵀ, accumulated from zero in k order; TOKEN_MAJOR
-    (experimental, see the module docstring): [BM, BN] = x · wᵀ, the widened weight as wgmma's B operand."""
+              BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """fp32 [BN, BM] = w[rn, k_lo:k_hi] · x[rm, k_lo:k_hi]ᵀ, accumulated from zero in k order."""
     rk = tl.arange(0, BK)
-    if TOKEN_MAJOR:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         mask_k = (k0 + rk) < K
-        if TOKEN_MAJOR:
-            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :] * stride_xk,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            w_t = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k0 + rk)[:, None].to(tl.int64) * stride_wk,
-                          mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
-                acc += tl.dot(x.to(tl.float32), w_t.to(tl.float32))
-            else:
-                acc = tl.dot(x, w_t.to(tl.bfloat16), acc)  # e4m3 -> bf16 is exact
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :].to(tl.int64) * stride_wk,
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x_t = tl.load(x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None] * stride_xk,
+                      mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
+            acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
         else:
-            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :].to(tl.int64) * stride_wk,
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            x_t = tl.load(x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None] * stride_xk,
-                          mask=mask_k[:, None] & mask_m[None, :], other=0.0)
-            if DOT_F32:
-                acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
-            else:
-                acc = tl.dot(w.to(tl.bfloat16), x_t, acc)
+            acc = tl.dot(w.to(tl.bfloat16), x_t, acc)  # e4m3 -> bf16 is exact
     return acc
 
 
@@ -92,7 +69,7 @@ def _ws_partial_kernel(
         if tl.program_id(0) < n_tiles * m_tiles:
             rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
             acc = _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, rk_end, K, stride_wn, stride_wk,
-                            stride_xm, stride_xk, BN, BM, BK, DOT_F32, False)
+                            stride_xm, stride_xk, BN, BM, BK, DOT_F32)
             tl.store(part_ptr + (c * M + rm[None, :].to(tl.int64)) * N + rn[:, None], acc,
                      mask=mask_n[:, None] & mask_m[None, :])
         elif HAS_DOWN:
@@ -112,7 +89,7 @@ def _down_partial(x_ptr, a_ptr, xa_part_ptr, pid_m, c, M, K, R, k_lo, k_hi, stri
     mask_r = rr < R
     mask_m = rm < M
     acc = _ws_chunk(a_ptr, x_ptr, rr, rm, mask_r, mask_m, k_lo, k_hi, K, stride_ar, stride_ak,
-                    stride_xm, stride_xk, BRT, BM, BK, DOT_F32, False)
+                    stride_xm, stride_xk, BRT, BM, BK, DOT_F32)
     tl.store(xa_part_ptr + (c * M + rm[None, :].to(tl.int64)) * R + rr[:, None], acc,
              mask=mask_r[:, None] & mask_m[None, :])
 
@@ -153,20 +130,13 @@ def _ws_single_kernel(
     stride_xam, stride_xar, stride_bn, stride_br,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
-    TOKEN_MAJOR: tl.constexpr,
 ):
-    """One program per output tile: every chunk from zero, added in chunk order, then the epilogue (TOKEN_MAJOR:
-    the chunks in [tokens, weight rows] orientation, the total transposed for the same epilogue)."""
+    """One program per output tile: every chunk from zero, added in chunk order, then the epilogue."""
     rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
-    if TOKEN_MAJOR:
-        total = tl.zeros((BM, BN), dtype=tl.float32)
-    else:
-        total = tl.zeros((BN, BM), dtype=tl.float32)
+    total = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(0, N_CHUNKS):
         total += _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, c * K_CHUNK, (c + 1) * K_CHUNK, K,
-                           stride_wn, stride_wk, stride_xm, stride_xk, BN, BM, BK, DOT_F32, TOKEN_MAJOR)
-    if TOKEN_MAJOR:
-        total = tl.trans(total)
+                           stride_wn, stride_wk, stride_xm, stride_xk, BN, BM, BK, DOT_F32)
     xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, M, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
     _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
                  stride_ym, stride_yn, stride_bn, stride_br, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
@@ -255,13 +225,12 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         return y
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
-    if cfg.get("tma") and tma_ok(x, w):  # experimental (gemm/ws_tma.py, token-major with cfg["xw"]); else below
+    if cfg.get("tma") and tma_ok(x, w):  # experimental (gemm/ws_tma.py); else below
         return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
                                  lora_strides, cfg, flags)
     _ws_single_kernel[(tiles,)](
         x, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
         xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
-        BK=cfg["BK"], TOKEN_MAJOR=bool(cfg.get("xw")), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **flags)
+        BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

@@ -1,4 +1,4 @@
-"""Parts shared by the W8A16 GEMM kernels (weight-stationary, its TMA and token-major twins): the output tile in
+"""Parts shared by the W8A16 GEMM kernels (weight-stationary and its TMA twin): the output tile in
 grouped order, the LoRA intermediate summed in chunk order, and the epilogue in the reference's op order on a
 [weight rows, tokens] tile."""
 

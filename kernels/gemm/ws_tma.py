@@ -12,9 +12,6 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 - dX: w = codes read `[K, N]` with N the reduction (strides (1, K)): the descriptor is over the codes as
   stored, `[N, K]`, with blocks [BK, BN] transposed in registers.
 
-With cfg["xw"] the same kernel runs token-major (`TOKEN_MAJOR`: x · wᵀ, tokens as wgmma's M; see
-weight_stationary.py).
-
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
@@ -61,13 +58,9 @@ def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _tile_dot(w, x, acc, TOKEN_MAJOR: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc + w[BN, BK] · x[BM, BK]ᵀ (or, token-major, acc + x · wᵀ); e4m3 -> bf16 is exact. Under Triton's CPU
-    interpreter, which mis-computes bf16 dots, the operands are widened to fp32 (tests only)."""
-    if TOKEN_MAJOR:
-        if DOT_F32:
-            return acc + tl.dot(x.to(tl.float32), w.T.to(tl.float32))
-        return tl.dot(x, w.T.to(tl.bfloat16), acc)
+def _tile_dot(w, x, acc, DOT_F32: tl.constexpr):
+    """acc + w[BN, BK] · x[BM, BK]ᵀ; e4m3 -> bf16 is exact. Under Triton's CPU interpreter, which mis-computes
+    bf16 dots, the operands are widened to fp32 (tests only)."""
     if DOT_F32:
         return acc + tl.dot(w.to(tl.float32), x.T.to(tl.float32))
     return tl.dot(w.to(tl.bfloat16), x.T, acc)
@@ -77,19 +70,15 @@ def _tile_dot(w, x, acc, TOKEN_MAJOR: tl.constexpr, DOT_F32: tl.constexpr):
 def _ws_tma_kernel(
     x_desc, w_desc, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
     stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
-    W_TRANSPOSED: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    W_TRANSPOSED: tl.constexpr,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order.
-    TOKEN_MAJOR: the dot runs as x · wᵀ (tokens as wgmma's M) and the total is transposed."""
+    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order."""
     pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     off_n = pid_n * BN
     off_m = pid_m * BM
-    if TOKEN_MAJOR:
-        total = tl.zeros((BM, BN), dtype=tl.float32)
-    else:
-        total = tl.zeros((BN, BM), dtype=tl.float32)
+    total = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(0, N_CHUNKS):
         acc = tl.zeros_like(total)
         for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):
@@ -98,10 +87,8 @@ def _ws_tma_kernel(
             else:
                 w = w_desc.load([off_n, k0])
             x = x_desc.load([off_m, k0])
-            acc = _tile_dot(w, x, acc, TOKEN_MAJOR, DOT_F32)
+            acc = _tile_dot(w, x, acc, DOT_F32)
         total += acc
-    if TOKEN_MAJOR:
-        total = tl.trans(total)
     rn = off_n + tl.arange(0, BN)
     rm = off_m + tl.arange(0, BM)
     mask_n = rn < N
@@ -113,8 +100,7 @@ def _ws_tma_kernel(
 
 def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale, lora_strides,
                       cfg, flags):
-    """`_ws_single_kernel`'s launch with descriptors (`tma_ok(x, w)` must hold; same arguments otherwise);
-    cfg["xw"] selects the token-major dot."""
+    """`_ws_single_kernel`'s launch with descriptors (`tma_ok(x, w)` must hold; same arguments otherwise)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     BN, BM, BK = cfg["BN"], cfg["BM"], cfg["BK"]
@@ -127,6 +113,6 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
     _ws_tma_kernel[(tiles,)](
         x_desc, w_desc, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
-        W_TRANSPOSED=transposed, TOKEN_MAJOR=bool(cfg.get("xw")), BK=BK,
+        W_TRANSPOSED=transposed, BK=BK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

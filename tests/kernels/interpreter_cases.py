@@ -125,22 +125,6 @@ def case_tma_single_pass_equals_pointer_kernel():
     assert not tma_ok(x[:, 1:], codes[:, 1:])  # unaligned rows: the caller falls back to the pointer kernel
 
 
-def case_token_major_twin_matches_the_reference():
-    # token-major single pass (xw): tokens as wgmma's M, the widened weight as its B operand; the chunked K loop
-    # and _ws_epilogue on the transposed total (forward with LoRA + bias, ragged M/N/K; dX with codes transposed)
-    # (pointer loads, and through the TMA kernel's TOKEN_MAJOR branch)
-    x, codes, scale, a, b, bias = problem(37, 592, 88, 8, seed=10)
-    xa = lora_down(x, a, chunk_n=88)
-    g = torch.randn(37, 88).bfloat16()
-    for extra in (dict(xw=True), dict(xw=True, tma=True)):
-        cfg = dict(BN=64, BM=32, BK=64, num_warps=4, num_stages=2, split=False, **extra)
-        got = weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7,
-                                     bias=bias, config=cfg, allow_split=False)
-        assert close_bf16(got, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference")), extra
-        dx = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=cfg, op="dx")
-        assert close_bf16(dx, (g.double() @ (codes.double() * scale.double())).bfloat16()), extra
-
-
 def case_w8a8_gemm_on_reference_codes():
     # fp8 activation codes come from the reference (interpreter e4m3 rounding is broken), the GEMM,
     # per-row scale and epilogue are the Triton kernel's
