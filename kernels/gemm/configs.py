@@ -37,6 +37,23 @@ def k_chunking(N: int, K: int) -> tuple[int, int]:
     return units * CHUNK_ALIGN, -(-k_units // units)
 
 
+# The LoRA down-projection xa = x·Aᵀ (r rows of A) splits each base chunk into sub-chunks of at most this many K
+# columns, each accumulated from zero and all added in order: at decode its split-K programs then read no more than
+# a base tile's program (r x 512 bf16 = 64 KiB at rank 64, a 64-row fp8 tile of a 1024-deep chunk), instead of one
+# program per chunk (or, for a one-chunk layer such as gate_up, one program for all of K) trailing the launch.
+XA_CHUNK_MAX = 512
+
+
+def xa_chunking(N: int, K: int) -> tuple[int, int, int]:
+    """(XA_CHUNK, SUBS, N_XA) of the LoRA down-projection of a layer `[N, K]`: SUBS sub-chunks of XA_CHUNK per
+    base chunk of `k_chunking(N, K)`, N_XA = SUBS x base chunks in all (the trailing ones may lie past K)."""
+    k_chunk, n_chunks = k_chunking(N, K)
+    units = k_chunk // CHUNK_ALIGN
+    max_units = max(1, XA_CHUNK_MAX // CHUNK_ALIGN)
+    subs = next(s for s in range(1, units + 1) if units % s == 0 and units // s <= max_units)
+    return k_chunk // subs, subs, subs * n_chunks
+
+
 @functools.lru_cache(maxsize=4)
 def load_table(path: str | None = None) -> dict:
     path = path or os.environ.get(TABLE_ENV) or str(TABLE_PATH)

@@ -26,7 +26,12 @@ LORA_SPLITS = 16  # K chunks of the LoRA down-projection (fixed per K: batch inv
 def _grouped_tile_ids(num_outer, num_inner, GROUP: tl.constexpr):
     """(outer, inner) tile of this program in grouped order: GROUP outer tiles are swept over every inner
     tile while they sit in L2 (the same order for the row-major and the weight-transposed kernels)."""
-    pid = tl.program_id(0)
+    return _grouped_tile_ids_of(tl.program_id(0), num_outer, num_inner, GROUP)
+
+
+@triton.jit
+def _grouped_tile_ids_of(pid, num_outer, num_inner, GROUP: tl.constexpr):
+    """`_grouped_tile_ids` for tile number pid (kernels whose first programs do other work)."""
     group = pid // (GROUP * num_inner)
     first = group * GROUP
     size = tl.minimum(num_outer - first, GROUP)

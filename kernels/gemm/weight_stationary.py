@@ -11,9 +11,11 @@ are added in chunk order. Two schedules give the same bits:
 - single pass (many tokens): one program per output tile loops over the chunks (`_ws_single_kernel`);
 - split-K (few tokens): one program per (tile, chunk) writes its fp32 chunk partial, and
   `_ws_reduce_kernel` adds them in chunk order and runs the same epilogue. The LoRA down-projection
-  xaᵀ = A·xᵀ is the same GEMM with A as the weight: in split-K it rides in the partial kernel as extra
-  programs (no extra launch), and `_ws_reduce_kernel` sums its chunks in order before rounding xa to bf16;
-  for many tokens `lora_down` runs those programs alone (same chunks, same order), then the single pass.
+  xaᵀ = A·xᵀ is the same GEMM with A as the weight, over finer sub-chunks (`configs.xa_chunking`: at most
+  512 deep, so no down program is longer than a base program): in split-K it rides in the partial kernel as its
+  first programs (no extra launch; split-K is then used for a one-chunk layer too), and `_ws_reduce_kernel`
+  sums its sub-chunks in order before rounding xa to bf16; for many tokens `lora_down` runs those programs
+  alone (same sub-chunks, same order), then the single pass.
 The σ·LoRA + y step is an explicit `tl.fma` (no compiler-chosen contraction).
 """
 
@@ -24,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .._dispatch import interpreting
-from .configs import CHUNK_ALIGN, k_chunking, ws_config
-from .ws_epilogue import _load_xa, _ws_epilogue, _ws_tile, _xa_from_parts
+from .configs import CHUNK_ALIGN, k_chunking, ws_config, xa_chunking
+from .ws_epilogue import _load_xa, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
 from .ws_tma import launch_tma_single, tma_ok
 
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
@@ -52,62 +54,72 @@ def _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, k_hi, K, stride_wn, st
 
 @triton.jit(do_not_specialize=["M"])
 def _ws_partial_kernel(
-    x_ptr, w_ptr, a_ptr, part_ptr, xa_part_ptr, M, N, K, R, K_CHUNK,
+    x_ptr, w_ptr, a_ptr, part_ptr, xa_part_ptr, M, N, K, R, K_CHUNK, XA_CHUNK, XA_SUBS,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak,
     HAS_BASE: tl.constexpr, HAS_DOWN: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     BK: tl.constexpr, BRT: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    """Program (tile, chunk): the chunk's fp32 partial of a base tile, or (programs past the base tiles,
-    HAS_DOWN) of the LoRA down-projection xaᵀ = A·xᵀ for one token tile."""
-    n_tiles = tl.cdiv(N, BN)
+    """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS programs of each chunk compute the fp32
+    partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk) each: first, so that they start
+    in the first wave instead of trailing it. The other programs compute the chunk's partial of one base tile."""
     m_tiles = tl.cdiv(M, BM)
     c = tl.program_id(1)
+    pid = tl.program_id(0)
     k_lo = c * K_CHUNK
-    rk_end = k_lo + K_CHUNK
     # HAS_BASE=False (lora_down alone) compiles only the LoRA branch: the branches' shared memory adds up
     if HAS_BASE:
-        if tl.program_id(0) < n_tiles * m_tiles:
-            rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
-            acc = _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, rk_end, K, stride_wn, stride_wk,
+        n_down = 0
+        if HAS_DOWN:
+            n_down = m_tiles * XA_SUBS
+        if pid >= n_down:
+            rn, rm, mask_n, mask_m = _ws_tile_of(pid - n_down, N, M, BN, BM, GROUP_N)
+            acc = _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, k_lo + K_CHUNK, K, stride_wn, stride_wk,
                             stride_xm, stride_xk, BN, BM, BK, DOT_F32)
             tl.store(part_ptr + (c * M + rm[None, :].to(tl.int64)) * N + rn[:, None], acc,
                      mask=mask_n[:, None] & mask_m[None, :])
         elif HAS_DOWN:
-            _down_partial(x_ptr, a_ptr, xa_part_ptr, tl.program_id(0) - n_tiles * m_tiles, c, M, K, R, k_lo, rk_end,
+            _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA_SUBS,
                           stride_xm, stride_xk, stride_ar, stride_ak, DOT_F32, BM, BK, BRT)
     else:
-        _down_partial(x_ptr, a_ptr, xa_part_ptr, tl.program_id(0), c, M, K, R, k_lo, rk_end,
+        _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA_SUBS,
                       stride_xm, stride_xk, stride_ar, stride_ak, DOT_F32, BM, BK, BRT)
 
 
 @triton.jit
-def _down_partial(x_ptr, a_ptr, xa_part_ptr, pid_m, c, M, K, R, k_lo, k_hi, stride_xm, stride_xk, stride_ar,
-                  stride_ak, DOT_F32: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BRT: tl.constexpr):
-    """Chunk c's fp32 partial of xaᵀ = A·xᵀ for token tile pid_m (A is the weight: same k-steps as a base tile)."""
+def _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA_SUBS, stride_xm, stride_xk,
+                  stride_ar, stride_ak, DOT_F32: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                  BRT: tl.constexpr):
+    """Down program pid of base chunk c: the fp32 partial of xaᵀ = A·xᵀ over sub-chunk pid // m_tiles of the
+    chunk (from zero, A as the weight: same k-steps as a base tile) for token tile pid % m_tiles, stored as
+    partial c·XA_SUBS + sub (the order in which `_xa_from_parts` adds them)."""
+    m_tiles = tl.cdiv(M, BM)
+    sub = pid // m_tiles
     rr = tl.arange(0, BRT)
-    rm = pid_m * BM + tl.arange(0, BM)
+    rm = (pid % m_tiles) * BM + tl.arange(0, BM)
     mask_r = rr < R
     mask_m = rm < M
-    acc = _ws_chunk(a_ptr, x_ptr, rr, rm, mask_r, mask_m, k_lo, k_hi, K, stride_ar, stride_ak,
+    k_sub = k_lo + sub * XA_CHUNK
+    acc = _ws_chunk(a_ptr, x_ptr, rr, rm, mask_r, mask_m, k_sub, k_sub + XA_CHUNK, K, stride_ar, stride_ak,
                     stride_xm, stride_xk, BRT, BM, BK, DOT_F32)
-    tl.store(xa_part_ptr + (c * M + rm[None, :].to(tl.int64)) * R + rr[:, None], acc,
+    tl.store(xa_part_ptr + ((c * XA_SUBS + sub) * M + rm[None, :].to(tl.int64)) * R + rr[:, None], acc,
              mask=mask_r[:, None] & mask_m[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
 def _ws_reduce_kernel(
-    part_ptr, xa_part_ptr, xa_ptr, y_ptr, w_scale_ptr, b_ptr, bias_ptr, M, N, R, N_CHUNKS, lora_scale,
+    part_ptr, xa_part_ptr, xa_ptr, y_ptr, w_scale_ptr, b_ptr, bias_ptr, M, N, R, N_CHUNKS, N_XA, lora_scale,
     stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, XA_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    """Adds the chunk partials in chunk order (as the single pass does) and runs the epilogue."""
+    """Adds the chunk partials in chunk order (as the single pass does) and runs the epilogue; with XA_PARTS the
+    N_XA partials of the down-projection are added in order into xa first."""
     rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
     offs = rm[None, :].to(tl.int64) * N + rn[:, None]
     total = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(0, N_CHUNKS):
         total += tl.load(part_ptr + c * M * N + offs, mask=mask_n[:, None] & mask_m[None, :], other=0.0)
-    xa_t = _load_xa(xa_part_ptr, xa_ptr, rm, mask_m, M, R, N_CHUNKS, stride_xam, stride_xar,
+    xa_t = _load_xa(xa_part_ptr, xa_ptr, rm, mask_m, M, R, N_XA, stride_xam, stride_xar,
                     HAS_LORA, XA_PARTS, BR, BM)
     _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
                  stride_ym, stride_yn, stride_bn, stride_br, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
@@ -156,19 +168,22 @@ def _epilogue_rows(R: int) -> int:
     return max(16, triton.next_power_of_2(R)) if R else 16
 
 
-def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg):
-    """fp32 chunk partials of the base tiles (w given) and/or of xaᵀ = A·xᵀ (lora_a given): one launch."""
+def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=0, xa_subs=1):
+    """fp32 chunk partials of the base tiles (w given) and/or of xaᵀ = A·xᵀ (lora_a given, `xa_subs` sub-chunks
+    of `xa_chunk` per base chunk): one launch."""
     n_base = N if w is not None else 0
     part = torch.empty(n_chunks, M, n_base, device=x.device, dtype=torch.float32) if n_base else None
-    xa_part = torch.empty(n_chunks, M, R, device=x.device, dtype=torch.float32) if lora_a is not None else None
+    xa_part = (torch.empty(n_chunks * xa_subs, M, R, device=x.device, dtype=torch.float32)
+               if lora_a is not None else None)
     dummy = part if part is not None else xa_part
     m_tiles = triton.cdiv(M, cfg["BM"])
-    programs = triton.cdiv(n_base, cfg["BN"]) * m_tiles + (m_tiles if lora_a is not None else 0)
+    programs = triton.cdiv(n_base, cfg["BN"]) * m_tiles + (m_tiles * xa_subs if lora_a is not None else 0)
     w_ = w if w is not None else lora_a
     a_ = lora_a if lora_a is not None else w_
     _ws_partial_kernel[(programs, n_chunks)](
         x, w_, a_, dummy if part is None else part, dummy if xa_part is None else xa_part,
-        M, n_base, K, R, k_chunk, x.stride(0), x.stride(1), w_.stride(0), w_.stride(1), a_.stride(0), a_.stride(1),
+        M, n_base, K, R, k_chunk, xa_chunk, xa_subs,
+        x.stride(0), x.stride(1), w_.stride(0), w_.stride(1), a_.stride(0), a_.stride(1),
         HAS_BASE=n_base > 0, HAS_DOWN=lora_a is not None, DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"],
         BK=cfg["BK"], BRT=_lora_tile_rows(R), GROUP_N=cfg.get("GROUP_N", 8),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -176,19 +191,20 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg):
 
 
 def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd"):
-    """xa `[M, r]` = bf16(x · Aᵀ), batch invariant: the K chunks of the base layer `[chunk_n, K]` (default
-    r), each from zero, added in order - the same bits as the down-projection fused into the split-K path."""
+    """xa `[M, r]` = bf16(x · Aᵀ), batch invariant: the sub-chunks of `configs.xa_chunking` for the base layer
+    `[chunk_n, K]` (default r), each from zero, added in order - the same bits as the down-projection fused into
+    the split-K path."""
     M, K = x.shape
     R = lora_a.shape[0]
     out = torch.empty(M, R, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
     k_chunk, n_chunks = k_chunking(chunk_n or R, K)
+    xa_chunk, xa_subs, n_xa = xa_chunking(chunk_n or R, K)
     cfg = ws_config(op, chunk_n or R, K, M)
-    _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg)
+    _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs)
     BM = 32
-    _xa_reduce_kernel[(triton.cdiv(M, BM),)](xa_part, out, M, R, n_chunks, BR=_epilogue_rows(R), BM=BM,
-                                             num_warps=4)
+    _xa_reduce_kernel[(triton.cdiv(M, BM),)](xa_part, out, M, R, n_xa, BR=_epilogue_rows(R), BM=BM, num_warps=4)
     return out
 
 
@@ -203,8 +219,10 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         return y
     cfg = dict(ws_config(op, N, K, M) if config is None else config)
     k_chunk, n_chunks = k_chunking(N, K) if op == "fwd" else whole_k(K)
-    split = allow_split and cfg.get("split", M <= 64) and n_chunks > 1
     has_lora = xa is not None or lora_a is not None
+    fuse_down = xa is None and has_lora and op == "fwd"
+    # split-K also for a one-chunk layer with the down-projection to compute: it then rides in the same launch
+    split = allow_split and cfg.get("split", M <= 64) and (n_chunks > 1 or fuse_down)
     R = (xa.shape[1] if xa is not None else lora_a.shape[0]) if has_lora else 0
     BR = _epilogue_rows(R)
     ws = w_scale if w_scale is not None else y
@@ -215,11 +233,12 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
                  DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"], BR=BR, GROUP_N=cfg.get("GROUP_N", 8))
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     if split:
-        fuse_down = xa is None and has_lora
-        part, xa_part = _launch_partials(x, w, lora_a if fuse_down else None, M, N, K, R, k_chunk, n_chunks, cfg)
+        xa_chunk, xa_subs, n_xa = xa_chunking(N, K) if fuse_down else (0, 1, 0)
+        part, xa_part = _launch_partials(x, w, lora_a if fuse_down else None, M, N, K, R, k_chunk, n_chunks, cfg,
+                                         xa_chunk, xa_subs)
         xa_ = xa if xa is not None else y
         _ws_reduce_kernel[(tiles,)](
-            part, xa_part if fuse_down else part, xa_, y, ws, b_, bias_, M, N, R, n_chunks, float(lora_scale),
+            part, xa_part if fuse_down else part, xa_, y, ws, b_, bias_, M, N, R, n_chunks, n_xa, float(lora_scale),
             y.stride(0), y.stride(1), xa.stride(0) if xa is not None else 0, xa.stride(1) if xa is not None else 0,
             *lora_strides, XA_PARTS=fuse_down, num_warps=4, **flags)
         return y

@@ -7,13 +7,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled import _grouped_tile_ids
+from .scaled import _grouped_tile_ids_of
 
 
 @triton.jit
 def _ws_tile(N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr):
     """This program's output tile in grouped order: weight rows rn, token columns rm and their masks."""
-    pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
+    return _ws_tile_of(tl.program_id(0), N, M, BN, BM, GROUP_N)
+
+
+@triton.jit
+def _ws_tile_of(pid, N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr):
+    """`_ws_tile` for tile number pid."""
+    pid_n, pid_m = _grouped_tile_ids_of(pid, tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
     return rn, rm, rn < N, rm < M

@@ -102,6 +102,30 @@ def case_fused_down_split_equals_single_pass():
     assert close_bf16(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
+def case_one_chunk_layer_fuses_down_in_sub_chunks():
+    # one base chunk (TARGET_PROGRAMS patched to 1: like gate_up) with LoRA: split-K computes the down-projection in
+    # its first programs, over 5 sub-chunks of 256 (K = 1100: one 1280-deep chunk, the last sub-chunk ragged, and
+    # XA_CHUNK_MAX patched to 256), and equals the single pass with lora_down, bitwise
+    from epirl.kernels.gemm import configs
+    saved = configs.TARGET_PROGRAMS, configs.XA_CHUNK_MAX
+    configs.TARGET_PROGRAMS, configs.XA_CHUNK_MAX = 1, 256
+    try:
+        x, codes, scale, a, b, bias = problem(13, 1100, 40, 8, seed=11)
+        assert configs.k_chunking(40, 1100) == (1280, 1) and configs.xa_chunking(40, 1100) == (256, 5, 5)
+        args = dict(w_scale=scale, lora_b=b, lora_scale=0.7, bias=bias)
+        small = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
+        large = dict(BN=128, BM=32, BK=64, num_warps=4, num_stages=2, split=False)
+        split = weight_stationary_gemm(x, codes, torch.bfloat16, config=small, lora_a=a, **args)
+        xa = lora_down(x, a, chunk_n=40)
+        single = weight_stationary_gemm(x, codes, torch.bfloat16, config=large, xa=xa, **args)
+        assert torch.equal(split, single)
+        assert close_bf16(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
+        parts = [x[:, k:k + 256].float() @ a[:, k:k + 256].float().t() for k in range(0, 1100, 256)]
+        assert close_bf16(xa, sum(parts).bfloat16())  # the sub-chunks cover K exactly once
+    finally:
+        configs.TARGET_PROGRAMS, configs.XA_CHUNK_MAX = saved
+
+
 def case_tma_single_pass_equals_pointer_kernel():
     # descriptor loads (zero-filled edges: M, N and K ragged against the tiles) give the pointer kernel's bits,
     # forward (codes [N, K]) and dX (codes read [K, N], transposed blocks), with and without LoRA
