@@ -27,6 +27,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int = 0) -> bool:
+    """Programmatic dependent launch: Triton with gdc_* and a Hopper-or-newer GPU (never in the interpreter)."""
+    if interpreting() or not triton_available() or not torch.cuda.is_available():
+        return False
+    import triton.language as tl
+    extra = getattr(getattr(tl, "extra", None), "cuda", None)
+    has_gdc = extra is not None and hasattr(extra, "gdc_wait") and hasattr(extra, "gdc_launch_dependents")
+    return has_gdc and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def use_triton(t: torch.Tensor, backend: str | None) -> bool:
     """Whether this call runs the Triton kernel. `backend` None or "auto" reads EPIRL_KERNELS."""
     choice = backend or os.environ.get("EPIRL_KERNELS", "auto")

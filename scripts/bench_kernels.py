@@ -2,7 +2,8 @@
 
 Forward (rank-64 LoRA, Qwen3-8B and Qwen3.5-9B projection shapes, 1..16384 tokens): our W8A16 and W8A8
 kernels vs cuBLAS bf16 + separate LoRA matmuls and vs our FP8 quant + torch._scaled_mm + LoRA, with the
-HBM floor (bytes of the W8A16 call / 4.4 TB/s). Trainer: Fp8LoRALinear forward+backward vs a frozen bf16
+HBM floor (bytes of the W8A16 call / 4.4 TB/s), and the W8A16 + LoRA call with the split-K reduce launched
+as a PDL dependent and not (EPIRL_WS_PDL; same bits). Trainer: Fp8LoRALinear forward+backward vs a frozen bf16
 nn.Linear + LoRA (time and peak memory). Timing: forward calls are replayed from a CUDA graph (as vLLM
 decodes; without it Python launch overhead, ~20-40 µs per call, hides the GPU time) with a 256 MB L2 flush
 before each call, whose own time is measured in a flush-only graph and subtracted; trainer steps use
@@ -13,6 +14,7 @@ Usage: python scripts/bench_kernels.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from epirl.kernels import Fp8LoRALinear, quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora
+from epirl.kernels.gemm.weight_stationary import PDL_ENV, split_pdl
 from epirl.kernels.gpu_timing import graph_us
 
 HBM_BYTES_PER_S = 4.4e12
@@ -64,6 +67,9 @@ def forward_row(name, K, N, M, w16, codes, scale, a, b):
     row = dict(shape=name, K=K, N=N, M=M, floor_us=floor_us(M, K, N))
     row["w8a16_lora_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, sigma))
     row["w8a16_us"] = graph_us(lambda: w8a16_lora(x, codes, scale))
+    with pdl_setting(not split_pdl(x)):  # the other setting of the split-K reduce's PDL launch, same bits
+        row["w8a16_lora_other_pdl_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, sigma))
+    row["pdl"] = split_pdl(x)
     row["w8a8_lora_us"] = graph_us(lambda: w8a8_lora(x, codes, scale, a, b, sigma))
     row["bf16_lora_us"] = graph_us(lambda: x @ w16.t() + sigma * ((x @ a.t()) @ b.t()))
     row["scaled_mm_lora_us"] = graph_us(scaled_mm_lora)
@@ -139,15 +145,31 @@ def sweep_weight_stationary():
     return rows
 
 
+@contextlib.contextmanager
+def pdl_setting(on: bool):
+    old = os.environ.get(PDL_ENV)
+    os.environ[PDL_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(PDL_ENV) if old is None else os.environ.__setitem__(PDL_ENV, old)
+
+
+def pdl_on_off(r) -> str:
+    on, off = ((r["w8a16_lora_us"], r["w8a16_lora_other_pdl_us"]) if r["pdl"]
+               else (r["w8a16_lora_other_pdl_us"], r["w8a16_lora_us"]))
+    return f"{on:.1f} / {off:.1f}"
+
+
 def print_tables(fwd, train):
     print("\n| shape | K→N | tokens | floor µs | w8a16+LoRA µs | ×floor | w8a16 µs | LoRA +% | w8a8+LoRA µs "
-          "| bf16 cuBLAS+LoRA µs | quant+_scaled_mm+LoRA µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| bf16 cuBLAS+LoRA µs | quant+_scaled_mm+LoRA µs | w8a16+LoRA, split-K reduce PDL on / off µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in fwd:
         print(f"| {r['shape']} | {r['K']}→{r['N']} | {r['M']} | {r['floor_us']:.1f} | {r['w8a16_lora_us']:.1f} "
               f"| {r['w8a16_lora_us'] / r['floor_us']:.2f} | {r['w8a16_us']:.1f} "
               f"| {100 * (r['w8a16_lora_us'] / r['w8a16_us'] - 1):.0f} | {r['w8a8_lora_us']:.1f} "
-              f"| {r['bf16_lora_us']:.1f} | {r['scaled_mm_lora_us']:.1f} |")
+              f"| {r['bf16_lora_us']:.1f} | {r['scaled_mm_lora_us']:.1f} | {pdl_on_off(r)} |")
     print("\n| shape | tokens | Fp8LoRALinear fwd+bwd µs | bf16 Linear+LoRA µs | fp8/bf16 | fp8 TFLOP/s "
           "| weight+step peak MiB fp8 (weight) | bf16 (weight) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -21,15 +21,18 @@ The σ·LoRA + y step is an explicit `tl.fma` (no compiler-chosen contraction).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpreting
+from .._dispatch import interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, ws_config, xa_chunking
 from .ws_epilogue import _load_xa, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
 from .ws_tma import launch_tma_single, tma_ok
 
+PDL_ENV = "EPIRL_WS_PDL"  # "1": launch the split-K reduce kernel as a PDL dependent (off until measured on the GPU)
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
 
 
@@ -57,11 +60,13 @@ def _ws_partial_kernel(
     x_ptr, w_ptr, a_ptr, part_ptr, xa_part_ptr, M, N, K, R, K_CHUNK, XA_CHUNK, XA_SUBS,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak,
     HAS_BASE: tl.constexpr, HAS_DOWN: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-    BK: tl.constexpr, BRT: tl.constexpr, GROUP_N: tl.constexpr,
+    BK: tl.constexpr, BRT: tl.constexpr, GROUP_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS programs of each chunk compute the fp32
     partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk) each: first, so that they start
     in the first wave instead of trailing it. The other programs compute the chunk's partial of one base tile."""
+    if LAUNCH_DEPENDENTS:  # PDL: the reduce kernel may launch now; it reads nothing of ours before its gdc_wait
+        tl.extra.cuda.gdc_launch_dependents()
     m_tiles = tl.cdiv(M, BM)
     c = tl.program_id(1)
     pid = tl.program_id(0)
@@ -111,10 +116,14 @@ def _ws_reduce_kernel(
     stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, XA_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
+    WAIT_PDL: tl.constexpr,
 ):
     """Adds the chunk partials in chunk order (as the single pass does) and runs the epilogue; with XA_PARTS the
-    N_XA partials of the down-projection are added in order into xa first."""
+    N_XA partials of the down-projection are added in order into xa first. WAIT_PDL: launched as the partial
+    kernel's programmatic dependent (resident while it runs), so wait for it before the first read."""
     rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
+    if WAIT_PDL:
+        tl.extra.cuda.gdc_wait()
     offs = rm[None, :].to(tl.int64) * N + rn[:, None]
     total = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(0, N_CHUNKS):
@@ -154,6 +163,14 @@ def _ws_single_kernel(
                  stride_ym, stride_yn, stride_bn, stride_br, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
 
 
+def split_pdl(x: torch.Tensor) -> bool:
+    """Whether the split-K reduce launches as the partial kernel's programmatic dependent (PDL: its launch and
+    prologue overlap the partial kernel, which matters at decode, where both take a few µs). Same arithmetic
+    either way. Opt-in (EPIRL_WS_PDL=1) until `scripts/bench_kernels.py` (which times both) shows it faster on
+    the H200 and the GPU tests pass with it."""
+    return x.is_cuda and os.environ.get(PDL_ENV, "0") == "1" and pdl_supported(x.device.index or 0)
+
+
 def whole_k(K: int) -> tuple[int, int]:
     """One chunk (one accumulator): for dX, which need not be batch invariant (measured 1.3-1.45x faster
     than the forward's chunking at 4096 tokens on the H200, scripts/tune_w8a16.py)."""
@@ -168,9 +185,10 @@ def _epilogue_rows(R: int) -> int:
     return max(16, triton.next_power_of_2(R)) if R else 16
 
 
-def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=0, xa_subs=1):
+def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=0, xa_subs=1,
+                     launch_dependents=False):
     """fp32 chunk partials of the base tiles (w given) and/or of xaᵀ = A·xᵀ (lora_a given, `xa_subs` sub-chunks
-    of `xa_chunk` per base chunk): one launch."""
+    of `xa_chunk` per base chunk): one launch (that lets a PDL dependent launch at once if asked)."""
     n_base = N if w is not None else 0
     part = torch.empty(n_chunks, M, n_base, device=x.device, dtype=torch.float32) if n_base else None
     xa_part = (torch.empty(n_chunks * xa_subs, M, R, device=x.device, dtype=torch.float32)
@@ -185,7 +203,7 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
         M, n_base, K, R, k_chunk, xa_chunk, xa_subs,
         x.stride(0), x.stride(1), w_.stride(0), w_.stride(1), a_.stride(0), a_.stride(1),
         HAS_BASE=n_base > 0, HAS_DOWN=lora_a is not None, DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"],
-        BK=cfg["BK"], BRT=_lora_tile_rows(R), GROUP_N=cfg.get("GROUP_N", 8),
+        BK=cfg["BK"], BRT=_lora_tile_rows(R), GROUP_N=cfg.get("GROUP_N", 8), LAUNCH_DEPENDENTS=launch_dependents,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return part, xa_part
 
@@ -234,13 +252,15 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     if split:
         xa_chunk, xa_subs, n_xa = xa_chunking(N, K) if fuse_down else (0, 1, 0)
+        pdl = split_pdl(x)
         part, xa_part = _launch_partials(x, w, lora_a if fuse_down else None, M, N, K, R, k_chunk, n_chunks, cfg,
-                                         xa_chunk, xa_subs)
+                                         xa_chunk, xa_subs, launch_dependents=pdl)
         xa_ = xa if xa is not None else y
         _ws_reduce_kernel[(tiles,)](
             part, xa_part if fuse_down else part, xa_, y, ws, b_, bias_, M, N, R, n_chunks, n_xa, float(lora_scale),
             y.stride(0), y.stride(1), xa.stride(0) if xa is not None else 0, xa.stride(1) if xa is not None else 0,
-            *lora_strides, XA_PARTS=fuse_down, num_warps=4, **flags)
+            *lora_strides, XA_PARTS=fuse_down, WAIT_PDL=pdl, num_warps=4, **flags,
+            **({"launch_pdl": True} if pdl else {}))
         return y
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)

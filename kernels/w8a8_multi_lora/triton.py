@@ -22,13 +22,11 @@ Importing needs triton, no GPU.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpreting
+from .._dispatch import interpreting, pdl_supported  # noqa: F401  (pdl_supported: re-export)
 from ..fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from ..fp8_quant.triton import _abs_nan_to_zero, _saturating_e4m3, quantize_per_token
 from .reference import check_args
@@ -40,16 +38,6 @@ SHRINK_CHUNK = 512   # K chunk of one K1 program (the chunking is fixed by K: ba
 SHRINK_BK = 128
 QUANT_BK = 1024      # K1's amax pass
 PATHS = ("pdl", "decode", "prefill")
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_supported(device_index: int = 0) -> bool:
-    """Programmatic dependent launch: Triton with gdc_* and a Hopper-or-newer GPU (never in the interpreter)."""
-    if interpreting() or not torch.cuda.is_available():
-        return False
-    extra = getattr(getattr(tl, "extra", None), "cuda", None)
-    has_gdc = extra is not None and hasattr(extra, "gdc_wait") and hasattr(extra, "gdc_launch_dependents")
-    return has_gdc and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @triton.jit

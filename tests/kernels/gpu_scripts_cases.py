@@ -1,5 +1,5 @@
 """The GPU tuning/measurement scripts' own logic on CPU (run by test_gpu_scripts_on_cpu.py with TRITON_INTERPRET=1):
-scripts/tune_w8a16.py, bench_one_chunk.py and ws_bits_report.py end to end on a tiny shape, their kernels in
+scripts/tune_w8a16.py, bench_one_chunk.py, ws_bits_report.py and bench_kernels.py's forward table end to end on a tiny shape, their kernels in
 Triton's interpreter and only the clock replaced (CUDA-graph timing -> wall time of one call; the numbers mean
 nothing, the tables, the bitwise checks and the table they write do). A Python error here would otherwise cost a
 device call. Prints one JSON line per case.
@@ -102,6 +102,24 @@ def case_bits_report_finds_every_config_equal(tmp):
             or line.startswith("| dx |")]
     # 3 configs x (pointer, TMA) x 2 ops; the interpreter's fp32 dots agree here
     assert len(rows) == 2 * 6 and all(r[3] == "True" for r in rows), text.getvalue()
+
+
+def case_bench_kernels_forward_table(tmp):
+    # the forward rows (our kernels in the interpreter, both settings of the split-K reduce's PDL launch) and
+    # the printed table; the vendor columns run on CPU where torch has them
+    import bench_kernels as bench
+    bench.graph_us = bench.bench_us = wall_us
+    os.environ["EPIRL_KERNELS"] = "triton"
+    try:
+        w16, codes, scale, a, b = bench.make_layer(256, 96, dev="cpu")
+        rows = [bench.forward_row("tiny", 256, 96, M, w16, codes, scale, a, b) for M in (1, 3)]
+    finally:
+        os.environ.pop("EPIRL_KERNELS")
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        bench.print_tables(rows, [])
+    lines = [line for line in text.getvalue().splitlines() if line.startswith("| tiny |")]
+    assert len(lines) == 2 and all(" / " in line.split("|")[-2] for line in lines), text.getvalue()
 
 
 def main(names):

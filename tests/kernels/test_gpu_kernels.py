@@ -6,7 +6,7 @@ import torch
 from epirl.kernels import (Fp8LoRALinear, lora_linear_backward_reference, quantize_activation_fp8,
                            quantize_weight_fp8, w8a8_lora, w8a16_lora)
 from epirl.kernels.lora_linear.triton import lora_linear_backward as triton_backward
-from epirl.kernels.gemm.configs import k_chunking, load_table
+from epirl.kernels.gemm.configs import load_table
 from epirl.kernels.gemm.scaled import scaled_gemm_lora
 from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm
 
@@ -172,14 +172,43 @@ def test_w8a16_rows_bitwise_across_m_and_every_table_config(K, N):
             assert torch.equal(got, full[100:117]), (K, N, cfg, allow_split)
 
 
-def test_lora_down_same_bits_as_fused_split_path():
-    K, N = 4096, 4096
-    x, codes, scale, a, b, _ = problem(64, K, N, 64, seed=3)
-    assert k_chunking(N, K)[1] > 1
-    fused = weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0)
-    separate = weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, xa=lora_down(x, a, chunk_n=N),
-                                      lora_b=b, lora_scale=2.0)
-    assert torch.equal(fused, separate)
+@pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 6144), (4096, 24576), (12288, 4096)])
+def test_lora_down_same_bits_as_fused_split_path(K, N):
+    """The down-projection fused into split-K (its sub-chunks as the first programs; for gate_up's one chunk
+    too) gives lora_down's bits, at decode sizes and for a 64-token batch."""
+    for M in (1, 16, 64):
+        x, codes, scale, a, b, _ = problem(M, K, N, 64, seed=3)
+        fused = weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0)
+        separate = weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, xa=lora_down(x, a, chunk_n=N),
+                                          lora_b=b, lora_scale=2.0, allow_split=False)
+        assert torch.equal(fused, separate), (K, N, M)
+
+
+@pytest.mark.parametrize("K,N", [(4096, 6144), (4096, 24576), (12288, 4096)])
+def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
+    """The split-K reduce launched as a programmatic dependent (PDL, default on Hopper) gives the bits of the
+    plain launch, also replayed from a CUDA graph (how the engine runs it)."""
+    from epirl.kernels.gemm.weight_stationary import PDL_ENV, split_pdl
+    x, codes, scale, a, b, bias = problem(4, K, N, 64, seed=5)
+    args = dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0, bias=bias)
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert not split_pdl(x)
+    plain = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
+    monkeypatch.setenv(PDL_ENV, "1")
+    pdl = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
+    assert torch.equal(pdl, plain)
+    out = torch.empty_like(plain)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        weight_stationary_gemm(x, codes, torch.bfloat16, out=out, **args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        weight_stationary_gemm(x, codes, torch.bfloat16, out=out, **args)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
 
 
 @pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (K_ODD, N_ODD)])
