@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from epirl.mismatch import measure, variants
+from epirl.mismatch.cli import MismatchInputError
 from epirl.mismatch.measure import (PromptMeans, TokenTable, bootstrap_weights, summarize, token_table,
                                     topk_tail_kl)
 
@@ -144,6 +145,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
 PRECISIONS = ("bf16", "w8a16", "w8a8")
 
 
+def _smollm2_prompts(tokenizer) -> list[list[int]]:
+    from epirl.data import render_prompt
+
+    questions = ["What is 7 + 12?", "What is 15 - 4?", "Name a prime number."]
+    return [render_prompt(tokenizer, [{"role": "user", "content": q}], False) for q in questions]
+
+
 @pytest.fixture(scope="module")
 def smollm2_measurement(engine_pool, smollm2_dir):
     """All three engines (the session's engine pool) against variants (a), (b), (c), all in float32.
@@ -153,12 +161,8 @@ def smollm2_measurement(engine_pool, smollm2_dir):
     """
     from conftest import engine_test_config
 
-    from epirl.data import render_prompt
-
     cfg = engine_test_config("bf16", model={"dtype": "float32"})
-    tokenizer = engine_pool.get("bf16", dtype="float32").tokenizer
-    questions = ["What is 7 + 12?", "What is 15 - 4?", "Name a prime number."]
-    prompt_ids_P = [render_prompt(tokenizer, [{"role": "user", "content": q}], False) for q in questions]
+    prompt_ids_P = _smollm2_prompts(engine_pool.get("bf16", dtype="float32").tokenizer)
     rollouts = {p: measure.sample_with_topk(engine_pool.get(p, dtype="float32"), prompt_ids_P, n=2, max_tokens=10, temperature=1.0,
                                             topk=20, seed=0) for p in PRECISIONS}
     scores, checks = measure.score_rollouts(cfg, rollouts, torch.device("cpu"), 1.0, adapter_dir=None)
@@ -216,6 +220,43 @@ def test_mismatch_orders_as_the_arithmetic_predicts(smollm2_measurement):
     assert part("w8a8", "delta_A") > 0
     assert abs_dlogp("w8a8", "b") < abs_dlogp("w8a8", "a")
     assert summary["checks"]["fake_quant"]["rel_err_vs_definition"] < 1e-2
+
+
+@pytest.mark.slow
+def test_w8a8_engine_with_epirl_serving_kernels_is_measured_like_vllms(engine_pool, tmp_path):
+    """`--engines w8a8,w8a8@timed` with an adapter: a W8A8 engine with vLLM's LoRA kernels and one whose LoRA
+    layers run epirl's serving kernels (decode steps; vLLM's path from 17 tokens) are sampled, scored and
+    decomposed alike; the serving mode is restored after its engine."""
+    from conftest import engine_test_config
+
+    from epirl.engine import serving_lora
+    from epirl.mismatch.cli import parse_engines
+    from epirl.model import load_policy
+    from epirl.model.adapter_io import save_adapter
+
+    cfg = engine_test_config("w8a8", model={"dtype": "float32"})
+    policy = load_policy(cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    policy.load_lora_state_dict({k: torch.randn(v.shape, generator=g) * 0.05
+                                 for k, v in policy.lora_state_dict().items()})
+    adapter_dir = str(save_adapter(policy, tmp_path / "adapter", cfg))
+    del policy
+    prompt_ids_P = _smollm2_prompts(engine_pool.get("bf16", dtype="float32").tokenizer)
+    specs = parse_engines("w8a8,w8a8@timed")
+    mode_before, calls_before = serving_lora.mode(), serving_lora.stats()
+    rollouts = measure.collect_rollouts(cfg, specs, prompt_ids_P, 2, 10, 1.0, 20, 0, adapter_dir)
+    calls = {k: serving_lora.stats()[k] - calls_before[k] for k in ("op_calls", "vendor_calls", "vllm_calls")}
+    assert calls["op_calls"] - calls["vendor_calls"] - calls["vllm_calls"] > 0, calls  # our kernels served steps
+    assert serving_lora.mode() == mode_before
+    scores, _ = measure.score_rollouts(cfg, rollouts, torch.device("cpu"), 1.0, adapter_dir=adapter_dir)
+    summary = summarize({s: token_table(rollouts[s], scores[s]) for s in specs}, len(prompt_ids_P),
+                        replicates=200, seed=0)
+    for spec in specs:
+        engine = summary["engines"][spec]
+        assert engine["matched_variant"] == "c" and engine["identity_max_abs_err"] < 1e-9, spec
+        assert engine["decomposition"]["delta_A"]["mean_abs"]["mean"] > 0, spec
+    with pytest.raises(MismatchInputError, match="--engines"):
+        parse_engines("w8a16@timed")
 
 
 @pytest.mark.slow

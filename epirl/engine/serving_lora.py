@@ -30,9 +30,11 @@ choice can depend on how many adapters a batch mixes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -98,6 +100,25 @@ def set_mode(value: str) -> None:
     if value not in ("off", "fused", "timed"):
         raise ValueError(f"serving kernels mode {value!r}: expected off, fused or timed")
     _STATE["mode"] = value
+
+
+@contextlib.contextmanager
+def using_mode(value: str | None) -> Iterator[None]:
+    """Serve with mode `value` (and its default vLLM-path threshold, `read_vllm_from(value)`) inside the block:
+    installs the kernels first (so an engine built inside registers its layers), restores the previous mode and
+    threshold on exit. None: leave everything as it is (an engine without the setting)."""
+    if value is None:
+        yield
+        return
+    install()
+    previous = mode(), _STATE["vllm_from"]
+    set_mode(value)
+    set_vllm_from(read_vllm_from(value))
+    try:
+        yield
+    finally:
+        set_mode(previous[0])
+        set_vllm_from(previous[1])
 
 
 def fp8_codes(base) -> tuple[torch.Tensor, torch.Tensor] | None:

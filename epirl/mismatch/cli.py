@@ -43,7 +43,9 @@ def add_mismatch_args(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--engines", default="bf16,w8a8,w8a16", help="comma-separated engine precisions")
+    parser.add_argument("--engines", default="bf16,w8a8,w8a16",
+                        help="comma-separated engine precisions; w8a8@timed / w8a8@fused: the W8A8 engine with "
+                             "epirl's serving kernels (EPIRL_SERVING_KERNELS) instead of vLLM's LoRA kernels")
     parser.add_argument("--topk", type=int, default=20,
                         help=f"engine log-probs per position for the KL (top-k + tail bucket; ≤ {MAX_TOPK})")
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates (over prompts)")
@@ -55,12 +57,15 @@ def add_mismatch_args(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+SERVING_SPECS = ("w8a8@fused", "w8a8@timed")  # the W8A8 engine with epirl's serving kernels (serving_lora)
+
+
 def parse_engines(text: str) -> list[str]:
     engines = [e.strip() for e in text.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in ENGINE_PRECISIONS]
+    unknown = [e for e in engines if e not in ENGINE_PRECISIONS and e not in SERVING_SPECS]
     if not engines or unknown:
         raise MismatchInputError(f"--engines: unknown engine precision(s) {unknown or [text]}; "
-                                 f"choose from {','.join(ENGINE_PRECISIONS)}")
+                                 f"choose from {','.join(ENGINE_PRECISIONS + SERVING_SPECS)}")
     if len(set(engines)) != len(engines):
         raise MismatchInputError(f"--engines: {text!r} lists an engine twice")
     return engines

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epirl.engine import RolloutEngine
+from epirl.engine import RolloutEngine, serving_lora
 from epirl.kernels import quantize_activation_fp8, w8a16_lora
 from epirl.mismatch.variants import (VARIANTS, fake_quant_activations, fp8_projections, load_variant_policy,
                                      score_sequences)
@@ -249,22 +249,31 @@ def summarize(tables: dict[str, TokenTable], num_prompts: int, replicates: int =
 
 
 # ------------------------------------------------------------------------------------------ pipeline
-def collect_rollouts(cfg, precisions: list[str], prompt_ids_P: list[list[int]], samples: int, max_tokens: int,
+def split_engine_spec(spec: str) -> tuple[str, str | None]:
+    """"w8a8@timed" -> ("w8a8", "timed"): an engine precision, and the serving-kernel mode its LoRA layers run
+    (`epirl.engine.serving_lora`: "fused" | "timed"; None = the engine as configured)."""
+    precision, _, serving = spec.partition("@")
+    return precision, serving or None
+
+
+def collect_rollouts(cfg, specs: list[str], prompt_ids_P: list[list[int]], samples: int, max_tokens: int,
                      temperature: float, topk: int, seed: int, adapter_dir: str | None) -> dict[str, EngineRollouts]:
-    """Sample from each engine precision in turn; one vLLM engine alive at a time (closed before the next)."""
+    """Sample from each engine spec (`split_engine_spec`) in turn; one vLLM engine alive at a time (closed before
+    the next)."""
     rollouts = {}
-    for precision in precisions:
+    for spec in specs:
+        precision, serving = split_engine_spec(spec)
         engine_cfg = copy.deepcopy(cfg)
         engine_cfg.engine.precision = precision
-        engine = RolloutEngine(engine_cfg)
-        try:
-            if adapter_dir is not None:
-                engine.load_adapter_dir(adapter_dir)
-            rollouts[precision] = sample_with_topk(engine, prompt_ids_P, samples, max_tokens, temperature, topk, seed)
-        finally:
-            engine.close()
-        log.info("%s engine: %d tokens in %.1f s", precision, rollouts[precision].num_tokens,
-                 rollouts[precision].sample_s)
+        with serving_lora.using_mode(serving):
+            engine = RolloutEngine(engine_cfg)
+            try:
+                if adapter_dir is not None:
+                    engine.load_adapter_dir(adapter_dir)
+                rollouts[spec] = sample_with_topk(engine, prompt_ids_P, samples, max_tokens, temperature, topk, seed)
+            finally:
+                engine.close()
+        log.info("%s engine: %d tokens in %.1f s", spec, rollouts[spec].num_tokens, rollouts[spec].sample_s)
     return rollouts
 
 
