@@ -63,8 +63,9 @@ def _ws_partial_kernel(
     BK: tl.constexpr, BRT: tl.constexpr, GROUP_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS programs of each chunk compute the fp32
-    partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk) each: first, so that they start
-    in the first wave instead of trailing it. The other programs compute the chunk's partial of one base tile."""
+    partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk) each: first in their chunk's
+    row of the grid, so that they are not the last to start. The others compute the chunk's partial of one base
+    tile."""
     if LAUNCH_DEPENDENTS:  # PDL: the reduce kernel may launch now; it reads nothing of ours before its gdc_wait
         tl.extra.cuda.gdc_launch_dependents()
     m_tiles = tl.cdiv(M, BM)
