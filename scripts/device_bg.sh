@@ -13,13 +13,14 @@ dir=$HOME/bg/$name
 case "$cmd" in
   start)
     rm -rf "$dir"; mkdir -p "$dir/out"
-    tar --exclude=./.git --exclude=./.stage -cf - . | (mkdir -p "$dir/repo" && tar -xf - -C "$dir/repo")
-    (cd "$dir/repo" && OUT=$dir/out setsid bash -c '"$@"; echo $? > '"$dir/rc" bash "$@" \
-        > "$dir/log" 2>&1 < /dev/null &)
+    tar --exclude=./.git --exclude=./.stage --exclude=./.venv --exclude=__pycache__ -cf - . | (mkdir -p "$dir/repo" && tar -xf - -C "$dir/repo")
+    # the whole subshell writes to the log (not to this call's stdout, which the caller may be waiting on)
+    (cd "$dir/repo" && OUT=$dir/out exec setsid bash -c '"$@"; echo $? > '"$dir/rc" bash "$@") \
+        > "$dir/log" 2>&1 < /dev/null &
     sleep 2; echo "[bg $name] started: $*"; tail -n 5 "$dir/log" ;;
   wait)
     limit=${1:?seconds}; t0=$(date +%s)
-    while [ ! -f "$dir/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 5; done
+    while [ ! -f "$dir/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 2; done
     mkdir -p "${OUT:-/tmp/out}"; cp -r "$dir/out/." "${OUT:-/tmp/out}/" 2>/dev/null; cp "$dir/log" "${OUT:-/tmp/out}/bg_$name.log"
     if [ -f "$dir/rc" ]; then
       echo "[bg $name] ended, exit $(cat "$dir/rc")"; cat "$dir/log" | tail -n 60; exit "$(cat "$dir/rc")"
