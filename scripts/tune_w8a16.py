@@ -7,10 +7,13 @@ Candidates differ only in tiling (BN, BM, BK, warps, stages, split-K or not), ne
 every entry of the table gives the same bits (tests/kernels/test_gpu_kernels.py checks it). Also prints
 the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk; not batch invariant
 with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's.
+Each candidate is timed on the call the engine and the trainer make, with a rank-64 LoRA: the forward computes
+its down-projection (fused into split-K or a separate launch, which is what `split` decides at decode), dX gets
+gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 `--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
 loads only with EPIRL_WS_ALLOW_TMA=1), and it prints cuBLAS bf16 on the same shape beside the many-token bucket;
 `--shapes`/`--buckets` tune a subset and merge it into the table.
-Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--shapes q3_qkv ...] [--buckets 256 ...]
+Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--no-lora] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
 
 from __future__ import annotations
@@ -51,9 +54,18 @@ DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
 EXTRA_SHAPES = [("q3_kv_slice", 4096, 1024)]  # the engine calls k and v of the fused qkv per slice
 
 
-def time_config(op, x, codes, scale, c):
+def time_config(op, x, codes, scale, c, lora):
     w = codes if op == "fwd" else codes.t()
-    return graph_us(lambda: weight_stationary_gemm(x, w, torch.bfloat16, w_scale=scale, config=c, op=op))
+    return graph_us(lambda: weight_stationary_gemm(x, w, torch.bfloat16, w_scale=scale, config=c, op=op, **lora))
+
+
+def lora_args(op, x, a, b) -> dict:
+    """The LoRA part of the real call (none without a, b): forward x·Aᵀ then ·Bᵀ; dX gb·A with gb = x·B."""
+    if a is None:
+        return {}
+    if op == "fwd":
+        return dict(lora_a=a, lora_b=b, lora_scale=2.0)
+    return dict(xa=(x @ b).to(x.dtype), lora_b=a.t(), lora_scale=2.0)
 
 
 def one_chunk_us(x, w, scale, c):
@@ -106,16 +118,18 @@ def report_new_compiles(before: dict, what: str, log: list) -> None:
         log.append(dict(compiled=what, kernel=getattr(k, "name", "?"), n_regs=regs, n_spills=spills, shared=shared))
 
 
-def time_candidates(name, op, codes, scale, x, cands, log, entry):
-    """Times every candidate at x; each must give the first one's bits (the table's contract)."""
+def time_candidates(name, op, codes, scale, x, cands, log, entry, lora=None):
+    """Times every candidate at x (with `lora`, see lora_args); each must give the first one's bits (the table's
+    contract)."""
+    lora = lora or {}
     w = codes if op == "fwd" else codes.t()
     timed, first = [], None
     for c in cands:
         before = compiled_kernels()
         try:
-            us = time_config(op, x, codes, scale, c)
+            us = time_config(op, x, codes, scale, c, lora)
             report_new_compiles(before, f"{op} {describe(c)}", log)
-            y = weight_stationary_gemm(x, w, torch.bfloat16, w_scale=scale, config=c, op=op)
+            y = weight_stationary_gemm(x, w, torch.bfloat16, w_scale=scale, config=c, op=op, **lora)
         except Exception as err:  # e.g. out of shared memory: not a candidate here
             print(f"# {name} {op} {describe(c)}: {type(err).__name__}: {str(err)[:160]}", flush=True)
             continue
@@ -135,8 +149,10 @@ def cublas_us(op, x, codes, scale):
     return graph_us(lambda: x @ w16.t()) if op == "fwd" else graph_us(lambda: x @ w16)
 
 
-def tune_shape(name, K, N, log, bounds=None, tma=False):
-    _, codes, scale, _, _ = make_layer(K, N)
+def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True):
+    _, codes, scale, a, b = make_layer(K, N)
+    if not with_lora:
+        a = b = None
     rows = {}
     for op, buckets in (("fwd", FWD_BUCKETS), ("dx", DX_BUCKETS)):
         n_out, k_red = (N, K) if op == "fwd" else (K, N)
@@ -149,7 +165,8 @@ def tune_shape(name, K, N, log, bounds=None, tma=False):
             for M in tokens:
                 x = torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16)
                 entry = dict(shape=name, op=op, N=n_out, K=k_red, bucket=bound, tokens=M)
-                for us, c in time_candidates(name, op, codes, scale, x, cands, log, entry):
+                lora = lora_args(op, x, a, b)
+                for us, c in time_candidates(name, op, codes, scale, x, cands, log, entry, lora):
                     totals.setdefault(id(c), [0.0, c, 0])[0] += us
                     totals[id(c)][2] += 1
             timed = [(us, c) for us, c, n in totals.values() if n == len(tokens)]
@@ -181,6 +198,7 @@ def main():
     ap.add_argument("--shapes", nargs="*", help="shape names (default: all)")
     ap.add_argument("--buckets", nargs="*", type=int, help="bucket bounds to tune (default: all; 1000000000 = many)")
     ap.add_argument("--tma", action="store_true", help="also TMA-load candidates for buckets >= 256")
+    ap.add_argument("--no-lora", action="store_true", help="time the base GEMM alone (no rank-64 LoRA)")
     args = ap.parse_args()
     table = json.loads(json.dumps(load_table()))  # start from the committed defaults
     log = []
@@ -190,7 +208,7 @@ def main():
     shapes = (SHAPES + EXTRA_SHAPES)[:2] if args.quick else SHAPES + EXTRA_SHAPES
     shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     for name, K, N in shapes:
-        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma).items():
+        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma, not args.no_lora).items():
             table[op].setdefault(key, {}).update(row)
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned

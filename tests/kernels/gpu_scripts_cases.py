@@ -45,10 +45,10 @@ def patch_cuda():
     torch.cuda.synchronize = lambda *a: None
 
 
-def tiny_layer(K, N):
+def tiny_layer(K, N, r=8):
     from epirl.kernels import quantize_weight_fp8
     codes, scale = quantize_weight_fp8(_randn(N, K) * 0.02, backend="reference")
-    return None, codes, scale, None, None
+    return None, codes, scale, (_randn(r, K) / K ** 0.5).bfloat16(), (_randn(N, r) * 0.05).bfloat16()
 
 
 def case_tune_writes_a_bitwise_checked_table(tmp):
