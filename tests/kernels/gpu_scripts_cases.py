@@ -1,6 +1,6 @@
-"""The GPU tuning/measurement scripts' own logic on CPU (run by test_gpu_scripts_on_cpu.py with TRITON_INTERPRET=1):
-scripts/tune_w8a16.py, bench_one_chunk.py, ws_bits_report.py and bench_kernels.py's forward table end to end on a tiny shape, their kernels in
-Triton's interpreter and only the clock replaced (CUDA-graph timing -> wall time of one call; the numbers mean
+"""The GPU tuning/measurement scripts' own logic on CPU (run by test_gpu_scripts_on_cpu.py with
+TRITON_INTERPRET=1): scripts/tune_w8a16.py, bench_one_chunk.py, ws_bits_report.py and bench_kernels.py's forward
+table end to end on a tiny shape, their kernels in Triton's interpreter and only the clock replaced (CUDA-graph timing -> wall time of one call; the numbers mean
 nothing, the tables, the bitwise checks and the table they write do). A Python error here would otherwise cost a
 device call. Prints one JSON line per case.
 """
@@ -68,7 +68,8 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     row = table["fwd"]["96x512"]
     assert set(row) == {"256", str(tune.BIG)} and "512x96" in table["dx"], table
     log = json.loads((tmp / "ws_log.json").read_text())["log"]
-    assert len([e for e in log if "us" in e and "config" in e]) == 3 * 4, log  # 3 (op, bucket) x 4 candidates (2 tiles x pointer/TMA)
+    # 3 (op, bucket) x 4 candidates (2 tiles x pointer/TMA)
+    assert len([e for e in log if "us" in e and "config" in e]) == 3 * 4, log
     assert "BITS DIFFER" not in text.getvalue() and "| tiny | dx |" in text.getvalue(), text.getvalue()
 
 
