@@ -1,8 +1,8 @@
 """The GPU tuning/measurement scripts' own logic on CPU (run by test_gpu_scripts_on_cpu.py with
 TRITON_INTERPRET=1): scripts/tune_w8a16.py, bench_one_chunk.py, ws_bits_report.py and bench_kernels.py's forward
-table end to end on a tiny shape, their kernels in Triton's interpreter and only the clock replaced (CUDA-graph timing -> wall time of one call; the numbers mean
-nothing, the tables, the bitwise checks and the table they write do). A Python error here would otherwise cost a
-device call. Prints one JSON line per case.
+table end to end on a tiny shape, their kernels in Triton's interpreter and only the clock replaced (CUDA-graph
+timing -> wall time of one call; the numbers mean nothing, the tables, the bitwise checks and the table they write
+do). A Python error here would otherwise cost a device call. Prints one JSON line per case.
 """
 
 import contextlib
