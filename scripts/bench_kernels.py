@@ -25,7 +25,7 @@ from triton.testing import do_bench
 
 from epirl.kernels import Fp8LoRALinear, quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora
 from epirl.kernels.gemm.weight_stationary import PDL_ENV, split_pdl
-from epirl.kernels.gpu_timing import graph_us
+from epirl.kernels.gpu_timing import flush_mode, graph_us
 
 HBM_BYTES_PER_S = 4.4e12
 RANK, ALPHA = 64, 128
@@ -35,6 +35,7 @@ SHAPES = [("q3_qkv", 4096, 6144), ("q3_o", 4096, 4096), ("q3_gate_up", 4096, 245
           ("q3_down", 12288, 4096), ("q35_attn_qkv", 4096, 10240), ("q35_gdn_qkvz", 4096, 12288)]
 TOKENS = [1, 4, 16, 64, 512, 4096, 16384]
 TRAIN_TOKENS = [4096, 8192]
+FLUSH_ENV_NOTE = "EPIRL_L2_FLUSH=write: the write-flush used before 2026-12-01"
 
 
 def bench_us(fn, **kw) -> float:
@@ -191,6 +192,7 @@ def main():
     tokens = args.tokens or ([1, 16, 4096] if args.quick else TOKENS)
     train_tokens = args.train_tokens or (TRAIN_TOKENS[:1] if args.quick else TRAIN_TOKENS)
     t0 = time.time()
+    print(f"# timer: CUDA-graph replays, L2 {flush_mode()}-flushed before each call ({FLUSH_ENV_NOTE})", flush=True)
     sweep = sweep_weight_stationary() if args.sweep else []
     fwd, train = [], []
     for name, K, N in shapes:
@@ -204,8 +206,8 @@ def main():
         torch.cuda.empty_cache()
     print_tables(fwd, train)
     with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, forward=fwd, trainer=train,
-                       sweep=sweep), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, l2_flush=flush_mode(),
+                       forward=fwd, trainer=train, sweep=sweep), f, indent=1)
 
 
 if __name__ == "__main__":
