@@ -4,7 +4,8 @@
 #   bash scripts/device_bg.sh start NAME CMD...   # copies the repo to $HOME/bg/NAME/repo, starts CMD there with
 #                                                 # setsid (OUT=$HOME/bg/NAME/out), returns at once
 #   bash scripts/device_bg.sh wait NAME SECONDS   # waits until the job ends or SECONDS pass, prints the log's
-#                                                 # tail and copies the job's OUT into this call's $OUT
+#                                                 # tail, puts the log and a tarball of the job's OUT (what it
+#                                                 # has so far) into this call's $OUT
 # The copy keeps the job's imports stable while later calls re-sync the working tree. Exit status of `wait`:
 # the job's when it ended, 99 while it still runs (call `wait` again within the 30 s idle window).
 set -o pipefail
@@ -21,7 +22,9 @@ case "$cmd" in
   wait)
     limit=${1:?seconds}; t0=$(date +%s)
     while [ ! -f "$dir/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 2; done
-    mkdir -p "${OUT:-/tmp/out}"; cp -r "$dir/out/." "${OUT:-/tmp/out}/" 2>/dev/null; cp "$dir/log" "${OUT:-/tmp/out}/bg_$name.log"
+    # two files back (a device call returns only a few): the job's log and its $OUT as one tarball
+    mkdir -p "${OUT:-/tmp/out}"; cp "$dir/log" "${OUT:-/tmp/out}/bg_$name.log"
+    tar czf "${OUT:-/tmp/out}/bg_${name}_out.tgz" -C "$dir/out" .
     if [ -f "$dir/rc" ]; then
       echo "[bg $name] ended, exit $(cat "$dir/rc")"; cat "$dir/log" | tail -n 60; exit "$(cat "$dir/rc")"
     fi

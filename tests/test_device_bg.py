@@ -1,10 +1,12 @@
 """scripts/device_bg.sh on CPU: a job started in its own session outlives the starting shell, `wait` reports it
-running (exit 99) and then ended (its exit status), and copies the job's $OUT and log into the caller's $OUT."""
+running (exit 99) and then ended (its exit status), and puts the job's log and a tarball of its $OUT into the
+caller's $OUT."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -30,8 +32,9 @@ def test_job_survives_the_start_call_and_wait_returns_its_status_and_files(tmp_p
     ended = bg(tmp_path / "home", tmp_path / "out2", "wait", "j", "30")
     assert ended.returncode == 3 and "ended, exit 3" in ended.stdout and "finished" in ended.stdout
     assert time.time() - t0 < 30
-    assert (tmp_path / "out2" / "result.txt").read_text() == "done\n"
     assert "finished" in (tmp_path / "out2" / "bg_j.log").read_text()
+    with tarfile.open(tmp_path / "out2" / "bg_j_out.tgz") as tar:
+        assert tar.extractfile("./result.txt").read() == b"done\n"
     # the job ran in a copy of the repository (later calls may re-sync the working tree under it)
     assert (tmp_path / "home" / "bg" / "j" / "repo" / "scripts" / "device_bg.sh").is_file()
 

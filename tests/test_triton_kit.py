@@ -26,7 +26,8 @@ def kit(*args: str, stage: Path | None = None, **env: str) -> subprocess.Complet
                           timeout=60)
 
 
-@pytest.mark.parametrize("script", ["triton_kit.sh", "gpu_main_recipe.sh", "device_env.sh"])
+@pytest.mark.parametrize("script", ["triton_kit.sh", "gpu_main_recipe.sh", "device_env.sh", "device_bg.sh",
+                                    "gpu_session.sh"])
 def test_scripts_parse(script):
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Several device parts back to back in one background job (scripts/device_bg.sh), so a session spends its GPU
+# minutes on work instead of on call boundaries and idle gaps:
+#   bash scripts/device_bg.sh start s bash scripts/gpu_session.sh kernels tune engine serving
+#   bash scripts/device_bg.sh wait s 570        # repeat while it prints "still running"; each part's log is in
+#                                               # the returned tarball, its summary lines in bg_s.log
+# Parts (each under its own time limit; a failed part does not stop the next):
+#   kernels    GPU kernel tests, then bench_kernels.py at 1/4/16/64 + 4096 tokens (PDL on/off columns)  ~6 min
+#   flush      bench_kernels.py --quick with EPIRL_L2_FLUSH=write (the old timer) for comparison          ~2 min
+#   tune       tune_w8a16.py (LoRA-aware timing) -> $OUT/ws_configs.json + its log                         ~6 min
+#   engine     matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 (gpu_evidence.sh engine; needs vLLM)     ~6 min
+#   mismatch   epirl mismatch with bf16, w8a8, w8a8@timed (epirl's serving kernels), w8a16 (SmolLM2 kit)  ~4 min
+#   serving    bench_serving.py --vllm (TPOT + 32 tenants, both settings)                                ~9 min
+#   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
+set -o pipefail
+source scripts/device_env.sh
+t0=$(date +%s)
+
+part() {  # name, limit in s, command...: runs it, logs to $OUT/<name>.log, prints its table lines
+  local name=$1 limit=$2; shift 2
+  echo "== [$name] start at $(( $(date +%s) - t0 )) s"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== [$name] exit $rc at $(( $(date +%s) - t0 )) s"
+  grep -E "^\||passed|failed|^#|^TPOT|^benchmark|Error" "$OUT/$name.log" | grep -v "^# \[" | cut -c1-220 | tail -n 60
+}
+
+for name in "$@"; do
+  case "$name" in
+    kernels)  part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
+    flush)    part flush 200 env EPIRL_L2_FLUSH=write python3 -P scripts/bench_kernels.py --quick --tokens 1 16 \
+                --train-tokens 4096 --json "$OUT/bench_write_flush.json" ;;
+    tune)     part tune 480 python3 -P scripts/tune_w8a16.py --out "$OUT/ws_configs.json" ;;
+    engine)   part engine 600 bash scripts/gpu_evidence.sh engine ;;
+    mismatch) part mismatch 400 python3 -P scripts/gpu_mismatch.py --quick --eager \
+                --engines bf16,w8a8,w8a8@timed,w8a16 --out "$OUT/mismatch" ;;
+    serving)  part serving 560 python3 -P scripts/bench_serving.py --vllm ;;
+    q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving q35w8a16)" ;;
+  esac
+done
+echo "== all parts done at $(( $(date +%s) - t0 )) s"
