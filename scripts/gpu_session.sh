@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Several device parts back to back in one background job (scripts/device_bg.sh), so a session spends its GPU
 # minutes on work instead of on call boundaries and idle gaps:
-#   bash scripts/device_bg.sh start s bash scripts/gpu_session.sh kernels tune engine serving
+#   bash scripts/device_bg.sh start s bash scripts/gpu_session.sh tune kernels engine serving
 #   bash scripts/device_bg.sh wait s 570        # repeat while it prints "still running"; each part's log is in
 #                                               # the returned tarball, its summary lines in bg_s.log
 # Parts (each under its own time limit; a failed part does not stop the next):
 #   kernels    GPU kernel tests, then bench_kernels.py at 1/4/16/64 + 4096 tokens (PDL on/off columns)  ~6 min
+#              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS)
 #   flush      bench_kernels.py --quick with EPIRL_L2_FLUSH=write (the old timer) for comparison          ~2 min
 #   tune       tune_w8a16.py (LoRA-aware timing) -> $OUT/ws_configs.json + its log                         ~6 min
 #   engine     matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 (gpu_evidence.sh engine; needs vLLM)     ~6 min
@@ -27,7 +28,9 @@ part() {  # name, limit in s, command...: runs it, logs to $OUT/<name>.log, prin
 
 for name in "$@"; do
   case "$name" in
-    kernels)  part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
+    kernels)  # after `tune` in the same job: tests and bench with the freshly tuned table
+              [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
+              part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
     flush)    part flush 200 env EPIRL_L2_FLUSH=write python3 -P scripts/bench_kernels.py --quick --tokens 1 16 \
                 --train-tokens 4096 --json "$OUT/bench_write_flush.json" ;;
     tune)     part tune 480 python3 -P scripts/tune_w8a16.py --out "$OUT/ws_configs.json" ;;
