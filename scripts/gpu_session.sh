@@ -6,7 +6,8 @@
 #                                               # the returned tarball, its summary lines in bg_s.log
 # Parts (each under its own time limit; a failed part does not stop the next):
 #   kernels    GPU kernel tests, then bench_kernels.py at 1/4/16/64 + 4096 tokens (PDL on/off columns)  ~6 min
-#              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS)
+#              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS, for the
+#              parts after it too)
 #   flush      bench_kernels.py --quick with EPIRL_L2_FLUSH=write (the old timer) for comparison          ~2 min
 #   tune       tune_w8a16.py (LoRA-aware timing) -> $OUT/ws_configs.json + its log                         ~6 min
 #   engine     matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 (gpu_evidence.sh engine; needs vLLM)     ~6 min
