@@ -11,7 +11,8 @@ Each candidate is timed on the call the engine and the trainer make, with a rank
 its down-projection (fused into split-K or a separate launch, which is what `split` decides at decode), dX gets
 gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 `--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
-loads only with EPIRL_WS_ALLOW_TMA=1), and it prints cuBLAS bf16 on the same shape beside the many-token bucket;
+loads only with EPIRL_WS_ALLOW_TMA=1), and it prints cuBLAS bf16 (+ the same LoRA as separate matmuls) on the same
+shape beside the many-token bucket;
 `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--no-lora] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
@@ -143,10 +144,16 @@ def time_candidates(name, op, codes, scale, x, cands, log, entry, lora=None):
     return timed
 
 
-def cublas_us(op, x, codes, scale):
-    """The vendor path a user would pick instead: cuBLAS bf16 on a bf16 copy of the same weight."""
+def cublas_us(op, x, codes, scale, lora=None):
+    """The vendor path a user would pick instead: cuBLAS bf16 on a bf16 copy of the same weight, plus the same
+    LoRA term as separate matmuls when the candidates were timed with one (`lora_args`)."""
     w16 = (codes.float() * scale).bfloat16()
-    return graph_us(lambda: x @ w16.t()) if op == "fwd" else graph_us(lambda: x @ w16)
+    base = (lambda: x @ w16.t()) if op == "fwd" else (lambda: x @ w16)
+    if not lora:
+        return graph_us(base)
+    b_t, s = lora["lora_b"].t(), lora["lora_scale"]
+    xa = (lambda: x @ lora["lora_a"].t()) if op == "fwd" else (lambda: lora["xa"])
+    return graph_us(lambda: base() + s * (xa() @ b_t))
 
 
 def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True):
@@ -172,7 +179,7 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True):
             timed = [(us, c) for us, c, n in totals.values() if n == len(tokens)]
             best_us, best = min(timed, key=lambda t: t[0])
             row[str(bound)] = best
-            ref = f" | {cublas_us(op, x, codes, scale):.1f}" if bound == BIG else " | –"
+            ref = f" | {cublas_us(op, x, codes, scale, lora):.1f}" if bound == BIG else " | –"
             if tma and bound >= 256:  # best of each kernel kind: what TMA loads bought
                 kinds = {"ptr": [t for t in timed if not t[1].get("tma")], "tma": [t for t in timed if t[1].get("tma")]}
                 ref += " | " + ", ".join(f"{k} {min(v, key=lambda t: t[0])[0]:.1f}" for k, v in kinds.items() if v)
@@ -180,10 +187,11 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True):
                   f"{max(t[0] for t in timed):.1f}{ref} |", flush=True)
             if bound == BIG and not tma:
                 w = codes if op == "fwd" else codes.t()
-                one = one_chunk_us(x, w, scale, best)
+                one = one_chunk_us(x, w, scale, best)  # base GEMM only: compare with the same call chunked
+                chunked = time_config(op, x, codes, scale, best, {}) if lora else best_us
                 log.append(dict(shape=name, op=op, diagnostic="one_chunk", chunks=k_chunking(n_out, k_red)[1],
-                                us=one, chunked_us=best_us))
-                print(f"#   {name} {op} 4096 tok: {k_chunking(n_out, k_red)[1]} chunks {best_us:.1f} µs, "
+                                us=one, chunked_us=chunked))
+                print(f"#   {name} {op} 4096 tok, no LoRA: {k_chunking(n_out, k_red)[1]} chunks {chunked:.1f} µs, "
                       f"one chunk {one:.1f} µs", flush=True)
         rows[op] = (f"{n_out}x{k_red}", row)
     del codes
