@@ -211,3 +211,20 @@ def hf_reference(smollm2_dir):
 def hf_reference_fp32(smollm2_dir):
     return HFReference(smollm2_dir, dtype=torch.float32)
 # --- end engine fixtures -----------------------------------------------------------------------------
+
+
+def ptx_for(fn, signature, constants, **options):
+    """PTX of a Triton kernel compiled for Hopper (sm_90) on any machine: lowering errors of the GPU path show in
+    CPU CI (skips where this Triton has no NVIDIA backend or ptxas)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature, **{name: "constexpr" for name in constants})
+    try:
+        compiled = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 64), options=options)
+    except (ImportError, RuntimeError) as exc:  # a Triton build without the NVIDIA backend / ptxas
+        if "backend" in str(exc).lower() or "ptxas" in str(exc).lower():
+            pytest.skip(f"no CUDA backend in this Triton: {exc}")
+        raise
+    return compiled.asm["ptx"]

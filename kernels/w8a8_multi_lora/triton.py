@@ -29,6 +29,7 @@ import triton.language as tl
 from .._dispatch import interpreting, pdl_supported  # noqa: F401  (pdl_supported: re-export)
 from ..fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from ..fp8_quant.triton import _abs_nan_to_zero, _saturating_e4m3, quantize_per_token
+from ..gemm.scaled import _grouped_tile_ids
 from .reference import check_args
 
 DECODE_MAX_TOKENS = 32
@@ -38,16 +39,6 @@ SHRINK_CHUNK = 512   # K chunk of one K1 program (the chunking is fixed by K: ba
 SHRINK_BK = 128
 QUANT_BK = 1024      # K1's amax pass
 PATHS = ("pdl", "decode", "prefill")
-
-
-@triton.jit
-def _tile_ids(num_n, num_t, GROUP_N: tl.constexpr):
-    # grouped order: GROUP_N weight tiles are swept over every token tile while they sit in L2
-    pid = tl.program_id(0)
-    group = pid // (GROUP_N * num_t)
-    first = group * GROUP_N
-    size = tl.minimum(num_n - first, GROUP_N)
-    return first + (pid % (GROUP_N * num_t)) % size, (pid % (GROUP_N * num_t)) // size
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -159,7 +150,7 @@ def _multi_lora_gemm_kernel(
     SIGMA_PER_ADAPTER: tl.constexpr, HAS_BIAS: tl.constexpr, WAIT_PDL: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    pid_n, pid_t = _tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BT), GROUP_N)
+    pid_n, pid_t = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BT), GROUP_N)
     rn = pid_n * BN + tl.arange(0, BN)
     rt = pid_t * BT + tl.arange(0, BT)
     mask_n = rn < N

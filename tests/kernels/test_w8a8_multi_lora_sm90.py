@@ -6,6 +6,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from conftest import ptx_for  # noqa: E402
+
 from epirl.kernels.fp8_quant.reference import FP8_MAX, MIN_SCALE  # noqa: E402
 
 K1_SIG = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "a_tab": "*i64", "ids_ptr": "*i64",
@@ -16,20 +18,6 @@ K2_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "y_ptr": 
           "starts_ptr": "*i32", "sigma_ptr": "*fp32", "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
           "R": "i32", "N_CHUNKS": "i32", "N_SLICES": "i32", "sigma_const": "fp32", "stride_xm": "i32",
           "stride_wn": "i32", "stride_ym": "i32", "stride_bn": "i32"}
-
-
-def ptx_for(fn, signature, constants, **options):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = dict(signature, **{name: "constexpr" for name in constants})
-    try:
-        compiled = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 64), options=options)
-    except (ImportError, RuntimeError) as exc:  # a Triton build without the NVIDIA backend / ptxas
-        if "backend" in str(exc).lower() or "ptxas" in str(exc).lower():
-            pytest.skip(f"no CUDA backend in this Triton: {exc}")
-        raise
-    return compiled.asm["ptx"]
 
 
 def test_k1_quant_shrink_lowers_with_pdl_trigger():
