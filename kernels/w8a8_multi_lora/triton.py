@@ -14,7 +14,9 @@ K2 `multi_lora_gemm`: weight-stationary, yᵀ[n, t] = Σ_k codes[n, k] q_x[t, k]
 Decode (≤ DECODE_MAX_TOKENS tokens) with PDL: K1 signals `gdc_launch_dependents` at once, K2 (launched
   `launch_pdl`) is scheduled while K1 runs and calls `gdc_wait` before its first read of K1's output, which
   hides K2's launch and prologue behind K1.
-Prefill: fp8_quant.triton quantizes all tokens in one kernel, K1 only shrinks, K2 uses a 128-token tile.
+Prefill: fp8_quant.triton quantizes all tokens in one kernel, `grouped_shrink` computes the shrink on tensor cores
+  over tiles of tokens in adapter order (one dot per adapter in a tile, same K chunking as K1), K2 uses a
+  128-token tile. `expand_into` (after a vendor GEMM) shrinks the same way above DECODE_MAX_TOKENS tokens.
 (A variant that quantized x inside every K2 program was measured slower, 2026-11-30: every weight tile
 re-quantizes the activations, and IEEE division of the zero-padded token columns takes a slow path.)
 Importing needs triton, no GPU.
@@ -38,6 +40,7 @@ PREFILL_CONFIG = dict(BN=128, BT=128, BK=128, num_warps=8, num_stages=3)
 SHRINK_CHUNK = 512   # K chunk of one K1 program (the chunking is fixed by K: batch invariant)
 SHRINK_BK = 128
 QUANT_BK = 1024      # K1's amax pass
+GROUPED_SHRINK_CONFIG = dict(BT=64, BK=64, num_warps=4, num_stages=3)  # above DECODE_MAX_TOKENS tokens
 PATHS = ("pdl", "decode", "prefill")
 
 
@@ -90,6 +93,50 @@ def _quant_shrink_kernel(x_ptr, q_ptr, s_ptr, a_tab, ids_ptr, part_ptr, M, K, R,
                             other=0.0).to(tl.float32)
                 acc += a * xv[None, :]
             tl.store(part_ptr + ((slice_id * N_CHUNKS + split) * M + m) * BR + rr, tl.sum(acc, axis=1), mask=mask_r)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _grouped_shrink_kernel(x_ptr, a_tab, ids_ptr, order_ptr, part_ptr, M, K, R, K_CHUNK, N_CHUNKS, stride_xm,
+                           stride_al, stride_ar, stride_ak, HAS_ORDER: tl.constexpr, DOT_F32: tl.constexpr,
+                           BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    # program (token tile in adapter order, K chunk, slice): the shrink partials of the tile's tokens on tensor
+    # cores, one [r, chunk] x [chunk, BT] dot per adapter present in the tile (A as the left operand, tokens as
+    # the MMA's N: the orientation of K2), stored for that adapter's tokens only. A token's partial comes from
+    # its own x row and its adapter's A (an MMA output element never mixes columns), in K steps of BK inside the
+    # fixed chunk: the same bits whichever tokens share the tile.
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    slice_id = tl.program_id(2)
+    rt = pid_t * BT + tl.arange(0, BT)
+    mask_t = rt < M
+    if HAS_ORDER:
+        tok = tl.load(order_ptr + rt, mask=mask_t, other=0).to(tl.int64)
+    else:
+        tok = rt.to(tl.int64)
+    ids = tl.load(ids_ptr + tok, mask=mask_t, other=-1).to(tl.int32)
+    rr = tl.arange(0, BR)
+    rk = tl.arange(0, BK)
+    mask_r = rr < R
+    k_lo = split * K_CHUNK
+    a_ptr = tl.load(a_tab + slice_id).to(tl.pointer_type(tl.bfloat16))
+    x_cols = x_ptr + tok[None, :] * stride_xm  # x as [k, token]
+    out = part_ptr + ((slice_id * N_CHUNKS + split) * M + tok[None, :]) * BR + rr[:, None]
+    big = 2147483647
+    cur = tl.min(tl.where(ids >= 0, ids, big), axis=0)
+    last = tl.max(ids, axis=0)
+    while cur <= last:
+        a_rows = a_ptr + cur.to(tl.int64) * stride_al + rr[:, None] * stride_ar
+        acc = tl.zeros((BR, BT), dtype=tl.float32)
+        for k0 in range(k_lo, k_lo + K_CHUNK, BK):
+            mask_k = (k0 + rk) < K
+            a = tl.load(a_rows + (k0 + rk)[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+            xv = tl.load(x_cols + (k0 + rk)[:, None], mask=mask_k[:, None] & mask_t[None, :], other=0.0)
+            if DOT_F32:  # Triton's CPU interpreter: fp32 dots (tests only)
+                acc += tl.dot(a.to(tl.float32), xv.to(tl.float32))
+            else:  # bf16 x bf16 products are exact; the tensor core accumulates them in fp32
+                acc = tl.dot(a, xv, acc)
+        tl.store(out, acc, mask=mask_r[:, None] & (ids == cur)[None, :])
+        cur = tl.min(tl.where(ids > cur, ids, big), axis=0)
 
 
 @triton.jit
@@ -264,6 +311,35 @@ def quant_shrink(x2, slices: Slices | None, token_lora, quant: bool = True, laun
     return q, s, part
 
 
+def grouped_shrink(x2, slices: Slices, token_lora, order=None, config=None):
+    """The shrink partials `[slices, N_CHUNKS, M, BR]` fp32 (K1's layout and K chunking) on tensor cores: tiles of
+    tokens in adapter order (`order`, or token order when None), one dot per adapter present in a tile. For
+    batches above DECODE_MAX_TOKENS, where K1's per-token programs re-read their adapter's A for every token on
+    CUDA cores (measured 2.2x slower prefill with 32 tenants, 2026-12-01)."""
+    M, K = x2.shape
+    cfg = dict(config or GROUPED_SHRINK_CONFIG)
+    BR = max(16, triton.next_power_of_2(slices.R))
+    k_chunk, n_chunks = shrink_chunking(K)
+    if k_chunk % cfg["BK"]:
+        raise ValueError(f"grouped shrink BK={cfg['BK']} must divide the K chunk {k_chunk}")
+    n_slices = len(slices.widths)
+    part = torch.empty(n_slices, n_chunks, M, BR, device=x2.device, dtype=torch.float32)
+    if M:
+        _grouped_shrink_kernel[(triton.cdiv(M, cfg["BT"]), n_chunks, n_slices)](
+            x2, slices.a_tab, token_lora, order if order is not None else token_lora, part, M, K, slices.R,
+            k_chunk, n_chunks, x2.stride(0), *slices.stride_a, HAS_ORDER=order is not None,
+            DOT_F32=interpreting(), BT=cfg["BT"], BR=BR, BK=cfg["BK"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    return part
+
+
+def _shrink_only(x2, slices: Slices, token_lora, order, grouped: bool):
+    """The shrink partials without quantization: grouped on tensor cores, or per token (K1)."""
+    if grouped and slices.active:
+        return grouped_shrink(x2, slices, token_lora, order)
+    return quant_shrink(x2, slices, token_lora, quant=False)[2]
+
+
 def multi_lora_gemm(x, codes, w_scale, y, token_lora, part, slices: Slices | None, lora_scale, x_scale=None,
                     order=None, bias=None, config=None, wait_pdl=False, has_base=True):
     """K2 into `y` `[M, N]`: x the e4m3 codes `[M, K]` with x_scale `[M]` fp32.
@@ -349,10 +425,10 @@ def w8a8_multi_lora_slices(x2, codes, scale, lora_a, lora_b, widths, token_lora,
     if y.shape != (M, N) or y.stride(1) != 1:
         raise ValueError(f"out must be [M={M}, N={N}] with unit column stride, got {tuple(y.shape)} {y.stride()}")
     use_pdl = path == "pdl"
-    if path == "prefill":  # one quantization kernel over all tokens, K1 for the shrink only
+    if path == "prefill":  # one quantization kernel over all tokens, the shrink grouped by adapter
         q, s = quantize_per_token(x2)
         s = s.reshape(-1)
-        _, _, part = quant_shrink(x2, slices, token_lora, quant=False)
+        part = _shrink_only(x2, slices, token_lora, order, grouped=True)
     else:  # K1 quantizes and shrinks; with PDL, K2 launches while K1 runs and waits for it on its first read
         q, s, part = quant_shrink(x2, slices, token_lora, launch_dependents=use_pdl)
     return multi_lora_gemm(q, codes, w_scale, y, token_lora, part, slices, sigma, x_scale=s, order=order, bias=bias,
@@ -377,6 +453,6 @@ def expand_into(y, x2, lora_a, lora_b, token_lora, lora_scale, order=None, width
     if isinstance(lora_a, torch.Tensor):
         lora_a, lora_b, widths = [lora_a], [lora_b], [y.shape[1]]
     slices = _bf16_slices(lora_a, lora_b, widths)
-    _, _, part = quant_shrink(x2, slices, token_lora, quant=False)
+    part = _shrink_only(x2, slices, token_lora, order, grouped=x2.shape[0] > DECODE_MAX_TOKENS)
     return multi_lora_gemm(x2, None, None, y, token_lora, part, slices, _sigma(lora_scale, slices.L, x2.device),
                            order=order, has_base=False)

@@ -123,6 +123,35 @@ def case_bench_kernels_forward_table(tmp):
     assert len(lines) == 2 and all(" / " in line.split("|")[-2] for line in lines), text.getvalue()
 
 
+def case_tenants_bench_rows_and_table(tmp):
+    # bench_serving_tenants on a tiny two-projection layer (q/k/v slices and one plain), 40 tokens over 1 and 4
+    # adapters: every variant runs (epirl's kernels in the interpreter, the vendor GEMM on CPU), matches the
+    # reference, and the table prints with one row per (tenants, tokens)
+    import bench_serving_tenants as tenants
+
+    import importlib
+
+    from epirl.kernels.fp8_quant.reference import quantize_per_token
+    quant_triton = importlib.import_module("epirl.kernels.fp8_quant.triton")
+    multi = importlib.import_module("epirl.kernels.w8a8_multi_lora.triton")  # the package name is also a function
+    # the interpreter rounds some fp32 -> e4m3 casts wrongly (interpreter_cases.py): quantize with the reference
+    quant_triton.quantize_per_token = multi.quantize_per_token = quantize_per_token
+    tenants.DEV, tenants.RANK = "cpu", 8
+    tenants.LAYER, tenants.SLICES = [("qkv", 64, 48), ("o", 48, 64)], {"qkv": [32, 8, 8], "o": [64]}
+    rows = tenants.run([40], [1, 4], timer=wall_us)
+    assert [(r["T"], r["M"]) for r in rows] == [(1, 40), (4, 40)]
+    for r in rows:
+        errs = {k: v for k, v in r.items() if k.endswith("_err")}
+        # max |Δ| / mean |y|: a couple of bf16 ulps of the largest outputs (vendor+epirl rounds twice); a wrong
+        # adapter or tile is O(1)
+        assert set(errs) == {"fused_err", "fused-k1_err", "vendor+epirl_err"} and max(errs.values()) < 0.1, r
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        tenants.print_table(rows)
+    lines = [line for line in text.getvalue().splitlines() if line.startswith("| 40 |")]
+    assert len(lines) == 2 and "(×base)" in text.getvalue(), text.getvalue()
+
+
 def main(names):
     import tempfile
     patch_cuda()

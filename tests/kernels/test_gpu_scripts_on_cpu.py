@@ -10,7 +10,7 @@ from conftest import run_interpreter_cases
 pytest.importorskip("triton")
 
 CASES = ["tune_writes_a_bitwise_checked_table", "one_chunk_study_prints_both_tables",
-         "bits_report_finds_every_config_equal", "bench_kernels_forward_table"]
+         "bits_report_finds_every_config_equal", "bench_kernels_forward_table", "tenants_bench_rows_and_table"]
 
 
 @pytest.fixture(scope="module")

@@ -141,3 +141,56 @@ def test_fused_qkv_slices_equal_per_slice_calls_bitwise(M):
         want = w8a8_multi_lora(x.cpu(), codes[:2048].cpu(), scale.cpu(), a[0].cpu(), b[0].cpu(), ids.cpu(), 2.0,
                                backend="reference")
         assert_close_bf16(fused[:, :2048].cpu(), want)
+
+
+@pytest.mark.parametrize("M,L", [(33, 4), (300, 32), (4096, 32)])
+def test_grouped_shrink_vs_per_token_and_groups_alone_bitwise(M, L):
+    """The tensor-core shrink (prefill, and expand_into above DECODE_MAX_TOKENS): each token's h within fp32
+    rounding of K1's per-token partials, a 32-tenant batch's partials == each adapter group's alone, bitwise
+    (tiles in adapter order, groups of every size), and expand_into of such a batch vs the reference."""
+    from epirl.kernels.w8a8_multi_lora.triton import Slices, adapter_order, grouped_shrink
+
+    K, N = 4096, 1024
+    g = torch.Generator(device=DEV).manual_seed(M)
+    x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
+    a = (torch.randn(L, 64, K, generator=g, device=DEV) / 64).bfloat16()
+    b = (torch.randn(L, N, 64, generator=g, device=DEV) * 0.05).bfloat16()
+    ids = torch.randint(-1, L, (M,), generator=g, device=DEV)
+    slices = Slices([a], [b], [N])
+    part = grouped_shrink(x, slices, ids, adapter_order(ids, 64))
+    _, _, per_token = quant_shrink(x, slices, ids, quant=False)
+    rows = ids >= 0
+    h, h_k1 = part[0][:, rows].sum(0), per_token[0][:, rows].sum(0)
+    assert torch.allclose(h, h_k1, rtol=1e-5, atol=1e-5), (h - h_k1).abs().max().item()
+    for adapter in torch.unique(ids[rows]).tolist()[:8]:
+        mine = (ids == adapter).nonzero().reshape(-1)
+        alone = grouped_shrink(x[mine].clone(), slices, ids[mine].clone())
+        assert torch.equal(alone, part[:, :, mine]), adapter
+    codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g, device=DEV) * 0.02, backend="reference")
+    base = w8a8_multi_lora(x, codes, scale, a, b, torch.full_like(ids, -1), 1.0)
+    want = w8a8_multi_lora(x.cpu(), codes.cpu(), scale.cpu(), a.cpu(), b.cpu(), ids.cpu(), 1.5, backend="reference")
+    assert_close_bf16(expand_into(base, x, a, b, ids, 1.5, order=adapter_order(ids, 128)).cpu(), want)
+
+
+def test_vllm_lora_kernels_adder_adds_each_tokens_adapter():
+    """The benchmark's `vendor+vllm` candidate (vLLM's lora_shrink + lora_expand through epirl's compat layer) adds
+    σ (x A_lᵀ) B_lᵀ per token into each slice's columns, -1 rows untouched."""
+    pytest.importorskip("vllm")
+    from epirl.engine.vllm_compat.punica import punica_lora_adder
+
+    M, K, L, widths = 300, 1024, 8, [512, 128, 128]
+    g = torch.Generator(device=DEV).manual_seed(21)
+    x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
+    a = [(torch.randn(L, 64, K, generator=g, device=DEV) / 32).bfloat16() for _ in widths]
+    b = [(torch.randn(L, w, 64, generator=g, device=DEV) * 0.05).bfloat16() for w in widths]
+    ids = torch.randint(-1, L, (M,), generator=g, device=DEV)
+    base = torch.randn(M, sum(widths), generator=g, device=DEV).bfloat16()
+    got = punica_lora_adder(x, a, b, ids, 2.0)(base.clone())
+    want, start = base.float(), 0
+    for a_s, b_s, w in zip(a, b, widths):
+        for t in (ids >= 0).nonzero().reshape(-1).tolist():
+            h = x[t].float() @ a_s[ids[t]].float().t()
+            want[t, start:start + w] += 2.0 * (h @ b_s[ids[t]].float().t())
+        start += w
+    assert_close_bf16(got, want, ulps=4.0)
+    assert torch.equal(got[ids < 0], base[ids < 0])

@@ -16,7 +16,7 @@ import pytest
 
 CASES = ["decode_mixed_vs_reference", "decode_mixed_equals_groups_bitwise", "sorted_tiles_vs_reference",
          "sorted_tiles_equal_groups_bitwise", "expand_into_vendor_output", "per_adapter_sigma_and_bias",
-         "several_k1_chunks", "fused_slices_one_launch_pair"]
+         "several_k1_chunks", "fused_slices_one_launch_pair", "grouped_shrink_vs_exact_and_groups_bitwise"]
 ADAPTERS = [0, 1, -1, 2, 3, 0, -1, 3, 1, 2, 2, 0, 3, -1, 1, 0, 2, 3, -1, 0]
 
 
@@ -195,6 +195,37 @@ def case_fused_slices_one_launch_pair():
             alone = w8a8_multi_lora(x, codes[rows].contiguous(), scale, a_s, b_s, ids, 2.0, path=path, config=config)
             assert torch.equal(fused[:, rows], alone), (path, start)
             start += w
+
+
+def case_grouped_shrink_vs_exact_and_groups_bitwise():
+    """The tensor-core shrink over tiles in adapter order: K1's partial layout and K chunks (K = 1100: three,
+    the last ragged), each token's h within fp32 rounding of the exact x_t A_lᵀ, -1 rows untouched, and a
+    mixed batch's partials equal to each adapter group's alone, bitwise; then the prefill path and
+    expand_into above DECODE_MAX_TOKENS (which use it) against the reference."""
+    import torch
+
+    from epirl.kernels import w8a8_multi_lora
+    from epirl.kernels.w8a8_multi_lora.triton import (DECODE_MAX_TOKENS, Slices, adapter_order, expand_into,
+                                                      grouped_shrink, shrink_chunking)
+
+    tiles = dict(BT=16, BK=64, num_warps=4, num_stages=2)
+    x, codes, scale, a, b, ids = problem(45, 1100, 40, r=5, seed=10, exact=False)
+    slices = Slices([a], [b], [40])
+    part = grouped_shrink(x, slices, ids, adapter_order(ids, tiles["BT"]), config=tiles)
+    assert part.shape == (1, shrink_chunking(1100)[1], 45, 16)
+    rows = (ids >= 0).nonzero().reshape(-1)
+    exact = torch.stack([x[t].double() @ a[ids[t]].double().t() for t in rows])
+    assert torch.allclose(part[0][:, rows, :5].sum(0).double(), exact, rtol=1e-5, atol=1e-6)
+    for adapter in (0, 1, 2, 3):
+        mine = (ids == adapter).nonzero().reshape(-1)
+        alone = grouped_shrink(x[mine].clone(), slices, ids[mine].clone(), None, config=tiles)
+        assert torch.equal(alone[..., :5], part[:, :, mine, :5]), adapter
+    assert DECODE_MAX_TOKENS < 45
+    got = w8a8_multi_lora(x, codes, scale, a, b, ids, 0.5, path="prefill", config=SMALL_TILES)
+    assert close_bf16(got, reference(x, codes, scale, a, b, ids, 0.5))
+    base = reference(x, codes, scale, a, b, torch.full_like(ids, -1), 1.0)
+    assert close_bf16(expand_into(base.clone(), x, a, b, ids, 1.5, order=adapter_order(ids, 16)),
+                      reference(x, codes, scale, a, b, ids, 1.5))
 
 
 @pytest.fixture(scope="module")

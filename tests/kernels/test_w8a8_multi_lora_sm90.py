@@ -39,3 +39,19 @@ def test_k2_decode_lowers_to_fp8_wgmma_and_waits_for_k1():
                   num_stages=cfg["num_stages"])
     assert "griddepcontrol.wait" in ptx
     assert "wgmma.mma_async" in ptx and "e4m3" in ptx
+
+
+GROUPED_SIG = {"x_ptr": "*bf16", "a_tab": "*i64", "ids_ptr": "*i64", "order_ptr": "*i64", "part_ptr": "*fp32",
+               "M": "i32", "K": "i32", "R": "i32", "K_CHUNK": "i32", "N_CHUNKS": "i32", "stride_xm": "i32",
+               "stride_al": "i32", "stride_ar": "i32", "stride_ak": "i32"}
+
+
+def test_grouped_shrink_lowers_to_bf16_wgmma():
+    """The prefill shrink runs on tensor cores (bf16 wgmma with fp32 accumulation), not CUDA-core FMAs."""
+    from epirl.kernels.w8a8_multi_lora import triton as kernels
+
+    cfg = kernels.GROUPED_SHRINK_CONFIG
+    consts = dict(HAS_ORDER=True, DOT_F32=False, BT=cfg["BT"], BR=64, BK=cfg["BK"])
+    ptx = ptx_for(kernels._grouped_shrink_kernel, GROUPED_SIG, consts, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    assert "wgmma.mma_async" in ptx and ".bf16" in ptx and ".f32.bf16.bf16" in ptx

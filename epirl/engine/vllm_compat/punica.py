@@ -101,6 +101,34 @@ def token_slots(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
     return punica.token_lora_indices, order
 
 
+def punica_lora_adder(x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+                      token_lora: torch.Tensor, scale: float):
+    """vLLM's own LoRA kernels on one batch, as its GPU punica wrapper calls them in `add_lora_linear`
+    (`vllm/lora/punica_wrapper/punica_gpu.py`, 0.26 and 0.32): `lora_shrink` into an fp32 buffer
+    `[slices, M, r]` (scaled by `scale`), then `lora_expand` adding each slice's part into its columns of y;
+    both take the token metadata of `LoRAKernelMeta` (`lora_kernel_metadata.py`: `make`, `prepare_tensors`,
+    `meta_args`, whose arguments differ between versions: 0.32 adds `specialize_active_lora`).
+    The metadata is prepared here, once, as vLLM prepares it once per step outside its CUDA graphs; returns
+    `add(y)`, which adds σ (x A_lᵀ) B_lᵀ per token into y `[M, Σ N_i]` in place (graph-capturable).
+    For benchmarks and timing against epirl's kernels. lora_a / lora_b: per slice `[L, r, K]` / `[L, N_i, r]`."""
+    from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
+
+    M, (L, r, _) = x.shape[0], lora_a[0].shape
+    meta = LoRAKernelMeta.make(max_loras=L, max_num_tokens=M, device=x.device)
+    meta.prepare_tensors(token_lora.to(torch.int32))
+    params = inspect.signature(meta.meta_args).parameters
+    args = meta.meta_args(M, **({"specialize_active_lora": False} if "specialize_active_lora" in params else {}))
+    buffer = torch.empty(len(lora_a), M, r, dtype=torch.float32, device=x.device)
+    lora_a, lora_b = tuple(lora_a), tuple(lora_b)
+
+    def add(y: torch.Tensor) -> torch.Tensor:
+        lora_shrink(x, lora_a, buffer, *args, scale)
+        lora_expand(buffer, lora_b, y, *args, offset_start=0, add_inputs=True)
+        return y
+
+    return add
+
+
 def _source_lacks(symbol: str, needles: list[str]) -> list[str]:
     """`symbol:needle` for each instance attribute assignment the class's source no longer makes."""
     module, _, path = symbol.partition(":")

@@ -1,0 +1,170 @@
+"""Multi-tenant serving kernels benchmark (H200): one Qwen3-8B decoder layer (qkv as q, k, v slices, o, gate_up as
+gate, up slices, down; each slice with its own `[T, r, K]` / `[T, N_s, r]` slot buffers, as vLLM holds them) at M
+tokens spread evenly over T rank-64 adapters in random token order: the batches of issue 13's 32-tenant workload
+(decode steps of 32-256 sequences, prefill chunks of up to 8192 tokens). Each variant is replayed from one CUDA graph
+with the L2 flushed before each layer call (`epirl.kernels.gpu_timing.graph_us`), µs per layer; ratios against
+`vendor+vllm`, what vLLM's engine runs for these batches.
+
+  base          vendor FP8 linear without adapter: per-token quantization + torch._scaled_mm (cuBLASLt)
+  vendor+vllm   base + vLLM's own LoRA kernels (lora_shrink + lora_expand, punica structure; token metadata
+                prepared outside the graph, as vLLM does once per step); only where vLLM is importable
+  fused         epirl's w8a8_multi_lora_slices: prefill path (M > 32: grouped tensor-core shrink, K2 with the
+                multi-adapter epilogue), tokens sorted inside the graph as in the engine
+  fused-k1      the same K2 with the per-token K1 shrink it had before the grouped shrink (CUDA cores, each
+                token's program reads its adapter's A)
+  vendor+epirl  base + epirl's shrink (grouped above 32 tokens) + K2's expand in place
+Also checks every variant against the float64 reference on a sample of rows (max |Δ| / mean |y| per variant).
+Usage: python scripts/bench_serving_tenants.py [--tokens 32 256 ...] [--tenants 1 8 32] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import LAYER, RANK, SIGMA, SLICES  # noqa: E402
+
+TOKENS = [32, 64, 256, 1024, 8192]
+TENANTS = [1, 8, 32]
+DEV = "cuda"  # tests run the script's logic on CPU (Triton's interpreter) by setting "cpu"
+
+
+def build_layer(T: int, seed: int = 0):
+    """FP8 codes of each projection and T random adapters per slice (vLLM's per-slice slot layout)."""
+    from epirl.kernels import quantize_weight_fp8
+
+    layer, g = [], torch.Generator(device=DEV).manual_seed(seed)
+    for name, K, N in LAYER:
+        codes, scale = quantize_weight_fp8(torch.randn(N, K, device=DEV, generator=g) * 0.02)
+        a = [(torch.randn(T, RANK, K, device=DEV, generator=g) / K ** 0.5).bfloat16() for _ in SLICES[name]]
+        b = [(torch.randn(T, w, RANK, device=DEV, generator=g) * 0.02).bfloat16() for w in SLICES[name]]
+        layer.append(dict(name=name, K=K, N=N, codes=codes, scale=scale, a=a, b=b, widths=SLICES[name],
+                          scale_b=scale.float().reshape(1, 1).expand(1, N).contiguous()))
+    return layer
+
+
+def token_adapters(M: int, T: int, seed: int = 0) -> torch.Tensor:
+    """M tokens spread evenly over T adapters, in random order (requests arrive in any order)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.arange(M) * T // M
+    return ids[torch.randperm(M, generator=g)].to(DEV)
+
+
+def per_token_k1_path(x, p, ids):
+    """The fused path as it was before the grouped shrink: quantize, K1 (per-token shrink), K2."""
+    from epirl.kernels.fp8_quant.triton import quantize_per_token
+    from epirl.kernels.w8a8_multi_lora.triton import (PREFILL_CONFIG, Slices, adapter_order, multi_lora_gemm,
+                                                      quant_shrink)
+
+    slices = Slices(p["a"], p["b"], p["widths"])
+    q, s = quantize_per_token(x)
+    _, _, part = quant_shrink(x, slices, ids, quant=False)
+    y = torch.empty(x.shape[0], p["N"], device=DEV, dtype=torch.bfloat16)
+    return multi_lora_gemm(q, p["codes"], p["scale"].float().reshape(1), y, ids, part, slices, SIGMA,
+                           x_scale=s.reshape(-1), order=adapter_order(ids, PREFILL_CONFIG["BT"]),
+                           config=PREFILL_CONFIG)
+
+
+def variants(layer, M: int, T: int):
+    """{variant: fn computing the whole layer}; the inputs are built here, outside any graph."""
+    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
+    from epirl.kernels.w8a8_multi_lora.triton import adapter_order, expand_into, w8a8_multi_lora_slices
+
+    xs = {p["K"]: torch.randn(M, p["K"], device=DEV, dtype=torch.bfloat16) for p in layer}
+    ids = token_adapters(M, T)
+
+    def each(fn):
+        return lambda: [fn(p, xs[p["K"]]) for p in layer]
+
+    out = {
+        "base": each(lambda p, x: vendor_base(x, p["codes"], p["scale_b"])),
+        "fused": each(lambda p, x: w8a8_multi_lora_slices(x, p["codes"], p["scale"], p["a"], p["b"], p["widths"],
+                                                          ids, SIGMA)),
+        "fused-k1": each(lambda p, x: per_token_k1_path(x, p, ids)),
+        "vendor+epirl": each(lambda p, x: expand_into(vendor_base(x, p["codes"], p["scale_b"]), x, p["a"], p["b"],
+                                                      ids, SIGMA, order=adapter_order(ids, 128), widths=p["widths"])),
+    }
+    if DEV != "cuda":  # vLLM's LoRA kernels are Triton kernels vLLM launches on GPUs only
+        return out, xs, ids
+    try:
+        from epirl.engine.vllm_compat.punica import punica_lora_adder
+
+        adders = {p["name"]: punica_lora_adder(xs[p["K"]], p["a"], p["b"], ids, SIGMA) for p in layer}
+        out["vendor+vllm"] = each(lambda p, x: adders[p["name"]](vendor_base(x, p["codes"], p["scale_b"])))
+    except ImportError as exc:
+        print(f"# vendor+vllm skipped: {exc}", flush=True)
+    return out, xs, ids
+
+
+def max_error(layer, outs, xs, ids, rows: int = 64) -> float:
+    """max |Δ| / mean |y| of one call's outputs vs the float64 reference, on `rows` sampled tokens."""
+    from epirl.kernels import w8a8_multi_lora
+
+    worst = 0.0
+    for p, y in zip(layer, outs):
+        x = xs[p["K"]]
+        pick = torch.randperm(x.shape[0], device=DEV)[:rows]
+        start = 0
+        for w, a, b in zip(p["widths"], p["a"], p["b"]):
+            ref = w8a8_multi_lora(x[pick].cpu(), p["codes"][start:start + w].cpu(), p["scale"].cpu(), a.cpu(),
+                                  b.cpu(), ids[pick].cpu(), SIGMA, backend="reference").float()
+            got = y[pick, start:start + w].float().cpu()
+            worst = max(worst, ((got - ref).abs().max() / ref.abs().mean()).item())
+            start += w
+    return worst
+
+
+def run(tokens, tenants, timer=None):
+    """One row per (tenants, tokens); timer: µs of one fn (default: CUDA-graph replay, L2 flushed)."""
+    if timer is None:
+        from epirl.kernels.gpu_timing import graph_us as timer
+    rows = []
+    for T in tenants:
+        layer = build_layer(T)
+        for M in tokens:
+            fns, xs, ids = variants(layer, M, T)
+            row = dict(M=M, T=T)
+            for name, fn in fns.items():
+                row[name] = timer(fn)
+                if name != "base":
+                    row[f"{name}_err"] = max_error(layer, fn(), xs, ids)
+            rows.append(row)
+            print("# " + ", ".join(f"{k}={v:.4g}" for k, v in row.items()), flush=True)
+    return rows
+
+
+def print_table(rows):
+    names = [n for n in ("vendor+vllm", "fused", "fused-k1", "vendor+epirl") if n in rows[0]]
+    ref = "vendor+vllm" if "vendor+vllm" in rows[0] else "base"
+    print("\n| tokens | tenants | base µs | " + " | ".join(f"{n} µs (×{ref})" for n in names)
+          + " | max err / mean abs y |\n|---|---|---|" + "---|" * (len(names) + 1))
+    for r in rows:
+        cells = " | ".join(f"{r[n]:.1f} ({r[n] / r[ref]:.3f})" for n in names)
+        err = max(r[f"{n}_err"] for n in names)
+        print(f"| {r['M']} | {r['T']} | {r['base']:.1f} | {cells} | {err:.2e} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    ap.add_argument("--tenants", type=int, nargs="+", default=TENANTS)
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_serving_tenants needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    rows = run(args.tokens, args.tenants)
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
