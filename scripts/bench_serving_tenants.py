@@ -14,7 +14,10 @@ with the L2 flushed before each layer call (`epirl.kernels.gpu_timing.graph_us`)
                 token's program reads its adapter's A)
   vendor+epirl  base + epirl's shrink (grouped above 32 tokens) + K2's expand in place
 Also checks every variant against the float64 reference on a sample of rows (max |Δ| / mean |y| per variant).
-Usage: python scripts/bench_serving_tenants.py [--tokens 32 256 ...] [--tenants 1 8 32] [--json PATH]
+--sweep: the fused path with other K2 token tiles (BT 64 / 32: fewer adapters per tile, so fewer epilogue dots,
+against more passes over the weights) and grouped-shrink tiles, as `fused[<tag>]` columns, to pick per-bucket
+configs from measurements.
+Usage: python scripts/bench_serving_tenants.py [--tokens 32 256 ...] [--tenants 1 8 32] [--sweep] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import LAYER, RANK, SIGMA, SLICES  # noqa: E402
 
 TOKENS = [32, 64, 256, 1024, 8192]
+# --sweep: (K2 config, grouped-shrink config) pairs tried besides the defaults; tag -> (k2, shrink)
+SWEEP = {
+    "k2-bt64": (dict(BN=128, BT=64, BK=128, num_warps=4, num_stages=4), None),
+    "k2-bt32": (dict(BN=128, BT=32, BK=128, num_warps=4, num_stages=4), None),
+    "k2-bn64-bt64": (dict(BN=64, BT=64, BK=256, num_warps=4, num_stages=3), None),
+    "shrink-bt128": (None, dict(BT=128, BK=64, num_warps=8, num_stages=3)),
+    "shrink-bk128": (None, dict(BT=64, BK=128, num_warps=4, num_stages=3)),
+}
 TENANTS = [1, 8, 32]
 DEV = "cuda"  # tests run the script's logic on CPU (Triton's interpreter) by setting "cpu"
 
@@ -70,7 +81,23 @@ def per_token_k1_path(x, p, ids):
                            config=PREFILL_CONFIG)
 
 
-def variants(layer, M: int, T: int):
+def swept_fused(x, p, ids, k2_config, shrink_config):
+    """The fused prefill path (quantize, grouped shrink, K2) with the given tiles (None: the default)."""
+    from epirl.kernels.fp8_quant.triton import quantize_per_token
+    from epirl.kernels.w8a8_multi_lora.triton import (PREFILL_CONFIG, Slices, adapter_order, grouped_shrink,
+                                                      multi_lora_gemm)
+
+    k2 = k2_config or PREFILL_CONFIG
+    slices = Slices(p["a"], p["b"], p["widths"])
+    q, s = quantize_per_token(x)
+    order = adapter_order(ids, min(k2["BT"], (shrink_config or {}).get("BT", k2["BT"])))
+    part = grouped_shrink(x, slices, ids, order, config=shrink_config)
+    y = torch.empty(x.shape[0], p["N"], device=DEV, dtype=torch.bfloat16)
+    return multi_lora_gemm(q, p["codes"], p["scale"].float().reshape(1), y, ids, part, slices, SIGMA,
+                           x_scale=s.reshape(-1), order=order, config=k2)
+
+
+def variants(layer, M: int, T: int, sweep: bool = False):
     """{variant: fn computing the whole layer}; the inputs are built here, outside any graph."""
     from epirl.kernels.w8a8_multi_lora.timing import vendor_base
     from epirl.kernels.w8a8_multi_lora.triton import adapter_order, expand_into, w8a8_multi_lora_slices
@@ -89,6 +116,9 @@ def variants(layer, M: int, T: int):
         "vendor+epirl": each(lambda p, x: expand_into(vendor_base(x, p["codes"], p["scale_b"]), x, p["a"], p["b"],
                                                       ids, SIGMA, order=adapter_order(ids, 128), widths=p["widths"])),
     }
+    if sweep:
+        for tag, (k2, shrink) in SWEEP.items():
+            out[f"fused[{tag}]"] = each(lambda p, x, k2=k2, shrink=shrink: swept_fused(x, p, ids, k2, shrink))
     if DEV != "cuda":  # vLLM's LoRA kernels are Triton kernels vLLM launches on GPUs only
         return out, xs, ids
     try:
@@ -101,25 +131,29 @@ def variants(layer, M: int, T: int):
     return out, xs, ids
 
 
-def max_error(layer, outs, xs, ids, rows: int = 16) -> float:
-    """max |Δ| / mean |y| of one call's outputs vs the float64 reference, on `rows` sampled tokens."""
+def reference_rows(layer, xs, ids, rows: int = 16):
+    """(picked token rows, float64-accumulated reference outputs of each projection on them): computed once per
+    batch and shared by every variant's check."""
     from epirl.kernels import w8a8_multi_lora
 
-    worst = 0.0
-    for p, y in zip(layer, outs):
-        x = xs[p["K"]]
-        pick = torch.randperm(x.shape[0], device=DEV)[:rows]
-        start = 0
+    pick = torch.randperm(ids.shape[0], device=DEV)[:rows]
+    refs = []
+    for p in layer:
+        x, start, parts = xs[p["K"]][pick].cpu(), 0, []
         for w, a, b in zip(p["widths"], p["a"], p["b"]):
-            ref = w8a8_multi_lora(x[pick].cpu(), p["codes"][start:start + w].cpu(), p["scale"].cpu(), a.cpu(),
-                                  b.cpu(), ids[pick].cpu(), SIGMA, backend="reference").float()
-            got = y[pick, start:start + w].float().cpu()
-            worst = max(worst, ((got - ref).abs().max() / ref.abs().mean()).item())
+            parts.append(w8a8_multi_lora(x, p["codes"][start:start + w].cpu(), p["scale"].cpu(), a.cpu(), b.cpu(),
+                                         ids[pick].cpu(), SIGMA, backend="reference").float())
             start += w
-    return worst
+        refs.append(torch.cat(parts, dim=1))
+    return pick, refs
 
 
-def run(tokens, tenants, timer=None):
+def max_error(outs, pick, refs) -> float:
+    """max |Δ| / mean |y| of one call's outputs (one per projection) vs the reference rows."""
+    return max(((y[pick].float().cpu() - ref).abs().max() / ref.abs().mean()).item() for y, ref in zip(outs, refs))
+
+
+def run(tokens, tenants, timer=None, sweep: bool = False):
     """One row per (tenants, tokens); timer: µs of one fn (default: CUDA-graph replay, L2 flushed)."""
     if timer is None:
         from epirl.kernels.gpu_timing import graph_us as timer
@@ -127,12 +161,13 @@ def run(tokens, tenants, timer=None):
     for T in tenants:
         layer = build_layer(T)
         for M in tokens:
-            fns, xs, ids = variants(layer, M, T)
+            fns, xs, ids = variants(layer, M, T, sweep)
+            pick, refs = reference_rows(layer, xs, ids)
             row = dict(M=M, T=T)
             for name, fn in fns.items():
                 row[name] = timer(fn)
                 if name != "base":
-                    row[f"{name}_err"] = max_error(layer, fn(), xs, ids)
+                    row[f"{name}_err"] = max_error(fn(), pick, refs)
             rows.append(row)
             print("# " + ", ".join(f"{k}={v:.4g}" for k, v in row.items()), flush=True)
     return rows
@@ -140,6 +175,7 @@ def run(tokens, tenants, timer=None):
 
 def print_table(rows):
     names = [n for n in ("vendor+vllm", "fused", "fused-k1", "vendor+epirl") if n in rows[0]]
+    names += sorted(n for n in rows[0] if n.startswith("fused[") and not n.endswith("_err"))
     ref = "vendor+vllm" if "vendor+vllm" in rows[0] else "base"
     print("\n| tokens | tenants | base µs | " + " | ".join(f"{n} µs (×{ref})" for n in names)
           + " | max err / mean abs y |\n|---|---|---|" + "---|" * (len(names) + 1))
@@ -153,13 +189,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     ap.add_argument("--tenants", type=int, nargs="+", default=TENANTS)
+    ap.add_argument("--sweep", action="store_true", help="also the fused path with other K2 / shrink tiles")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_serving_tenants needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    rows = run(args.tokens, args.tenants)
+    rows = run(args.tokens, args.tenants, sweep=args.sweep)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

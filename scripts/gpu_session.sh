@@ -14,7 +14,7 @@
 #   mismatch   epirl mismatch with bf16, w8a8, w8a8@timed (epirl's serving kernels), w8a16 (SmolLM2 kit)  ~4 min
 #   serving    bench_serving.py --vllm (TPOT + 32 tenants, both settings)                                ~9 min
 #   tenants    multi-adapter kernel tests, then bench_serving_tenants.py (layer at 32-8192 tokens over
-#              1/8/32 adapters vs vLLM's own LoRA kernels; vLLM staged for that column)                 ~4 min
+#              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~6 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
 set -o pipefail
 source scripts/device_env.sh
@@ -41,8 +41,8 @@ for name in "$@"; do
     mismatch) part mismatch 400 python3 -P scripts/gpu_mismatch.py --quick --eager \
                 --engines bf16,w8a8,w8a8@timed,w8a16 --out "$OUT/mismatch" ;;
     serving)  part serving 560 python3 -P scripts/bench_serving.py --vllm ;;
-    tenants)  part tenants 300 bash -c "python3 -P -m pytest -q tests/kernels/test_w8a8_multi_lora_gpu.py \
-                tests/kernels/test_w8a8_multi_lora_sm90.py; python3 -P scripts/bench_serving_tenants.py \
+    tenants)  part tenants 420 bash -c "python3 -P -m pytest -q tests/kernels/test_w8a8_multi_lora_gpu.py \
+                tests/kernels/test_w8a8_multi_lora_sm90.py; python3 -P scripts/bench_serving_tenants.py --sweep \
                 --json $OUT/bench_tenants.json" ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
     *) echo "unknown part: $name (kernels flush tune engine mismatch serving tenants q35w8a16)" ;;
