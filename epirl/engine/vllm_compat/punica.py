@@ -107,7 +107,8 @@ def punica_lora_adder(x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[
     (`vllm/lora/punica_wrapper/punica_gpu.py`, 0.26 and 0.32): `lora_shrink` into an fp32 buffer
     `[slices, M, r]` (scaled by `scale`), then `lora_expand` adding each slice's part into its columns of y;
     both take the token metadata of `LoRAKernelMeta` (`lora_kernel_metadata.py`: `make`, `prepare_tensors`,
-    `meta_args`, whose arguments differ between versions: 0.32 adds `specialize_active_lora`).
+    `meta_args(token_nums, specialize_active_lora)` in 0.26 and 0.32; the flag is passed only where it exists,
+    False = the launch grid sized for every slot, as vLLM's default config does).
     The metadata is prepared here, once, as vLLM prepares it once per step outside its CUDA graphs; returns
     `add(y)`, which adds σ (x A_lᵀ) B_lᵀ per token into y `[M, Σ N_i]` in place (graph-capturable).
     For benchmarks and timing against epirl's kernels. lora_a / lora_b: per slice `[L, r, K]` / `[L, N_i, r]`."""
