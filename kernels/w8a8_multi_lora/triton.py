@@ -317,6 +317,8 @@ def grouped_shrink(x2, slices: Slices, token_lora, order=None, config=None):
     batches above DECODE_MAX_TOKENS, where K1's per-token programs re-read their adapter's A for every token on
     CUDA cores (measured 2.2x slower prefill with 32 tenants, 2026-12-01)."""
     M, K = x2.shape
+    if x2.dtype != torch.bfloat16 or x2.stride(1) != 1:
+        raise TypeError(f"grouped shrink needs bf16 x with unit K stride, got {x2.dtype} strides {x2.stride()}")
     cfg = dict(config or GROUPED_SHRINK_CONFIG)
     BR = max(16, triton.next_power_of_2(slices.R))
     k_chunk, n_chunks = shrink_chunking(K)

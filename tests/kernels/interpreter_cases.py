@@ -180,7 +180,8 @@ def case_backward():
         assert close_bf16(got[0], want[0], ulps=6), "dX"
         for g, w in zip(got[1:], want[1:]):  # dA, dB go through bf16 cuBLAS-style mm
             assert ((g - w).norm() / w.norm()).item() < 1e-2
-    x, codes, scale, *_ = problem(300, 70, 40, 8, seed=6)  # no LoRA, 300 tokens: the single-pass bucket (dX: one K chunk)
+    # no LoRA, 300 tokens: the single-pass bucket (dX: one K chunk)
+    x, codes, scale, *_ = problem(300, 70, 40, 8, seed=6)
     gy = torch.randn(300, 40).bfloat16()
     dx, da, db = tri_backward(gy, x, codes, scale, None, None, 0.0, True)
     assert da is None and db is None

@@ -170,8 +170,8 @@ def test_timed_dispatch_that_fails_serves_fused_and_reports_it(monkeypatch):
     finally:
         serving_lora.set_mode("off")
     tables = serving_lora.dispatch_tables()
-    assert tables["entries"]["64x96@8"]["best"] == "fused" and "capture failed" in tables["entries"]["64x96@8"]["failed"]
-    assert serving_lora.stats()["op_calls"] >= 0
+    entry = tables["entries"]["64x96@8"]
+    assert entry["best"] == "fused" and "capture failed" in entry["failed"]
 
 
 def test_serving_op_on_vllm_shaped_slot_buffers_equals_per_slice_reference():
