@@ -25,6 +25,9 @@ class _Method:
         return x[..., :1].repeat_interleave(self.n_out, dim=-1) * 2 + (0 if bias is None else bias)
 
 
+# a layer_parts() result: codes [N=4, K=8], one slice with 1 adapter slot of rank 2
+ONE_SLICE = (torch.zeros(4, 8), None, [torch.zeros(1, 2, 8)], [torch.zeros(1, 4, 2)], [4])
+
 def _fake_layer(n_out, token_map, flag=None):
     """What the op body reads of a vLLM LoRA layer: base_layer.quant_method, punica_wrapper's token map (and the
     GPU wrapper's kernel metadata with its no-LoRA flag, when `flag` is given)."""
@@ -67,13 +70,13 @@ def test_op_reads_the_live_token_map_not_the_traced_argument(monkeypatch):
     body reads the layer's current map, so a batch longer than the traced length keeps its adapters."""
     seen = {}
 
-    def fake_serve(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):
+    def fake_serve(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice=None):
         seen.update(ids=token_lora.clone(), order=order)
         return x.new_zeros(*x.shape[:-1], codes.shape[0])
 
     live = torch.tensor([0, 1, 0, 1, 0, 1])
     layer = _fake_layer(4, live, flag=False)
-    monkeypatch.setattr(serving_lora, "layer_parts", lambda lyr: (torch.zeros(4, 8), None, [], [], [4]))
+    monkeypatch.setattr(serving_lora, "layer_parts", lambda lyr: ONE_SLICE)
     monkeypatch.setattr(serving_lora, "serve_slices", fake_serve)
     key = serving_lora.register_layer(layer)
     stale = live[:2]  # what a graph traced on a 2-token batch passes
@@ -175,7 +178,7 @@ def test_batches_from_the_vllm_threshold_run_vllms_own_lora_path(monkeypatch):
     layer = _fake_layer(4, torch.zeros(16, dtype=torch.long), flag=False)
     layer._apply_sync = lambda x, bias: x[..., :4] * 3
     served = []
-    monkeypatch.setattr(serving_lora, "layer_parts", lambda lyr: (torch.zeros(4, 8), None, [], [], [4]))
+    monkeypatch.setattr(serving_lora, "layer_parts", lambda lyr: ONE_SLICE)
     monkeypatch.setattr(serving_lora, "serve_slices", lambda x, *a: served.append(x.shape[0]) or x[..., :4] * 0)
     key = serving_lora.register_layer(layer)
     before = serving_lora.stats()["vllm_calls"]

@@ -8,8 +8,10 @@ One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install(
   unset / "0"   vLLM's own path (base FP8 GEMM + punica shrink/expand)
   "fused"       always epirl's fused kernels
   "1" / "timed" per projection shape and token bucket, the fastest of {fused, vendor FP8 GEMM + epirl's
-                shrink/expand}, timed once on CUDA-graph replays at the shape's first call and cached on disk
-                (key: GPU, vLLM version, shapes) in $EPIRL_CACHE_DIR or ~/.cache/epirl
+                shrink/expand, vendor FP8 GEMM + vLLM's own LoRA kernels ("vllm")}, timed once on CUDA-graph
+                replays at the shape's first call with each batch spread over min(max_loras, M) adapters (the mix
+                the engine's slot count is configured for), cached on disk (key: GPU, vLLM version, shapes,
+                adapters) in $EPIRL_CACHE_DIR or ~/.cache/epirl
 `EPIRL_SERVING_VLLM_FROM=N` (read by `install()`; default 17 in timed mode, never in fused mode; "0"/"never": never):
 batches of at least N tokens run vLLM's own LoRA path (base GEMM + punica kernels) inside the op. Measured end to
 end (H200, 32 tenants, BENCHMARKS.md): with epirl's paths at every batch size the engine reached 0.55x vLLM's
@@ -22,10 +24,10 @@ and CUDA-graph capture see the custom op `epirl::w8a8_multi_lora_layer`. A layer
 weight is FP8 e4m3 with one per-tensor scale and dynamic per-token activations (vLLM's `fp8` online / per-tensor
 checkpoints, epirl's W8A8 emulation); epirl's W8A16 layers and anything else keep their path. vLLM folds
 σ = alpha/r into B when it loads an adapter, so the op uses σ = 1, as vLLM's punica call does.
-Limits: a layer whose slices do not cover its rows (some tensor-parallel shardings) keeps vLLM's path; vLLM's own
-punica kernels are not a timed dispatch candidate (EPIRL_SERVING_VLLM_FROM picks them by batch size;
-scripts/bench_serving.py --vllm compares the two end to end); a CUDA graph is captured per batch size, so no
-choice can depend on how many adapters a batch mixes.
+Limits: a layer whose slices do not cover its rows (some tensor-parallel shardings) keeps vLLM's path; the "vllm"
+candidate is timed with vendor_base (epirl's quantization + torch._scaled_mm) where vLLM runs CUTLASS, and a choice
+of it runs vLLM's whole path (scripts/bench_serving.py --vllm compares end to end); a CUDA graph is captured per
+batch size, so no choice can depend on how many adapters a batch mixes (hence the spread timing).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ VLLM_FROM_ENV = "EPIRL_SERVING_VLLM_FROM"
 # timed mode's default: batches above the 16-token bucket take vLLM's own LoRA path. Measured on the H200
 # (BENCHMARKS.md § Serving kernels, 2026-12-01): with 32 tenants, epirl's paths at >= 32 tokens (vendor FP8 GEMM +
 # per-token shrink/expand, timed faster than the fused kernels with ONE adapter) made the engine 0.55x vLLM's
-# throughput; vLLM's punica kernels are not yet a timed candidate, so they keep the batches they are measured to win.
+# throughput. The dispatch now also times vLLM's kernels ("vllm") on batches spread over the slots, and the shrink
+# above 32 tokens is grouped on tensor cores; this default stays until those are measured (bench_serving_tenants.py).
 TIMED_VLLM_FROM = 17
 CONFIG_KEY = "epirl_serving_kernels"  # the `additional_config` entry that keys vLLM's compile cache by the mode
 _MARKER = "_epirl_serving"  # on the vLLM methods install() wrapped (idempotence)
@@ -139,13 +142,14 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("EPIRL_CACHE_DIR", Path.home() / ".cache" / "epirl")) / "dispatch"
 
 
-def _choice(K: int, N: int, r: int, M: int, device) -> str:
-    """"fused" or "vendor+epirl" for this slice at M tokens (timed mode: from the dispatch table)."""
+def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1) -> str:
+    """"fused", "vendor+epirl" or "vllm" for this layer at M tokens (timed mode: from the dispatch table, timed
+    with batches spread over min(slots, M) adapters; slots: the layer's adapter slots, vLLM's max_loras)."""
     if mode() != "timed" or device.type != "cuda":
         return "fused"
     from epirl.kernels.w8a8_multi_lora import dispatch
 
-    shape = dispatch.Shape(f"{K}x{N}", K, N, r)
+    shape = dispatch.Shape(f"{K}x{N}", K, N, r, adapters=max(1, slots))
     table = _STATE["tables"].get(shape)
     if table is None:
         if torch.cuda.is_current_stream_capturing():
@@ -175,16 +179,29 @@ def _time_shape(shape):
     try:
         # batches from EPIRL_SERVING_VLLM_FROM on never reach the dispatch: their buckets are not timed
         return dispatch.load_or_time(_cache_dir(), torch.cuda.get_device_name(), vllm_version, [shape],
-                                     gpu_candidates, graph_us, ["fused", "vendor+epirl"],
-                                     dispatch.timed_buckets(_STATE["vllm_from"]))
+                                     lambda s, M: gpu_candidates(s, M, extra=vllm_candidate), graph_us,
+                                     ["fused", "vendor+epirl", "vllm"], dispatch.timed_buckets(_STATE["vllm_from"]))
     finally:
         release()
 
 
-def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias):
+def vllm_candidate(x, codes, scale, a, b, ids, sigma) -> dict:
+    """The dispatch's "vllm" candidate: vendor FP8 GEMM + vLLM's own LoRA kernels (what vLLM runs for this layer),
+    {} where vLLM's kernels cannot be imported."""
+    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
+
+    try:
+        add = punica.punica_lora_adder(x, [a], [b], ids, sigma)
+    except ImportError:
+        return {}
+    scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
+    return {"vllm": lambda: add(vendor_base(x, codes, scale_b))}
+
+
+def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice: str | None = None):
     """A LoRA linear layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i)
     per token (σ = 1: vLLM's B holds it). token_lora: vLLM's token -> slot map (shorter than the batch: the rest
-    gets no adapter; longer: its first M entries)."""
+    gets no adapter; longer: its first M entries). choice: "fused" or "vendor+epirl" (None: the dispatch's)."""
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
     # vLLM's sorted order is valid for its first len(token_lora) entries only (the rest of its buffer is stale and
@@ -206,7 +223,9 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
         return out.reshape(*x.shape[:-1], codes.shape[0])
     from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora_slices as fused
 
-    if _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device) == "vendor+epirl":
+    if choice is None:
+        choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device, lora_a[0].shape[0])
+    if choice == "vendor+epirl":
         out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
     else:  # one K1 + one K2 for all slices (q, k, v / gate, up) of the layer
         out = fused(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, order=order)
@@ -287,7 +306,11 @@ def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torc
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         order = None
     codes, scale, lora_a, lora_b, widths = layer_parts(layer)
-    return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias)
+    choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x.device, lora_a[0].shape[0])
+    if choice == "vllm":  # the timed dispatch measured vLLM's own kernels fastest for this layer and batch size
+        _STATE["vllm_calls"] += 1
+        return punica.vllm_lora_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
+    return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice)
 
 
 def _no_adapter(layer, token_lora: torch.Tensor, M: int, x: torch.Tensor) -> bool:
@@ -312,7 +335,8 @@ def stats() -> dict:
     compiled steps, CUDA-graph captures; not graph replays); short_maps: calls whose token map was shorter than
     the batch (its tail ran without adapter); vendor_calls: calls of a batch without adapter, computed by vLLM's
     base path (its quantization method's apply: no LoRA kernel at all); vllm_calls: calls of at least
-    EPIRL_SERVING_VLLM_FROM tokens, computed by vLLM's own LoRA path; vllm_from: that threshold (None: never).
+    EPIRL_SERVING_VLLM_FROM tokens or for which the timed dispatch chose vLLM's kernels, computed by vLLM's own
+    LoRA path; vllm_from: that threshold (None: never).
     op_calls 0 after an engine started with the setting on means its compiled graphs lack the op, e.g. loaded from
     a torch.compile cache built with the setting off: vLLM's cache key does not see this setting (pass it in
     `additional_config`, or use another VLLM_CACHE_ROOT)."""
@@ -344,10 +368,9 @@ def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bi
 
 def adapter_order(ids: torch.Tensor) -> torch.Tensor | None:
     """Tokens sorted by adapter (stable) for K2's expand at this batch size, or None when one tile holds them all."""
-    from epirl.kernels.w8a8_multi_lora import triton as k
+    from epirl.kernels.w8a8_multi_lora.triton import expand_order
 
-    tile = (k.DECODE_CONFIG if ids.numel() <= k.DECODE_MAX_TOKENS else k.PREFILL_CONFIG)["BT"]
-    return k.adapter_order(ids, tile)
+    return expand_order(ids)
 
 
 def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):

@@ -22,14 +22,18 @@ CACHE_VERSION = 1
 
 @dataclass(frozen=True)
 class Shape:
-    """One projection: its name (e.g. qkv_proj), input K, output N and the adapter rank r."""
+    """One projection: its name (e.g. qkv_proj), input K, output N, the adapter rank r, and how many adapters the
+    timed batches spread their tokens over (the engine's adapter slots: a batch of M tokens is timed with
+    min(adapters, M) distinct adapters, the mix a server with that many slots is configured for)."""
     name: str
     K: int
     N: int
     r: int
+    adapters: int = 1
 
     def tag(self) -> str:
-        return f"{self.name}:{self.K}x{self.N}r{self.r}"
+        spread = f"a{self.adapters}" if self.adapters > 1 else ""
+        return f"{self.name}:{self.K}x{self.N}r{self.r}{spread}"
 
 
 def bucket_of(M: int, buckets: Sequence[int] = BUCKETS) -> int:

@@ -1,11 +1,12 @@
 """GPU side of the timed dispatch and of scripts/bench_serving.py: the candidate implementations of one projection
 with one adapter (timed with `epirl.kernels.gpu_timing.graph_us`).
 
-Candidates (same contract: y `[M, N]` bf16 for bf16 x with one adapter):
-  fused         epirl's K1 + K2 (decode: PDL when the GPU/Triton support it; prefill: quantize, K1, K2)
-  vendor+epirl  epirl's per-token quantization + torch._scaled_mm (cuBLASLt FP8) + epirl's K1 + K2 expand
-  extra         whatever the caller adds (a hook for vendor GEMM + vLLM's punica kernels, which need a layer's live
-                punica metadata; not wired yet: the --vllm benchmark compares against vLLM's path end to end)
+Candidates (same contract: y `[M, N]` bf16 for bf16 x, each token with its adapter; the M tokens spread evenly
+over min(shape.adapters, M) adapters in random order):
+  fused         epirl's K1 + K2 (decode: PDL when the GPU/Triton support it; prefill: quantize, grouped shrink, K2)
+  vendor+epirl  epirl's per-token quantization + torch._scaled_mm (cuBLASLt FP8) + epirl's shrink + K2 expand
+  extra         whatever the caller adds: the engine adds "vllm", vendor GEMM + vLLM's own LoRA kernels
+                (`epirl.engine.serving_lora.vllm_candidate`; kernels/ does not import the engine)
 """
 
 from __future__ import annotations
@@ -36,18 +37,26 @@ def vendor_base(x, codes, scale_b):
     return torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16)
 
 
-def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict[str, Callable[[], object]]:
-    """The dispatch candidates for `shape` at M tokens, one adapter (slot 0) on every token.
-    extra(x, codes, scale, a, b, ids, sigma) -> {name: fn} adds caller-provided candidates."""
-    from .triton import expand_into, w8a8_multi_lora
+def spread_adapters(M: int, adapters: int, seed: int = 0) -> torch.Tensor:
+    """token -> adapter for M tokens spread evenly over min(adapters, M) adapters, in random (seeded) order."""
+    used = max(1, min(adapters, M))
+    g = torch.Generator().manual_seed(seed)
+    return (torch.arange(M) * used // max(M, 1))[torch.randperm(M, generator=g)]
 
-    codes, scale, a, b = random_projection(shape)
+
+def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict[str, Callable[[], object]]:
+    """The dispatch candidates for `shape` at M tokens, spread over min(shape.adapters, M) adapters.
+    extra(x, codes, scale, a, b, ids, sigma) -> {name: fn} adds caller-provided candidates."""
+    from .triton import expand_into, expand_order, w8a8_multi_lora
+
+    codes, scale, a, b = random_projection(shape, L=shape.adapters)
     x = torch.randn(M, shape.K, device="cuda", dtype=torch.bfloat16)
-    ids = torch.zeros(M, device="cuda", dtype=torch.int64)
+    ids = spread_adapters(M, shape.adapters).to("cuda")
     scale_b = scale.reshape(1, 1).expand(1, shape.N).contiguous()
     cands = {
         "fused": lambda: w8a8_multi_lora(x, codes, scale, a, b, ids, sigma),
-        "vendor+epirl": lambda: expand_into(vendor_base(x, codes, scale_b), x, a, b, ids, sigma),
+        "vendor+epirl": lambda: expand_into(vendor_base(x, codes, scale_b), x, a, b, ids, sigma,
+                                            order=expand_order(ids)),
     }
     if extra is not None:
         cands.update(extra(x, codes, scale, a, b, ids, sigma))

@@ -382,6 +382,13 @@ def adapter_order(token_lora, tile_tokens: int):
     return torch.sort(token_lora, stable=True).indices
 
 
+def expand_order(token_lora):
+    """Tokens in adapter order for K2's expand after a vendor GEMM (`expand_into`), at the tile its batch size
+    gets; None when one tile holds them all."""
+    tile = (DECODE_CONFIG if token_lora.numel() <= DECODE_MAX_TOKENS else PREFILL_CONFIG)["BT"]
+    return adapter_order(token_lora, tile)
+
+
 def choose_path(M: int, device) -> str:
     if M > DECODE_MAX_TOKENS:
         return "prefill"

@@ -212,3 +212,47 @@ def test_slices_reject_buffers_the_kernels_cannot_read():
                [32, 16])
     with pytest.raises(ValueError, match="2 A, 1 B slices"):
         Slices(a, b[:1], [32, 16])
+
+
+def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(monkeypatch):
+    """The dispatch times batches spread over min(slots, M) adapters (part of the cache key), with vLLM's own
+    kernels as the "vllm" candidate; a layer whose table says "vllm" runs vLLM's whole LoRA path inside the op, the
+    others reach serve_slices with the dispatch's choice."""
+    from epirl.engine import serving_lora
+    from epirl.engine.vllm_compat import punica
+    from epirl.kernels.w8a8_multi_lora.timing import spread_adapters
+
+    assert dispatch.Shape("q", 64, 96, 8).tag() == "q:64x96r8"
+    assert dispatch.Shape("q", 64, 96, 8, adapters=32).tag() == "q:64x96r8a32"
+    assert dispatch.cache_key("H200", "x", [dispatch.Shape("q", 64, 96, 8)], (1,), ["fused"]) != \
+        dispatch.cache_key("H200", "x", [dispatch.Shape("q", 64, 96, 8, adapters=32)], (1,), ["fused"])
+    ids = spread_adapters(256, 32)
+    assert sorted(torch.bincount(ids).tolist()) == [8] * 32 and not torch.equal(ids, ids.sort().values)
+    assert spread_adapters(4, 32).tolist().count(0) == 1 and spread_adapters(5, 1).eq(0).all()
+
+    seen = {}
+    monkeypatch.setattr(dispatch, "load_or_time", lambda *args: seen.update(shape=args[3][0], names=args[6]) or "t")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H200")
+    import epirl.kernels.gpu_timing as gpu_timing
+    monkeypatch.setattr(gpu_timing, "release", lambda: None)
+    serving_lora._time_shape(dispatch.Shape("64x96", 64, 96, 8, adapters=4))
+    assert seen["names"] == ["fused", "vendor+epirl", "vllm"] and seen["shape"].adapters == 4
+
+    layer, x = object(), torch.randn(5, 64)
+    key = len(serving_lora._LAYERS)
+    monkeypatch.setattr(serving_lora, "_LAYERS", serving_lora._LAYERS + [layer])
+    monkeypatch.setattr(punica, "token_slots", lambda lay: (torch.zeros(5, dtype=torch.long), None))
+    monkeypatch.setattr(serving_lora, "_no_adapter", lambda *a: False)
+    parts = (torch.zeros(96, 64), torch.ones(1), [torch.zeros(4, 8, 64)], [torch.zeros(4, 96, 8)], [96])
+    monkeypatch.setattr(serving_lora, "layer_parts", lambda lay: parts)
+    asked = []
+    monkeypatch.setattr(serving_lora, "_choice", lambda K, N, r, M, dev, slots: asked.append(slots) or choice)
+    monkeypatch.setattr(punica, "vllm_lora_apply", lambda lay, xx, bias: torch.full((5, 96), 7.0))
+    monkeypatch.setattr(serving_lora, "serve_slices", lambda *a: torch.full((5, 96), float(a[-1] == "vendor+epirl")))
+    monkeypatch.setitem(serving_lora._STATE, "vllm_from", None)
+    calls = serving_lora._STATE["vllm_calls"]
+    choice = "vllm"
+    assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(7).all()
+    assert serving_lora._STATE["vllm_calls"] == calls + 1 and asked == [4]
+    choice = "vendor+epirl"
+    assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(1).all()

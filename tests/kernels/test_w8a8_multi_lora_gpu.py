@@ -194,3 +194,20 @@ def test_vllm_lora_kernels_adder_adds_each_tokens_adapter():
         start += w
     assert_close_bf16(got, want, ulps=4.0)
     assert torch.equal(got[ids < 0], base[ids < 0])
+
+
+@pytest.mark.parametrize("M", [1, 16, 300])
+def test_dispatch_candidates_agree_on_batches_spread_over_the_slots(M):
+    """What the engine's timed dispatch chooses between computes the same layer: fused, vendor + epirl's
+    adapter kernels and (with vLLM) vendor + vLLM's own LoRA kernels, on a batch spread over 8 adapters."""
+    import importlib.util
+
+    from epirl.engine import serving_lora
+    from epirl.kernels.w8a8_multi_lora.dispatch import Shape
+    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates
+
+    outs = {name: fn() for name, fn in gpu_candidates(Shape("t", 1024, 1536, 64, adapters=8), M,
+                                                      extra=serving_lora.vllm_candidate).items()}
+    assert ("vllm" in outs) == (importlib.util.find_spec("vllm") is not None), sorted(outs)
+    for y in outs.values():
+        assert_close_bf16(y.float(), outs["fused"].float(), ulps=4.0)
