@@ -14,9 +14,9 @@ with the L2 flushed before each layer call (`epirl.kernels.gpu_timing.graph_us`)
                 token's program reads its adapter's A)
   vendor+epirl  base + epirl's shrink (grouped above 32 tokens) + K2's expand in place
 Also checks every variant against the float64 reference on a sample of rows (max |Δ| / mean |y| per variant).
---sweep: the fused path with other K2 token tiles (BT 64 / 32: fewer adapters per tile, so fewer epilogue dots,
-against more passes over the weights) and grouped-shrink tiles, as `fused[<tag>]` columns, to pick per-bucket
-configs from measurements.
+--sweep: the fused path with other K2 token tiles (the dispatch's PREFILL_VARIANTS, BT 64 / 32: fewer adapters per
+tile, so fewer epilogue dots, against more passes over the weights, and one more) and grouped-shrink tiles, as
+`fused[<tag>]` columns, to pick per-bucket configs from measurements.
 Usage: python scripts/bench_serving_tenants.py [--tokens 32 256 ...] [--tenants 1 8 32] [--sweep] [--json PATH]
 """
 
@@ -34,9 +34,8 @@ from bench_serving import LAYER, RANK, SIGMA, SLICES  # noqa: E402
 
 TOKENS = [32, 64, 256, 1024, 8192]
 # --sweep: (K2 config, grouped-shrink config) pairs tried besides the defaults; tag -> (k2, shrink)
+# (the engine's timed dispatch tries PREFILL_VARIANTS too: `fused[bt64]`, `fused[bt32]`)
 SWEEP = {
-    "k2-bt64": (dict(BN=128, BT=64, BK=128, num_warps=4, num_stages=4), None),
-    "k2-bt32": (dict(BN=128, BT=32, BK=128, num_warps=4, num_stages=4), None),
     "k2-bn64-bt64": (dict(BN=64, BT=64, BK=256, num_warps=4, num_stages=3), None),
     "shrink-bt128": (None, dict(BT=128, BK=64, num_warps=8, num_stages=3)),
     "shrink-bk128": (None, dict(BT=64, BK=128, num_warps=4, num_stages=3)),
@@ -117,7 +116,10 @@ def variants(layer, M: int, T: int, sweep: bool = False):
                                                       ids, SIGMA, order=adapter_order(ids, 128), widths=p["widths"])),
     }
     if sweep:
-        for tag, (k2, shrink) in SWEEP.items():
+        from epirl.kernels.w8a8_multi_lora.triton import PREFILL_VARIANTS
+
+        sweep_tiles = {**{f"k2-{tag}": (cfg, None) for tag, cfg in PREFILL_VARIANTS.items()}, **SWEEP}
+        for tag, (k2, shrink) in sweep_tiles.items():
             out[f"fused[{tag}]"] = each(lambda p, x, k2=k2, shrink=shrink: swept_fused(x, p, ids, k2, shrink))
     if DEV != "cuda":  # vLLM's LoRA kernels are Triton kernels vLLM launches on GPUs only
         return out, xs, ids

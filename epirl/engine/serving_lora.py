@@ -7,11 +7,11 @@ of adapters in a batch works.
 One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install()` (`set_mode()` changes it later)
   unset / "0"   vLLM's own path (base FP8 GEMM + punica shrink/expand)
   "fused"       always epirl's fused kernels
-  "1" / "timed" per projection shape and token bucket, the fastest of {fused, vendor FP8 GEMM + epirl's
-                shrink/expand, vendor FP8 GEMM + vLLM's own LoRA kernels ("vllm")}, timed once on CUDA-graph
-                replays at the shape's first call with each batch spread over min(max_loras, M) adapters (the mix
-                the engine's slot count is configured for), cached on disk (key: GPU, vLLM version, shapes,
-                adapters) in $EPIRL_CACHE_DIR or ~/.cache/epirl
+  "1" / "timed" per projection shape and token bucket, the fastest of {fused (above 32 tokens also with its
+                other K2 token tiles), vendor FP8 GEMM + epirl's shrink/expand, vendor FP8 GEMM + vLLM's own LoRA
+                kernels ("vllm")}, timed once on CUDA-graph replays at the shape's first call with each batch
+                spread over min(max_loras, M) adapters (the mix the engine's slot count is configured for), cached
+                on disk (key: GPU, vLLM version, shapes, adapters) in $EPIRL_CACHE_DIR or ~/.cache/epirl
 `EPIRL_SERVING_VLLM_FROM=N` (read by `install()`; default 17 in timed mode, never in fused mode; "0"/"never": never):
 batches of at least N tokens run vLLM's own LoRA path (base GEMM + punica kernels) inside the op. Measured end to
 end (H200, 32 tenants, BENCHMARKS.md): with epirl's paths at every batch size the engine reached 0.55x vLLM's
@@ -168,7 +168,7 @@ def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1) -> str:
 def _time_shape(shape):
     from epirl.kernels.w8a8_multi_lora import dispatch
     from epirl.kernels.gpu_timing import graph_us, release
-    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates
+    from epirl.kernels.w8a8_multi_lora.timing import candidate_names, gpu_candidates
 
     try:
         import vllm
@@ -180,7 +180,7 @@ def _time_shape(shape):
         # batches from EPIRL_SERVING_VLLM_FROM on never reach the dispatch: their buckets are not timed
         return dispatch.load_or_time(_cache_dir(), torch.cuda.get_device_name(), vllm_version, [shape],
                                      lambda s, M: gpu_candidates(s, M, extra=vllm_candidate), graph_us,
-                                     ["fused", "vendor+epirl", "vllm"], dispatch.timed_buckets(_STATE["vllm_from"]))
+                                     candidate_names(), dispatch.timed_buckets(_STATE["vllm_from"]))
     finally:
         release()
 
@@ -201,7 +201,8 @@ def vllm_candidate(x, codes, scale, a, b, ids, sigma) -> dict:
 def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice: str | None = None):
     """A LoRA linear layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i)
     per token (σ = 1: vLLM's B holds it). token_lora: vLLM's token -> slot map (shorter than the batch: the rest
-    gets no adapter; longer: its first M entries). choice: "fused" or "vendor+epirl" (None: the dispatch's)."""
+    gets no adapter; longer: its first M entries). choice: "fused", "fused[<tag>]" or "vendor+epirl" (None: the
+    dispatch's)."""
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
     # vLLM's sorted order is valid for its first len(token_lora) entries only (the rest of its buffer is stale and
@@ -227,6 +228,11 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
         choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device, lora_a[0].shape[0])
     if choice == "vendor+epirl":
         out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
+    elif choice.startswith("fused["):  # the prefill path with another K2 token tile (timed faster)
+        from epirl.kernels.w8a8_multi_lora.triton import PREFILL_VARIANTS
+
+        out = fused(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, path="prefill",
+                    config=PREFILL_VARIANTS[choice[len("fused["):-1]], order=order)
     else:  # one K1 + one K2 for all slices (q, k, v / gate, up) of the layer
         out = fused(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, order=order)
     return out.reshape(*x.shape[:-1], codes.shape[0])

@@ -4,6 +4,7 @@ with one adapter (timed with `epirl.kernels.gpu_timing.graph_us`).
 Candidates (same contract: y `[M, N]` bf16 for bf16 x, each token with its adapter; the M tokens spread evenly
 over min(shape.adapters, M) adapters in random order):
   fused         epirl's K1 + K2 (decode: PDL when the GPU/Triton support it; prefill: quantize, grouped shrink, K2)
+  fused[<tag>]  above DECODE_MAX_TOKENS tokens: the prefill path with K2's token tile PREFILL_VARIANTS[tag]
   vendor+epirl  epirl's per-token quantization + torch._scaled_mm (cuBLASLt FP8) + epirl's shrink + K2 expand
   extra         whatever the caller adds: the engine adds "vllm", vendor GEMM + vLLM's own LoRA kernels
                 (`epirl.engine.serving_lora.vllm_candidate`; kernels/ does not import the engine)
@@ -47,7 +48,7 @@ def spread_adapters(M: int, adapters: int, seed: int = 0) -> torch.Tensor:
 def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict[str, Callable[[], object]]:
     """The dispatch candidates for `shape` at M tokens, spread over min(shape.adapters, M) adapters.
     extra(x, codes, scale, a, b, ids, sigma) -> {name: fn} adds caller-provided candidates."""
-    from .triton import expand_into, expand_order, w8a8_multi_lora
+    from .triton import DECODE_MAX_TOKENS, PREFILL_VARIANTS, expand_into, expand_order, w8a8_multi_lora
 
     codes, scale, a, b = random_projection(shape, L=shape.adapters)
     x = torch.randn(M, shape.K, device="cuda", dtype=torch.bfloat16)
@@ -58,6 +59,17 @@ def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict
         "vendor+epirl": lambda: expand_into(vendor_base(x, codes, scale_b), x, a, b, ids, sigma,
                                             order=expand_order(ids)),
     }
+    if M > DECODE_MAX_TOKENS:  # the prefill path's other K2 tiles
+        for tag, cfg in PREFILL_VARIANTS.items():
+            cands[f"fused[{tag}]"] = lambda cfg=cfg: w8a8_multi_lora(x, codes, scale, a, b, ids, sigma, path="prefill",
+                                                                     config=cfg)
     if extra is not None:
         cands.update(extra(x, codes, scale, a, b, ids, sigma))
     return cands
+
+
+def candidate_names() -> list[str]:
+    """Every name gpu_candidates (plus the engine's "vllm") can return: part of the dispatch cache key."""
+    from .triton import PREFILL_VARIANTS
+
+    return ["fused", *(f"fused[{tag}]" for tag in PREFILL_VARIANTS), "vendor+epirl", "vllm"]

@@ -37,6 +37,11 @@ from .reference import check_args
 DECODE_MAX_TOKENS = 32
 DECODE_CONFIG = dict(BN=64, BT=16, BK=256, num_warps=4, num_stages=4)
 PREFILL_CONFIG = dict(BN=128, BT=128, BK=128, num_warps=8, num_stages=3)
+# K2 token tiles the engine's timed dispatch also tries above DECODE_MAX_TOKENS ("fused[<tag>]"): a narrower tile
+# holds fewer adapters of a many-tenant batch (the epilogue does one full-tile dot per adapter present) at the cost
+# of more passes over the weights; which wins depends on the batch's mix, so the dispatch measures it
+PREFILL_VARIANTS = {"bt64": dict(BN=128, BT=64, BK=128, num_warps=4, num_stages=4),
+                    "bt32": dict(BN=128, BT=32, BK=128, num_warps=4, num_stages=4)}
 SHRINK_CHUNK = 512   # K chunk of one K1 program (the chunking is fixed by K: batch invariant)
 SHRINK_BK = 128
 QUANT_BK = 1024      # K1's amax pass

@@ -236,7 +236,8 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     import epirl.kernels.gpu_timing as gpu_timing
     monkeypatch.setattr(gpu_timing, "release", lambda: None)
     serving_lora._time_shape(dispatch.Shape("64x96", 64, 96, 8, adapters=4))
-    assert seen["names"] == ["fused", "vendor+epirl", "vllm"] and seen["shape"].adapters == 4
+    assert seen["names"] == ["fused", "fused[bt64]", "fused[bt32]", "vendor+epirl", "vllm"]
+    assert seen["shape"].adapters == 4
 
     layer, x = object(), torch.randn(5, 64)
     key = len(serving_lora._LAYERS)
@@ -256,3 +257,22 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     assert serving_lora._STATE["vllm_calls"] == calls + 1 and asked == [4]
     choice = "vendor+epirl"
     assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(1).all()
+
+
+def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
+    """A "fused[<tag>]" choice runs the prefill path with PREFILL_VARIANTS[tag] (CUDA inputs only; faked here)."""
+    import importlib
+
+    from epirl.engine import serving_lora
+
+    multi = importlib.import_module("epirl.kernels.w8a8_multi_lora.triton")
+    seen = {}
+    monkeypatch.setattr(multi, "w8a8_multi_lora_slices", lambda *a, **kw: seen.update(kw) or a[0].new_zeros(5, 96))
+
+    class CudaLike(torch.Tensor):  # serve_slices takes its CPU reference branch for CPU tensors
+        is_cuda = True
+
+    x = torch.zeros(5, 64).as_subclass(CudaLike)
+    parts = (torch.zeros(96, 64), torch.ones(1), [torch.zeros(4, 8, 64)], [torch.zeros(4, 96, 8)], [96])
+    serving_lora.serve_slices(x, *parts, torch.zeros(5, dtype=torch.long), None, None, choice="fused[bt32]")
+    assert seen["path"] == "prefill" and seen["config"] == multi.PREFILL_VARIANTS["bt32"]
