@@ -1,5 +1,5 @@
 """GPU side of the timed dispatch and of scripts/bench_serving.py: the candidate implementations of one projection
-with one adapter (timed with `epirl.kernels.gpu_timing.graph_us`).
+with its adapters (timed with `epirl.kernels.gpu_timing.graph_us`).
 
 Candidates (same contract: y `[M, N]` bf16 for bf16 x, each token with its adapter; the M tokens spread evenly
 over min(shape.adapters, M) adapters in random order):
