@@ -13,6 +13,8 @@
 #   engine     matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 (gpu_evidence.sh engine; needs vLLM)     ~6 min
 #   mismatch   epirl mismatch with bf16, w8a8, w8a8@timed (epirl's serving kernels), w8a16 (SmolLM2 kit)  ~4 min
 #   serving    bench_serving.py --vllm (TPOT + 32 tenants, both settings)                                ~9 min
+#   servingall the same with EPIRL_SERVING_VLLM_FROM=never (the timed dispatch, vLLM's kernels among its
+#              candidates, decides every batch size; it times every bucket at engine start)            ~13 min
 #   tenants    multi-adapter kernel tests, then bench_serving_tenants.py (layer at 32-8192 tokens over
 #              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~6 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
@@ -41,11 +43,14 @@ for name in "$@"; do
     mismatch) part mismatch 400 python3 -P scripts/gpu_mismatch.py --quick --eager \
                 --engines bf16,w8a8,w8a8@timed,w8a16 --out "$OUT/mismatch" ;;
     serving)  part serving 560 python3 -P scripts/bench_serving.py --vllm ;;
+    servingall) mkdir -p "$OUT/servingall"  # its own folder: the child logs' names are fixed
+                part servingall 800 env EPIRL_SERVING_VLLM_FROM=never python3 -P scripts/bench_serving.py --vllm \
+                  --budget 760 --json "$OUT/servingall/bench_serving_vllm.json" ;;
     tenants)  part tenants 420 bash -c "python3 -P -m pytest -q tests/kernels/test_w8a8_multi_lora_gpu.py \
                 tests/kernels/test_w8a8_multi_lora_sm90.py; python3 -P scripts/bench_serving_tenants.py --sweep \
                 --json $OUT/bench_tenants.json" ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving tenants q35w8a16)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants q35w8a16)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
