@@ -76,6 +76,11 @@ class EngineConfig(Section):
     """Maximum concurrent sequences in the engine."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)."""
+    serving_kernels: Literal["env", "off", "fused", "timed"] = "env"
+    """`precision: w8a8` only: compute the engine's LoRA layers with epirl's multi-adapter FP8 kernels
+    (`epirl.kernels.w8a8_multi_lora`; README "Serving adapters with epirl's kernels"): `timed` = per shape and
+    batch size the fastest of epirl's and vLLM's kernels, timed at engine start and cached; `fused` = always
+    epirl's; `off` = vLLM's; `env` = what the variable EPIRL_SERVING_KERNELS says (off when unset)."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""
@@ -315,6 +320,10 @@ class EpirlConfig(Section):
         if self.rl.max_tokens >= self.model.max_model_len:
             raise ValueError(f"rl.max_tokens={self.rl.max_tokens} leaves no room for a prompt in "
                              f"model.max_model_len={self.model.max_model_len}")
+        if self.engine.serving_kernels in ("fused", "timed") and self.engine.precision != "w8a8":
+            raise ValueError(f"engine.serving_kernels={self.engine.serving_kernels} serves W8A8 layers, but "
+                             f"engine.precision={self.engine.precision}: use engine.precision=w8a8 or "
+                             "engine.serving_kernels=env")
         if self.trainer.base == "shared" and self.engine.precision not in FP8_ENGINE_PRECISIONS:
             raise ValueError(f"trainer.base=shared maps the engine's FP8 weights, but engine.precision="
                              f"{self.engine.precision} has none: use engine.precision=w8a16 (or w8a8), or "

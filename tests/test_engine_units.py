@@ -173,3 +173,25 @@ def test_fp8_base_views_are_zero_copy_in_either_vllm_weight_layout(layout):
     assert views["q_proj"][0].data_ptr() == qkv_codes.data_ptr() and views["o_proj"][0].data_ptr() == o_codes.data_ptr()
     assert torch.equal(torch.cat([views[m][0] for m in ("q_proj", "k_proj", "v_proj")]).float(), qkv_codes.float())
     assert torch.equal(views["o_proj"][0].float(), o_codes.float())  # the square one, not its transpose
+
+
+def test_engine_serving_kernels_mode_is_set_before_vllm_builds_the_model_and_restored(monkeypatch):
+    """engine.serving_kernels: the mode is active while vLLM builds the model (the LoRA layers register, torch.compile
+    traces the op) and is the old one again once the engine is gone, also when vLLM fails to start."""
+    import vllm
+
+    from epirl.config import load_config
+    from epirl.engine import RolloutEngine, serving_lora
+
+    seen = []
+
+    def fake_llm(**kwargs):
+        seen.append((serving_lora.mode(), kwargs.get("additional_config", {}).get(serving_lora.CONFIG_KEY)))
+        raise RuntimeError("no engine in this test")
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    before = serving_lora.mode()
+    cfg = load_config(None, ["engine.precision=w8a8", "engine.serving_kernels=timed", "model.path=smollm2"])
+    with pytest.raises(RuntimeError, match="no engine in this test"):
+        RolloutEngine(cfg)
+    assert seen == [("timed", "timed")] and serving_lora.mode() == before

@@ -150,6 +150,11 @@ class RolloutEngine:
         `load_format="dummy"`, `skip_tokenizer_init=True`); the tokenizer is None without one."""
         engine_args.set_process_env(getattr(cfg.engine, "cpu_kv_cache_gb", None))
         plugin.register()  # idempotent; the entry point also calls it when vLLM loads plugins
+        # engine.serving_kernels: the serving-kernels mode (process-wide) for this engine's life, before vLLM builds
+        # the model (its LoRA layers register and torch.compile traces the op); restored by close()
+        self._serving_mode = contextlib.ExitStack()
+        chosen = getattr(cfg.engine, "serving_kernels", "env")
+        self._serving_mode.enter_context(serving_lora.using_mode(None if chosen == "env" else chosen))
         # w8a16 sizes its fixed LoRA buffers (rank, σ) while quantizing, before any graph capture.
         plugin.configure(cfg.lora.rank, cfg.lora.alpha / cfg.lora.rank)
         if not on_cuda():
@@ -160,10 +165,14 @@ class RolloutEngine:
         self.precision = cfg.engine.precision
         quantization = _quantization(self.precision)
         self.model_path = resolve_model_path(cfg.model.path)
-        kwargs = _llm_kwargs(cfg, self.model_path, quantization)
-        kwargs.update(llm_overrides)
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(**kwargs)
+        try:
+            kwargs = _llm_kwargs(cfg, self.model_path, quantization)
+            kwargs.update(llm_overrides)
+            self.llm = vllm.LLM(**kwargs)
+        except BaseException:
+            self._serving_mode.close()  # an engine that did not start leaves the mode as it found it
+            raise
         self.start_s = time.perf_counter() - t0
         log.info("vLLM %s engine (%s, quantization=%s) started in %.1f s",
                  vllm_version(), self.precision, quantization, self.start_s)
@@ -372,7 +381,8 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Shut vLLM down and free its memory (so a next engine can start in this process)."""
-        if getattr(self, "llm", None) is None:
-            return
-        self._fused = None
-        shutdown.shutdown_llm(self)
+        if getattr(self, "llm", None) is not None:
+            self._fused = None
+            shutdown.shutdown_llm(self)
+        if getattr(self, "_serving_mode", None) is not None:
+            self._serving_mode.close()  # the serving-kernels mode as it was before this engine (idempotent)

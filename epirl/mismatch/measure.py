@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epirl.engine import RolloutEngine, serving_lora
+from epirl.engine import RolloutEngine
 from epirl.kernels import quantize_activation_fp8, w8a16_lora
 from epirl.mismatch.variants import (VARIANTS, fake_quant_activations, fp8_projections, load_variant_policy,
                                      score_sequences)
@@ -265,14 +265,15 @@ def collect_rollouts(cfg, specs: list[str], prompt_ids_P: list[list[int]], sampl
         precision, serving = split_engine_spec(spec)
         engine_cfg = copy.deepcopy(cfg)
         engine_cfg.engine.precision = precision
-        with serving_lora.using_mode(serving):
-            engine = RolloutEngine(engine_cfg)
-            try:
-                if adapter_dir is not None:
-                    engine.load_adapter_dir(adapter_dir)
-                rollouts[spec] = sample_with_topk(engine, prompt_ids_P, samples, max_tokens, temperature, topk, seed)
-            finally:
-                engine.close()
+        if serving is not None:  # the engine sets the serving-kernels mode for its life (engine.serving_kernels)
+            engine_cfg.engine.serving_kernels = serving
+        engine = RolloutEngine(engine_cfg)
+        try:
+            if adapter_dir is not None:
+                engine.load_adapter_dir(adapter_dir)
+            rollouts[spec] = sample_with_topk(engine, prompt_ids_P, samples, max_tokens, temperature, topk, seed)
+        finally:
+            engine.close()
         log.info("%s engine: %d tokens in %.1f s", spec, rollouts[spec].num_tokens, rollouts[spec].sample_s)
     return rollouts
 
