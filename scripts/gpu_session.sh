@@ -16,7 +16,7 @@
 #   servingall the same with EPIRL_SERVING_VLLM_FROM=never (the timed dispatch, vLLM's kernels among its
 #              candidates, decides every batch size; it times every bucket at engine start)            ~13 min
 #   tenants    multi-adapter kernel tests, then bench_serving_tenants.py (layer at 32-8192 tokens over
-#              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~6 min
+#              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~8 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
 set -o pipefail
 source scripts/device_env.sh
@@ -46,7 +46,7 @@ for name in "$@"; do
     servingall) mkdir -p "$OUT/servingall"  # its own folder: the child logs' names are fixed
                 part servingall 800 env EPIRL_SERVING_VLLM_FROM=never python3 -P scripts/bench_serving.py --vllm \
                   --budget 760 --json "$OUT/servingall/bench_serving_vllm.json" ;;
-    tenants)  part tenants 420 bash -c "python3 -P -m pytest -q tests/kernels/test_w8a8_multi_lora_gpu.py \
+    tenants)  part tenants 540 bash -c "python3 -P -m pytest -q tests/kernels/test_w8a8_multi_lora_gpu.py \
                 tests/kernels/test_w8a8_multi_lora_sm90.py; python3 -P scripts/bench_serving_tenants.py --sweep \
                 --json $OUT/bench_tenants.json" ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
