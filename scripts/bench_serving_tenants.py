@@ -1,6 +1,6 @@
 """Multi-tenant serving kernels benchmark (H200): one Qwen3-8B decoder layer (qkv as q, k, v slices, o, gate_up as
 gate, up slices, down; each slice with its own `[T, r, K]` / `[T, N_s, r]` slot buffers, as vLLM holds them) at M
-tokens spread evenly over T rank-64 adapters in random token order: the batches of issue 13's 32-tenant workload
+tokens spread evenly over min(T, M) rank-64 adapters in random token order: the batches of issue 13's 32-tenant workload
 (decode steps of 32-256 sequences, prefill chunks of up to 8192 tokens). Each variant is replayed from one CUDA graph
 with the L2 flushed before each layer call (`epirl.kernels.gpu_timing.graph_us`), µs per layer; ratios against
 `vendor+vllm`, what vLLM's engine runs for these batches.
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import LAYER, RANK, SIGMA, SLICES  # noqa: E402
 
-TOKENS = [32, 64, 256, 1024, 8192]
+TOKENS = [16, 32, 64, 256, 1024, 8192]  # 16: a decode step in which every token may have its own adapter
 # --sweep: (K2 config, grouped-shrink config) pairs tried besides the defaults; tag -> (k2, shrink)
 # (the engine's timed dispatch tries PREFILL_VARIANTS too: `fused[bt64]`, `fused[bt32]`)
 SWEEP = {
@@ -56,13 +56,6 @@ def build_layer(T: int, seed: int = 0):
         layer.append(dict(name=name, K=K, N=N, codes=codes, scale=scale, a=a, b=b, widths=SLICES[name],
                           scale_b=scale.float().reshape(1, 1).expand(1, N).contiguous()))
     return layer
-
-
-def token_adapters(M: int, T: int, seed: int = 0) -> torch.Tensor:
-    """M tokens spread evenly over T adapters, in random order (requests arrive in any order)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.arange(M) * T // M
-    return ids[torch.randperm(M, generator=g)].to(DEV)
 
 
 def per_token_k1_path(x, p, ids):
@@ -98,11 +91,11 @@ def swept_fused(x, p, ids, k2_config, shrink_config):
 
 def variants(layer, M: int, T: int, sweep: bool = False):
     """{variant: fn computing the whole layer}; the inputs are built here, outside any graph."""
-    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
+    from epirl.kernels.w8a8_multi_lora.timing import spread_adapters, vendor_base
     from epirl.kernels.w8a8_multi_lora.triton import adapter_order, expand_into, w8a8_multi_lora_slices
 
     xs = {p["K"]: torch.randn(M, p["K"], device=DEV, dtype=torch.bfloat16) for p in layer}
-    ids = token_adapters(M, T)
+    ids = spread_adapters(M, T).to(DEV)  # evenly over min(T, M) adapters, random order (as the dispatch times)
 
     def each(fn):
         return lambda: [fn(p, xs[p["K"]]) for p in layer]

@@ -15,7 +15,7 @@
 #   serving    bench_serving.py --vllm (TPOT + 32 tenants, both settings)                                ~9 min
 #   servingall the same with EPIRL_SERVING_VLLM_FROM=never (the timed dispatch, vLLM's kernels among its
 #              candidates, decides every batch size; it times every bucket at engine start)            ~13 min
-#   tenants    multi-adapter kernel tests, then bench_serving_tenants.py (layer at 32-8192 tokens over
+#   tenants    multi-adapter kernel tests, then bench_serving_tenants.py (layer at 16-8192 tokens over
 #              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~8 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
 set -o pipefail
