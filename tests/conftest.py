@@ -72,6 +72,13 @@ def run_interpreter_cases(script, cases: list[str]) -> dict[str, dict]:
     return results
 
 
+def check_interpreter_case(results: dict[str, dict], case: str) -> None:
+    """One case of `run_interpreter_cases`' results: it ran, and passed (else its traceback is the message)."""
+    rec = results.get(case)
+    assert rec is not None, f"case {case} did not run"
+    assert rec["ok"], rec.get("error")
+
+
 def engine_test_config(precision: str = "bf16", **sections):
     """A small EpirlConfig for engine tests on SmolLM2 (CPU-sized KV cache and lengths)."""
     from epirl.config import EpirlConfig

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_interpreter_cases
+from conftest import check_interpreter_case, run_interpreter_cases
 
 pytest.importorskip("triton")
 
@@ -20,6 +20,4 @@ def results():
 
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_script_runs_on_cpu(results, case):
-    rec = results.get(case)
-    assert rec is not None, f"case {case} did not run"
-    assert rec["ok"], rec.get("error")
+    check_interpreter_case(results, case)

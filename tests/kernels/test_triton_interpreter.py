@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_interpreter_cases
+from conftest import check_interpreter_case, run_interpreter_cases
 
 pytest.importorskip("triton")
 
@@ -26,9 +26,7 @@ def interpreter_results():
 
 @pytest.mark.parametrize("case", CASES)
 def test_triton_kernel_in_interpreter(interpreter_results, case):
-    rec = interpreter_results.get(case)
-    assert rec is not None, f"case {case} did not run"
-    assert rec["ok"], rec.get("error")
+    check_interpreter_case(interpreter_results, case)
 
 
 def test_fp8_rounding_in_interpreter_is_known_broken():

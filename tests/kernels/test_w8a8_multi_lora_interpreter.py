@@ -238,9 +238,9 @@ def interpreter_results():
 
 @pytest.mark.parametrize("case", CASES)
 def test_w8a8_multi_lora_in_interpreter(interpreter_results, case):
-    rec = interpreter_results.get(case)
-    assert rec is not None, f"case {case} did not run"
-    assert rec["ok"], rec.get("error")
+    from conftest import check_interpreter_case
+
+    check_interpreter_case(interpreter_results, case)
 
 
 if __name__ == "__main__":
