@@ -11,8 +11,8 @@ with the L2 flushed before each layer call (`epirl.kernels.gpu_timing.graph_us`)
   fused         epirl's w8a8_multi_lora_slices as the engine calls it: up to 32 tokens K1 (quantize + per-token
                 shrink) and K2's decode tile with PDL; above, the prefill path (grouped tensor-core shrink, K2 with
                 the multi-adapter epilogue); tokens sorted inside the graph as in the engine
-  fused-k1      the same K2 with the per-token K1 shrink it had before the grouped shrink (CUDA cores, each
-                token's program reads its adapter's A)
+  fused-k1      the prefill path as it was before the grouped shrink: K1's per-token shrink (CUDA cores, each
+                token's program reads its adapter's A) and K2 summing the chunk partials in every weight tile
   vendor+epirl  base + epirl's shrink (grouped above 32 tokens) + K2's expand in place
 Also checks every variant against the float64 reference on a sample of rows (max |Δ| / mean |y| per variant).
 --sweep: the fused path with other K2 token tiles (the dispatch's PREFILL_VARIANTS, BT 64 / 32: fewer adapters per
@@ -75,16 +75,16 @@ def per_token_k1_path(x, p, ids):
 
 
 def swept_fused(x, p, ids, k2_config, shrink_config):
-    """The fused prefill path (quantize, grouped shrink, K2) with the given tiles (None: the default)."""
+    """The fused prefill path (quantize, grouped shrink, chunk sum, K2) with the given tiles (None: the default)."""
     from epirl.kernels.fp8_quant.triton import quantize_per_token
     from epirl.kernels.w8a8_multi_lora.triton import (PREFILL_CONFIG, Slices, adapter_order, grouped_shrink,
-                                                      multi_lora_gemm)
+                                                      multi_lora_gemm, sum_chunks)
 
     k2 = k2_config or PREFILL_CONFIG
     slices = Slices(p["a"], p["b"], p["widths"])
     q, s = quantize_per_token(x)
     order = adapter_order(ids, min(k2["BT"], (shrink_config or {}).get("BT", k2["BT"])))
-    part = grouped_shrink(x, slices, ids, order, config=shrink_config)
+    part = sum_chunks(grouped_shrink(x, slices, ids, order, config=shrink_config))
     y = torch.empty(x.shape[0], p["N"], device=DEV, dtype=torch.bfloat16)
     return multi_lora_gemm(q, p["codes"], p["scale"].float().reshape(1), y, ids, part, slices, SIGMA,
                            x_scale=s.reshape(-1), order=order, config=k2)

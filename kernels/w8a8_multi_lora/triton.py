@@ -15,8 +15,9 @@ Decode (≤ DECODE_MAX_TOKENS tokens) with PDL: K1 signals `gdc_launch_dependent
   `launch_pdl`) is scheduled while K1 runs and calls `gdc_wait` before its first read of K1's output, which
   hides K2's launch and prologue behind K1.
 Prefill: fp8_quant.triton quantizes all tokens in one kernel, `grouped_shrink` computes the shrink on tensor cores
-  over tiles of tokens in adapter order (one dot per adapter in a tile, same K chunking as K1), K2 uses a
-  128-token tile. `expand_into` (after a vendor GEMM) shrinks the same way above DECODE_MAX_TOKENS tokens.
+  over tiles of tokens in adapter order (one dot per adapter in a tile, same K chunking as K1), `sum_chunks` adds
+  its chunk partials once (in K2's order: same bits), K2 uses a 128-token tile. `expand_into` (after a vendor
+  GEMM) shrinks the same way above DECODE_MAX_TOKENS tokens.
 (A variant that quantized x inside every K2 program was measured slower, 2026-11-30: every weight tile
 re-quantizes the activations, and IEEE division of the zero-padded token columns takes a slow path.)
 Importing needs triton, no GPU.
@@ -142,6 +143,21 @@ def _grouped_shrink_kernel(x_ptr, a_tab, ids_ptr, order_ptr, part_ptr, M, K, R, 
                 acc = tl.dot(a, xv, acc)
         tl.store(out, acc, mask=mask_r[:, None] & (ids == cur)[None, :])
         cur = tl.min(tl.where(ids > cur, ids, big), axis=0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_chunks_kernel(part_ptr, out_ptr, M, N_CHUNKS, BR: tl.constexpr, BLOCK: tl.constexpr):
+    # out[slice, 0, m, r] = sum over c of part[slice, c, m, r], added in chunk order starting from zero: the very
+    # sum K2's epilogue forms, so K2 reading it as one chunk (0 + h = h) gives the same bits, and its tiles stop
+    # re-reading every chunk's partials (K2 loads them once per weight tile: N / BN times)
+    pid = tl.program_id(0)
+    sl = tl.program_id(1).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * BR
+    h = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, N_CHUNKS):
+        h += tl.load(part_ptr + (sl * N_CHUNKS + c) * M * BR + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + sl * M * BR + offs, h, mask=mask)
 
 
 @triton.jit
@@ -340,10 +356,23 @@ def grouped_shrink(x2, slices: Slices, token_lora, order=None, config=None):
     return part
 
 
+def sum_chunks(part):
+    """`[slices, N_CHUNKS, M, BR]` fp32 partials -> `[slices, 1, M, BR]`, each summed in chunk order from zero (what
+    K2 would add, so K2's output bits do not change) in one pass, instead of in every weight tile of K2."""
+    n_slices, n_chunks, M, BR = part.shape
+    if n_chunks == 1 or M == 0:
+        return part
+    out = torch.empty(n_slices, 1, M, BR, device=part.device, dtype=torch.float32)
+    _sum_chunks_kernel[(triton.cdiv(M * BR, 1024), n_slices)](part, out, M, n_chunks, BR=BR, BLOCK=1024,
+                                                              num_warps=4)
+    return out
+
+
 def _shrink_only(x2, slices: Slices, token_lora, order, grouped: bool):
-    """The shrink partials without quantization: grouped on tensor cores, or per token (K1)."""
+    """The shrink partials without quantization: grouped on tensor cores (then summed over the K chunks once), or
+    per token (K1)."""
     if grouped and slices.active:
-        return grouped_shrink(x2, slices, token_lora, order)
+        return sum_chunks(grouped_shrink(x2, slices, token_lora, order))
     return quant_shrink(x2, slices, token_lora, quant=False)[2]
 
 

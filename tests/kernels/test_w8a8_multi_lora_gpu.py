@@ -147,7 +147,8 @@ def test_fused_qkv_slices_equal_per_slice_calls_bitwise(M):
 def test_grouped_shrink_vs_per_token_and_groups_alone_bitwise(M, L):
     """The tensor-core shrink (prefill, and expand_into above DECODE_MAX_TOKENS): each token's h within fp32
     rounding of K1's per-token partials, a 32-tenant batch's partials == each adapter group's alone, bitwise
-    (tiles in adapter order, groups of every size), and expand_into of such a batch vs the reference."""
+    (tiles in adapter order, groups of every size), K2 on the chunk-summed partials == on the raw ones, bitwise,
+    and expand_into of such a batch vs the reference."""
     from epirl.kernels.w8a8_multi_lora.triton import Slices, adapter_order, grouped_shrink
 
     K, N = 4096, 1024
@@ -167,6 +168,15 @@ def test_grouped_shrink_vs_per_token_and_groups_alone_bitwise(M, L):
         alone = grouped_shrink(x[mine].clone(), slices, ids[mine].clone())
         assert torch.equal(alone, part[:, :, mine]), adapter
     codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g, device=DEV) * 0.02, backend="reference")
+    from epirl.kernels.w8a8_multi_lora.triton import multi_lora_gemm, sum_chunks
+
+    q, s = quantize_activation_fp8(x)
+
+    def k2(partials):  # the prefill K2 on given partials; the chunk-summed ones must give the same bits
+        return multi_lora_gemm(q, codes, scale.float().reshape(1), torch.empty(M, N, device=DEV, dtype=torch.bfloat16),
+                               ids, partials, slices, 1.5, x_scale=s.reshape(-1), order=adapter_order(ids, 128))
+
+    assert torch.equal(k2(sum_chunks(part)), k2(part))
     base = w8a8_multi_lora(x, codes, scale, a, b, torch.full_like(ids, -1), 1.0)
     want = w8a8_multi_lora(x.cpu(), codes.cpu(), scale.cpu(), a.cpu(), b.cpu(), ids.cpu(), 1.5, backend="reference")
     assert_close_bf16(expand_into(base, x, a, b, ids, 1.5, order=adapter_order(ids, 128)).cpu(), want)

@@ -200,8 +200,9 @@ def case_fused_slices_one_launch_pair():
 def case_grouped_shrink_vs_exact_and_groups_bitwise():
     """The tensor-core shrink over tiles in adapter order: K1's partial layout and K chunks (K = 1100: three,
     the last ragged), each token's h within fp32 rounding of the exact x_t A_lᵀ, -1 rows untouched, and a
-    mixed batch's partials equal to each adapter group's alone, bitwise; then the prefill path and
-    expand_into above DECODE_MAX_TOKENS (which use it) against the reference."""
+    mixed batch's partials equal to each adapter group's alone, bitwise; K2 on the chunk-summed partials equal to
+    K2 on the raw ones, bitwise; then the prefill path and expand_into above DECODE_MAX_TOKENS (which use both)
+    against the reference."""
     import torch
 
     from epirl.kernels import w8a8_multi_lora
@@ -220,6 +221,19 @@ def case_grouped_shrink_vs_exact_and_groups_bitwise():
         mine = (ids == adapter).nonzero().reshape(-1)
         alone = grouped_shrink(x[mine].clone(), slices, ids[mine].clone(), None, config=tiles)
         assert torch.equal(alone[..., :5], part[:, :, mine, :5]), adapter
+    # K2 on the partials summed once (sum_chunks, what the prefill path does) == K2 summing them itself, bitwise
+    from epirl.kernels import quantize_activation_fp8
+    from epirl.kernels.w8a8_multi_lora.triton import multi_lora_gemm, sum_chunks
+
+    q, s = quantize_activation_fp8(x, backend="reference")
+
+    def k2(partials):
+        y = torch.empty(45, 40, dtype=torch.bfloat16)
+        return multi_lora_gemm(q, codes, scale, y, ids, partials, slices, 0.5, x_scale=s.reshape(-1),
+                               order=adapter_order(ids, SMALL_TILES["BT"]), config=SMALL_TILES)
+
+    summed = sum_chunks(part)
+    assert summed.shape == (1, 1, 45, 16) and torch.equal(k2(summed), k2(part))
     assert DECODE_MAX_TOKENS < 45
     got = w8a8_multi_lora(x, codes, scale, a, b, ids, 0.5, path="prefill", config=SMALL_TILES)
     assert close_bf16(got, reference(x, codes, scale, a, b, ids, 0.5))

@@ -55,3 +55,11 @@ def test_grouped_shrink_lowers_to_bf16_wgmma():
     ptx = ptx_for(kernels._grouped_shrink_kernel, GROUPED_SIG, consts, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     assert "wgmma.mma_async" in ptx and ".bf16" in ptx and ".f32.bf16.bf16" in ptx
+
+
+def test_chunk_sum_lowers():
+    from epirl.kernels.w8a8_multi_lora import triton as kernels
+
+    ptx = ptx_for(kernels._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N_CHUNKS": "i32"},
+                  dict(BR=64, BLOCK=1024), num_warps=4)
+    assert "ld.global" in ptx and "add.f32" in ptx and "fma" not in ptx  # plain adds in chunk order, no contraction
