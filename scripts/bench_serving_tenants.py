@@ -59,32 +59,22 @@ def build_layer(T: int, seed: int = 0):
     return layer
 
 
-def per_token_k1_path(x, p, ids):
-    """The fused path as it was before the grouped shrink: quantize, K1 (per-token shrink), K2."""
-    from epirl.kernels.fp8_quant.triton import quantize_per_token
-    from epirl.kernels.w8a8_multi_lora.triton import (PREFILL_CONFIG, Slices, adapter_order, multi_lora_gemm,
-                                                      quant_shrink)
-
-    slices = Slices(p["a"], p["b"], p["widths"])
-    q, s = quantize_per_token(x)
-    _, _, part = quant_shrink(x, slices, ids, quant=False)
-    y = torch.empty(x.shape[0], p["N"], device=DEV, dtype=torch.bfloat16)
-    return multi_lora_gemm(q, p["codes"], p["scale"].float().reshape(1), y, ids, part, slices, SIGMA,
-                           x_scale=s.reshape(-1), order=adapter_order(ids, PREFILL_CONFIG["BT"]),
-                           config=PREFILL_CONFIG)
-
-
-def swept_fused(x, p, ids, k2_config, shrink_config):
-    """The fused prefill path (quantize, grouped shrink, chunk sum, K2) with the given tiles (None: the default)."""
+def prefill_path(x, p, ids, k2_config=None, shrink="grouped", shrink_config=None):
+    """The fused prefill path built from its pieces: quantize, the shrink, K2 (None configs: the defaults).
+    shrink "grouped": the grouped tensor-core shrink + one chunk sum (the path as it is); "k1": K1's per-token
+    shrink with K2 summing the chunk partials in every weight tile (the path before the grouped shrink)."""
     from epirl.kernels.fp8_quant.triton import quantize_per_token
     from epirl.kernels.w8a8_multi_lora.triton import (PREFILL_CONFIG, Slices, adapter_order, grouped_shrink,
-                                                      multi_lora_gemm, sum_chunks)
+                                                      multi_lora_gemm, quant_shrink, sum_chunks)
 
     k2 = k2_config or PREFILL_CONFIG
     slices = Slices(p["a"], p["b"], p["widths"])
     q, s = quantize_per_token(x)
     order = adapter_order(ids, min(k2["BT"], (shrink_config or {}).get("BT", k2["BT"])))
-    part = sum_chunks(grouped_shrink(x, slices, ids, order, config=shrink_config))
+    if shrink == "k1":
+        part = quant_shrink(x, slices, ids, quant=False)[2]
+    else:
+        part = sum_chunks(grouped_shrink(x, slices, ids, order, config=shrink_config))
     y = torch.empty(x.shape[0], p["N"], device=DEV, dtype=torch.bfloat16)
     return multi_lora_gemm(q, p["codes"], p["scale"].float().reshape(1), y, ids, part, slices, SIGMA,
                            x_scale=s.reshape(-1), order=order, config=k2)
@@ -105,7 +95,7 @@ def variants(layer, M: int, T: int, sweep: bool = False):
         "base": each(lambda p, x: vendor_base(x, p["codes"], p["scale_b"])),
         "fused": each(lambda p, x: w8a8_multi_lora_slices(x, p["codes"], p["scale"], p["a"], p["b"], p["widths"],
                                                           ids, SIGMA)),
-        "fused-k1": each(lambda p, x: per_token_k1_path(x, p, ids)),
+        "fused-k1": each(lambda p, x: prefill_path(x, p, ids, shrink="k1")),
         "vendor+epirl": each(lambda p, x: expand_into(vendor_base(x, p["codes"], p["scale_b"]), x, p["a"], p["b"],
                                                       ids, SIGMA, order=adapter_order(ids, 128), widths=p["widths"])),
     }
@@ -114,7 +104,7 @@ def variants(layer, M: int, T: int, sweep: bool = False):
 
         sweep_tiles = {**{f"k2-{tag}": (cfg, None) for tag, cfg in PREFILL_VARIANTS.items()}, **SWEEP}
         for tag, (k2, shrink) in sweep_tiles.items():
-            out[f"fused[{tag}]"] = each(lambda p, x, k2=k2, shrink=shrink: swept_fused(x, p, ids, k2, shrink))
+            out[f"fused[{tag}]"] = each(lambda p, x, k2=k2, sc=shrink: prefill_path(x, p, ids, k2, shrink_config=sc))
     if DEV != "cuda":  # vLLM's LoRA kernels are Triton kernels vLLM launches on GPUs only
         return out, xs, ids
     try:

@@ -88,13 +88,15 @@ def test_op_reads_the_live_token_map_not_the_traced_argument(monkeypatch):
 
 def test_vendor_expand_sorts_tokens_by_adapter_when_vllm_gives_no_order():
     pytest.importorskip("triton")
+    from epirl.kernels.w8a8_multi_lora.triton import expand_order
+
     for n in (24, 256):  # K2's expand tile: 16 tokens up to 32 tokens, 128 beyond
         ids = torch.tensor([3, 0, 2, 0, 1, 3, -1, 2] * 32)[:n]
-        order = serving_lora.adapter_order(ids)
+        order = expand_order(ids)
         assert order is not None and sorted(order.tolist()) == list(range(n))
         assert torch.all(ids[order][1:] >= ids[order][:-1])
-    assert serving_lora.adapter_order(torch.zeros(16, dtype=torch.long)) is None  # one tile holds them all
-    assert serving_lora.adapter_order(torch.zeros(100, dtype=torch.long)) is None
+    assert expand_order(torch.zeros(16, dtype=torch.long)) is None  # one tile holds them all
+    assert expand_order(torch.zeros(100, dtype=torch.long)) is None
 
 
 def test_timed_dispatch_times_a_shape_once_and_never_during_capture(monkeypatch):

@@ -361,22 +361,15 @@ def dispatch_tables() -> dict:
 
 def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
     from epirl.kernels import quantize_activation_fp8
-    from epirl.kernels.w8a8_multi_lora.triton import expand_into
+    from epirl.kernels.w8a8_multi_lora.triton import expand_into, expand_order
 
     if order is None:  # tokens in adapter order, as the fused path sorts them: without it, a K2 tile of a batch
-        order = adapter_order(ids)  # spread over many adapters loops its epilogue over each of them
+        order = expand_order(ids)  # spread over many adapters loops its epilogue over each of them
     q, s = quantize_activation_fp8(x2)
     scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
     base = torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=x2.dtype,
                             bias=None if bias is None else bias.to(x2.dtype))
     return expand_into(base, x2, lora_a, lora_b, ids, 1.0, order=order, widths=widths)
-
-
-def adapter_order(ids: torch.Tensor) -> torch.Tensor | None:
-    """Tokens sorted by adapter (stable) for K2's expand at this batch size, or None when one tile holds them all."""
-    from epirl.kernels.w8a8_multi_lora.triton import expand_order
-
-    return expand_order(ids)
 
 
 def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):
