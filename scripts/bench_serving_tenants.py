@@ -14,6 +14,8 @@ with the L2 flushed before each layer call (`epirl.kernels.gpu_timing.graph_us`)
   fused-k1      the prefill path as it was before the grouped shrink: K1's per-token shrink (CUDA cores, each
                 token's program reads its adapter's A) and K2 summing the chunk partials in every weight tile
   vendor+epirl  base + epirl's shrink (grouped above 32 tokens) + K2's expand in place
+  vendor+seg    base + the segment-tiled shrink and expand (one adapter per tile; the segments prepared outside the
+                graph, as vendor+vllm's metadata)
 Also checks every variant against the float64 reference on a sample of rows (max |Δ| / mean |y| per variant).
 --sweep: the fused path with other K2 token tiles (the dispatch's PREFILL_VARIANTS, BT 64 / 32: fewer adapters per
 tile, so fewer epilogue dots, against more passes over the weights, and one more) and grouped-shrink tiles, as
@@ -82,6 +84,7 @@ def prefill_path(x, p, ids, k2_config=None, shrink="grouped", shrink_config=None
 
 def variants(layer, M: int, T: int, sweep: bool = False):
     """{variant: fn computing the whole layer}; the inputs are built here, outside any graph."""
+    from epirl.kernels.w8a8_multi_lora.segmented import expand_segments, segments
     from epirl.kernels.w8a8_multi_lora.timing import spread_adapters, vendor_base
     from epirl.kernels.w8a8_multi_lora.triton import adapter_order, expand_into, w8a8_multi_lora_slices
 
@@ -99,6 +102,9 @@ def variants(layer, M: int, T: int, sweep: bool = False):
         "vendor+epirl": each(lambda p, x: expand_into(vendor_base(x, p["codes"], p["scale_b"]), x, p["a"], p["b"],
                                                       ids, SIGMA, order=adapter_order(ids, 128), widths=p["widths"])),
     }
+    segs = segments(ids, T)
+    out["vendor+seg"] = each(lambda p, x: expand_segments(vendor_base(x, p["codes"], p["scale_b"]), x, p["a"], p["b"],
+                                                          segs, SIGMA, widths=p["widths"]))
     if sweep:
         from epirl.kernels.w8a8_multi_lora.triton import PREFILL_VARIANTS
 
@@ -164,7 +170,7 @@ def run(tokens, tenants, timer=None, sweep: bool = False):
 
 
 def print_table(rows):
-    names = [n for n in ("vendor+vllm", "fused", "fused-k1", "vendor+epirl") if n in rows[0]]
+    names = [n for n in ("vendor+vllm", "fused", "fused-k1", "vendor+epirl", "vendor+seg") if n in rows[0]]
     names += sorted(n for n in rows[0] if n.startswith("fused[") and not n.endswith("_err"))
     ref = "vendor+vllm" if "vendor+vllm" in rows[0] else "base"
     print("\n| tokens | tenants | base µs | " + " | ".join(f"{n} µs (×{ref})" for n in names)

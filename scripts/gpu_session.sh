@@ -47,7 +47,7 @@ for name in "$@"; do
                 part servingall 800 env EPIRL_SERVING_VLLM_FROM=never python3 -P scripts/bench_serving.py --vllm \
                   --budget 760 --json "$OUT/servingall/bench_serving_vllm.json" ;;
     tenants)  part tenants 540 bash -c "python3 -P -m pytest -q tests/kernels/test_w8a8_multi_lora_gpu.py \
-                tests/kernels/test_w8a8_multi_lora_sm90.py; python3 -P scripts/bench_serving_tenants.py --sweep \
+                tests/kernels/test_w8a8_multi_lora_segmented_gpu.py tests/kernels/test_w8a8_multi_lora_sm90.py; python3 -P scripts/bench_serving_tenants.py --sweep \
                 --json $OUT/bench_tenants.json" ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
     *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants q35w8a16)" ;;

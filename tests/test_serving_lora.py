@@ -70,7 +70,7 @@ def test_op_reads_the_live_token_map_not_the_traced_argument(monkeypatch):
     body reads the layer's current map, so a batch longer than the traced length keeps its adapters."""
     seen = {}
 
-    def fake_serve(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice=None):
+    def fake_serve(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice=None, segs=None):
         seen.update(ids=token_lora.clone(), order=order)
         return x.new_zeros(*x.shape[:-1], codes.shape[0])
 

@@ -198,11 +198,13 @@ def vllm_candidate(x, codes, scale, a, b, ids, sigma) -> dict:
     return {"vllm": lambda: add(vendor_base(x, codes, scale_b))}
 
 
-def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice: str | None = None):
+def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice: str | None = None,
+                 segs=None):
     """A LoRA linear layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i)
     per token (σ = 1: vLLM's B holds it). token_lora: vLLM's token -> slot map (shorter than the batch: the rest
-    gets no adapter; longer: its first M entries). choice: "fused", "fused[<tag>]" or "vendor+epirl" (None: the
-    dispatch's)."""
+    gets no adapter; longer: its first M entries). choice: "fused", "fused[<tag>]", "vendor+epirl" or "vendor+seg"
+    (None: the dispatch's); segs: the batch's adapter segments for "vendor+seg" (vLLM's metadata in the engine;
+    None: computed here from token_lora)."""
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
     # vLLM's sorted order is valid for its first len(token_lora) entries only (the rest of its buffer is stale and
@@ -228,6 +230,11 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
         choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device, lora_a[0].shape[0])
     if choice == "vendor+epirl":
         out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
+    elif choice == "vendor+seg":  # one adapter per tile: batches spread over many adapters
+        from epirl.kernels.w8a8_multi_lora.segmented import expand_segments, segments
+
+        segs = segs if segs is not None else segments(ids, lora_a[0].shape[0])
+        out = expand_segments(_vendor_base(x2, codes, scale, bias), x2, lora_a, lora_b, segs, 1.0, widths=widths)
     elif choice.startswith("fused["):  # the prefill path with another K2 token tile (timed faster)
         from epirl.kernels.w8a8_multi_lora.triton import PREFILL_VARIANTS
 
@@ -316,7 +323,10 @@ def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torc
     if choice == "vllm":  # the timed dispatch measured vLLM's own kernels fastest for this layer and batch size
         _STATE["vllm_calls"] += 1
         return punica.vllm_lora_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
-    return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice)
+    # "vendor+seg" reads vLLM's own per-step segment metadata (valid in captures and replays: fixed buffers that
+    # vLLM refills before every step, covering the step's real tokens; padding rows get no adapter)
+    segs = punica.token_segments(layer) if choice == "vendor+seg" else None
+    return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice, segs)
 
 
 def _no_adapter(layer, token_lora: torch.Tensor, M: int, x: torch.Tensor) -> bool:
@@ -359,17 +369,23 @@ def dispatch_tables() -> dict:
     return dict(entries=entries, buckets=buckets)
 
 
-def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
+def _vendor_base(x2, codes, scale, bias):
+    """vLLM's FP8 linear without adapter: per-token quantization + torch._scaled_mm (cuBLASLt)."""
     from epirl.kernels import quantize_activation_fp8
+
+    q, s = quantize_activation_fp8(x2)
+    scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
+    return torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=x2.dtype,
+                            bias=None if bias is None else bias.to(x2.dtype))
+
+
+def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
     from epirl.kernels.w8a8_multi_lora.triton import expand_into, expand_order
 
     if order is None:  # tokens in adapter order, as the fused path sorts them: without it, a K2 tile of a batch
         order = expand_order(ids)  # spread over many adapters loops its epilogue over each of them
-    q, s = quantize_activation_fp8(x2)
-    scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
-    base = torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=x2.dtype,
-                            bias=None if bias is None else bias.to(x2.dtype))
-    return expand_into(base, x2, lora_a, lora_b, ids, 1.0, order=order, widths=widths)
+    return expand_into(_vendor_base(x2, codes, scale, bias), x2, lora_a, lora_b, ids, 1.0, order=order,
+                       widths=widths)
 
 
 def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):

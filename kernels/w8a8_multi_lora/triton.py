@@ -101,6 +101,24 @@ def _quant_shrink_kernel(x_ptr, q_ptr, s_ptr, a_tab, ids_ptr, part_ptr, M, K, R,
             tl.store(part_ptr + ((slice_id * N_CHUNKS + split) * M + m) * BR + rr, tl.sum(acc, axis=1), mask=mask_r)
 
 
+@triton.jit
+def _shrink_chunk(a_rows, x_cols, k_lo, K_CHUNK, K, mask_r, mask_t, stride_ak, DOT_F32: tl.constexpr,
+                  BR: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    # fp32 [r, tokens] partial of one K chunk: A rows of one adapter times the tile's x columns, in BK steps
+    # (a token's column comes from its own x row and the adapter's A: an MMA output element never mixes columns)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BR, BT), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + K_CHUNK, BK):
+        mask_k = (k0 + rk) < K
+        a = tl.load(a_rows + (k0 + rk)[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+        xv = tl.load(x_cols + (k0 + rk)[:, None], mask=mask_k[:, None] & mask_t[None, :], other=0.0)
+        if DOT_F32:  # Triton's CPU interpreter: fp32 dots (tests only)
+            acc += tl.dot(a.to(tl.float32), xv.to(tl.float32))
+        else:  # bf16 x bf16 products are exact; the tensor core accumulates them in fp32
+            acc = tl.dot(a, xv, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _grouped_shrink_kernel(x_ptr, a_tab, ids_ptr, order_ptr, part_ptr, M, K, R, K_CHUNK, N_CHUNKS, stride_xm,
                            stride_al, stride_ar, stride_ak, HAS_ORDER: tl.constexpr, DOT_F32: tl.constexpr,
@@ -121,7 +139,6 @@ def _grouped_shrink_kernel(x_ptr, a_tab, ids_ptr, order_ptr, part_ptr, M, K, R, 
         tok = rt.to(tl.int64)
     ids = tl.load(ids_ptr + tok, mask=mask_t, other=-1).to(tl.int32)
     rr = tl.arange(0, BR)
-    rk = tl.arange(0, BK)
     mask_r = rr < R
     k_lo = split * K_CHUNK
     a_ptr = tl.load(a_tab + slice_id).to(tl.pointer_type(tl.bfloat16))
@@ -132,15 +149,7 @@ def _grouped_shrink_kernel(x_ptr, a_tab, ids_ptr, order_ptr, part_ptr, M, K, R, 
     last = tl.max(ids, axis=0)
     while cur <= last:
         a_rows = a_ptr + cur.to(tl.int64) * stride_al + rr[:, None] * stride_ar
-        acc = tl.zeros((BR, BT), dtype=tl.float32)
-        for k0 in range(k_lo, k_lo + K_CHUNK, BK):
-            mask_k = (k0 + rk) < K
-            a = tl.load(a_rows + (k0 + rk)[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
-            xv = tl.load(x_cols + (k0 + rk)[:, None], mask=mask_k[:, None] & mask_t[None, :], other=0.0)
-            if DOT_F32:  # Triton's CPU interpreter: fp32 dots (tests only)
-                acc += tl.dot(a.to(tl.float32), xv.to(tl.float32))
-            else:  # bf16 x bf16 products are exact; the tensor core accumulates them in fp32
-                acc = tl.dot(a, xv, acc)
+        acc = _shrink_chunk(a_rows, x_cols, k_lo, K_CHUNK, K, mask_r, mask_t, stride_ak, DOT_F32, BR, BT, BK)
         tl.store(out, acc, mask=mask_r[:, None] & (ids == cur)[None, :])
         cur = tl.min(tl.where(ids > cur, ids, big), axis=0)
 
@@ -188,10 +197,10 @@ def _slice_lora(acc, rn, rows, ids, h, b_ptr, stride_bl, stride_bn, sigma_ptr, s
 
 
 @triton.jit
-def _lora_epilogue(acc, rn, mask_n, tok, mask_t, M, R, ids_ptr, part_ptr, b_tab, bl_tab, starts_ptr, N_SLICES,
+def _lora_epilogue(acc, rn, mask_n, tok, mask_t, ids, M, R, part_ptr, b_tab, bl_tab, starts_ptr, N_SLICES,
                    sigma_ptr, sigma_const, stride_bn, N_CHUNKS, SIGMA_PER_ADAPTER: tl.constexpr,
                    DOT_F32: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
-    ids = tl.load(ids_ptr + tok, mask=mask_t, other=-1).to(tl.int32)
+    # ids: the adapter of each of the tile's tokens (int32, -1 = none)
     rr = tl.arange(0, BR)
     mask_rt = (rr < R)[:, None] & mask_t[None, :] & (ids >= 0)[None, :]
     tile_lo = tl.min(rn, axis=0)
@@ -249,7 +258,8 @@ def _multi_lora_gemm_kernel(
     else:  # expand only: add the LoRA term to a vendor GEMM's output in place
         acc = tl.load(y_ptrs, mask=mask_y, other=0.0).to(tl.float32)
     if HAS_LORA:
-        acc = _lora_epilogue(acc, rn, mask_n, tok, mask_t, M, R, ids_ptr, part_ptr, b_tab, bl_tab, starts_ptr,
+        ids = tl.load(ids_ptr + tok, mask=mask_t, other=-1).to(tl.int32)
+        acc = _lora_epilogue(acc, rn, mask_n, tok, mask_t, ids, M, R, part_ptr, b_tab, bl_tab, starts_ptr,
                              N_SLICES, sigma_ptr, sigma_const, stride_bn, N_CHUNKS, SIGMA_PER_ADAPTER, DOT_F32, BR,
                              BT, BN)
     if HAS_BIAS:

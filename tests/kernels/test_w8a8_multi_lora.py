@@ -236,7 +236,7 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     import epirl.kernels.gpu_timing as gpu_timing
     monkeypatch.setattr(gpu_timing, "release", lambda: None)
     serving_lora._time_shape(dispatch.Shape("64x96", 64, 96, 8, adapters=4))
-    assert seen["names"] == ["fused", "fused[bt64]", "fused[bt32]", "vendor+epirl", "vllm"]
+    assert seen["names"] == ["fused", "fused[bt64]", "fused[bt32]", "vendor+epirl", "vendor+seg", "vllm"]
     assert seen["shape"].adapters == 4
 
     layer, x = object(), torch.randn(5, 64)
@@ -249,14 +249,18 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     asked = []
     monkeypatch.setattr(serving_lora, "_choice", lambda K, N, r, M, dev, slots: asked.append(slots) or choice)
     monkeypatch.setattr(punica, "vllm_lora_apply", lambda lay, xx, bias: torch.full((5, 96), 7.0))
-    monkeypatch.setattr(serving_lora, "serve_slices", lambda *a: torch.full((5, 96), float(a[-1] == "vendor+epirl")))
+    served = []  # (choice, segments) reaching serve_slices
+    monkeypatch.setattr(serving_lora, "serve_slices", lambda *a: served.append(a[9:]) or torch.full((5, 96), 1.0))
+    monkeypatch.setattr(punica, "token_segments", lambda lay: "vLLM's metadata")
     monkeypatch.setitem(serving_lora._STATE, "vllm_from", None)
     calls = serving_lora._STATE["vllm_calls"]
     choice = "vllm"
     assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(7).all()
     assert serving_lora._STATE["vllm_calls"] == calls + 1 and asked == [4]
-    choice = "vendor+epirl"
-    assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(1).all()
+    for choice in ("vendor+epirl", "vendor+seg"):
+        assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(1).all()
+    # the segment-tiled path reads vLLM's per-step segment metadata; the others need none
+    assert served == [("vendor+epirl", None), ("vendor+seg", "vLLM's metadata")]
 
 
 def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):

@@ -16,7 +16,8 @@ import pytest
 
 CASES = ["decode_mixed_vs_reference", "decode_mixed_equals_groups_bitwise", "sorted_tiles_vs_reference",
          "sorted_tiles_equal_groups_bitwise", "expand_into_vendor_output", "per_adapter_sigma_and_bias",
-         "several_k1_chunks", "fused_slices_one_launch_pair", "grouped_shrink_vs_exact_and_groups_bitwise"]
+         "several_k1_chunks", "fused_slices_one_launch_pair", "grouped_shrink_vs_exact_and_groups_bitwise",
+         "segmented_expand_equals_grouped_bitwise"]
 ADAPTERS = [0, 1, -1, 2, 3, 0, -1, 3, 1, 2, 2, 0, 3, -1, 1, 0, 2, 3, -1, 0]
 
 
@@ -240,6 +241,54 @@ def case_grouped_shrink_vs_exact_and_groups_bitwise():
     base = reference(x, codes, scale, a, b, torch.full_like(ids, -1), 1.0)
     assert close_bf16(expand_into(base.clone(), x, a, b, ids, 1.5, order=adapter_order(ids, 16)),
                       reference(x, codes, scale, a, b, ids, 1.5))
+
+
+def vllm_meta(ids):
+    """The segments as vLLM's LoRAKernelMeta lays them out: only the ids present (sorted, -1 first), padded with
+    unused (-1, 0 tokens) slots, stale entries past the batch in the sorted tokens."""
+    import torch
+
+    from epirl.kernels.w8a8_multi_lora.segmented import Segments
+
+    present, counts = torch.unique(ids, sorted=True, return_counts=True)
+    slots = 6
+    lora_ids = torch.full((slots,), -1, dtype=torch.int32)
+    lora_ids[:present.numel()] = present.int()
+    count = torch.zeros(slots, dtype=torch.int32)
+    count[:counts.numel()] = counts.int()
+    starts = torch.zeros(slots + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(count, 0)
+    tokens = torch.cat([torch.sort(ids, stable=True).indices.int(), torch.tensor([3, 0, 7], dtype=torch.int32)])
+    return Segments(tokens, lora_ids, count, starts)
+
+
+def case_segmented_expand_equals_grouped_bitwise():
+    """The segment-tiled shrink + expand (one adapter per tile) against expand_into (grouped shrink, K2's expand on
+    tiles in adapter order): bitwise, K = 1100 (three chunks, the last ragged), the chunks summed in the shrink or
+    by the expand, with epirl's segments and with vLLM's metadata layout; -1 rows untouched; close to the
+    reference; a mixed batch equals each group alone."""
+    import torch
+
+    from epirl.kernels.w8a8_multi_lora.segmented import expand_segments, segments
+    from epirl.kernels.w8a8_multi_lora.triton import adapter_order, expand_into
+
+    x, codes, scale, a, b, ids = problem(45, 1100, 40, r=5, seed=11, exact=False)
+    base = reference(x, codes, scale, a, b, torch.full_like(ids, -1), 1.0)
+    tiles = dict(BN=32, BT=16, BK=64, num_warps=4, num_stages=2)
+    want = expand_into(base.clone(), x, a, b, ids, 1.5, order=adapter_order(ids, 16))
+    for segs in (segments(ids, 4), vllm_meta(ids)):
+        for summed in (True, False):
+            got = expand_segments(base.clone(), x, a, b, segs, 1.5, config=tiles, sum_in_shrink=summed,
+                                  shrink_config=dict(BT=16, BK=64, num_warps=4, num_stages=2))
+            assert torch.equal(got, want), summed
+    got = expand_segments(base.clone(), x, a, b, segments(ids, 4), 1.5)  # the default tiles
+    assert torch.equal(got[ids < 0], base[ids < 0])
+    assert close_bf16(got, reference(x, codes, scale, a, b, ids, 1.5))
+
+    def run(xs, ts):
+        return expand_segments(base[:0].new_zeros(xs.shape[0], 40), xs, a, b, segments(ts, 4), 1.5, config=tiles)
+
+    assert torch_equal(run(x, ids), groups_alone(run, x, ids))
 
 
 @pytest.fixture(scope="module")

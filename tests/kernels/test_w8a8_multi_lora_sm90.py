@@ -63,3 +63,35 @@ def test_chunk_sum_lowers():
     ptx = ptx_for(kernels._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N_CHUNKS": "i32"},
                   dict(BR=64, BLOCK=1024), num_warps=4)
     assert "ld.global" in ptx and "add.f32" in ptx and "fma" not in ptx  # plain adds in chunk order, no contraction
+
+
+SEG_META = {"tokens_ptr": "*i32", "lora_ids_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32"}
+SEG_SHRINK_SIG = {"x_ptr": "*bf16", "a_tab": "*i64", **SEG_META, "part_ptr": "*fp32", "M": "i32", "K": "i32",
+                  "R": "i32", "S": "i32", "K_CHUNK": "i32", "N_CHUNKS": "i32", "stride_xm": "i32", "stride_al": "i32",
+                  "stride_ar": "i32", "stride_ak": "i32"}
+SEG_EXPAND_SIG = {"y_ptr": "*bf16", **SEG_META, "part_ptr": "*fp32", "b_tab": "*i64", "bl_tab": "*i64",
+                  "slice_starts_ptr": "*i32", "sigma_ptr": "*fp32", "M": "i32", "N": "i32", "R": "i32", "S": "i32",
+                  "N_CHUNKS": "i32", "N_SLICES": "i32", "sigma_const": "fp32", "stride_ym": "i32", "stride_bn": "i32"}
+
+
+@pytest.mark.parametrize("sum_chunks", [True, False])
+def test_segmented_shrink_lowers_to_bf16_wgmma(sum_chunks):
+    """The segment-tiled shrink (one adapter per tile; the chunks summed in the program or split over programs)
+    runs on tensor cores, and its chunk sum is plain adds (no FMA contraction into the dot)."""
+    from epirl.kernels.w8a8_multi_lora import segmented
+
+    cfg = segmented.SEG_SHRINK_CONFIG
+    consts = dict(SUM_CHUNKS=sum_chunks, DOT_F32=False, BT=cfg["BT"], BR=64, BK=cfg["BK"], BS=64)
+    ptx = ptx_for(segmented._seg_shrink_kernel, SEG_SHRINK_SIG, consts, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    assert "wgmma.mma_async" in ptx and ".f32.bf16.bf16" in ptx
+
+
+def test_segmented_expand_lowers_to_bf16_wgmma_with_explicit_fma():
+    from epirl.kernels.w8a8_multi_lora import segmented
+
+    cfg = segmented.SEG_EXPAND_CONFIG
+    consts = dict(SIGMA_PER_ADAPTER=False, DOT_F32=False, BN=cfg["BN"], BT=cfg["BT"], BR=64, BS=64)
+    ptx = ptx_for(segmented._seg_expand_kernel, SEG_EXPAND_SIG, consts, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    assert "wgmma.mma_async" in ptx and ".f32.bf16.bf16" in ptx and "fma.rn.f32" in ptx

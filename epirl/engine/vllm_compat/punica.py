@@ -10,7 +10,9 @@ Read from vLLM 0.26.0 and 0.32.0 source (same names in both):
 - `vllm/lora/punica_wrapper/punica_base.py`: the property `PunicaWrapperBase.token_lora_indices` (token -> slot,
   -1 = no adapter, the first `indices_len[0]` entries of a fixed buffer); `punica_gpu.py` sets
   `self.token_mapping_meta` (`LoRAKernelMeta`, `vllm/lora/ops/triton_ops/lora_kernel_metadata.py`) whose field
-  `token_indices_sorted_by_lora_ids` is the batch sorted by slot (CPU wrappers have no such metadata), and
+  `token_indices_sorted_by_lora_ids` is the batch sorted by slot (CPU wrappers have no such metadata), with
+  `active_lora_ids` / `num_tokens_per_lora` / `lora_token_start_loc` (each present slot, -1 first, its token
+  count and first sorted position; unused entries -1 / 0, reset by `_reset` in `prepare_tensors`), and
   `no_lora_flag_cpu`, a CPU bool tensor `[1]` that `prepare_tensors` sets to "no token of this batch has an
   adapter" (vLLM's punica ops return early on it, `punica_gpu.py` `add_lora_fused_moe` / the `lora_shrink` and
   `lora_expand` ops; with `cudagraph_specialize_lora` vLLM captures separate graphs for such batches).
@@ -101,6 +103,24 @@ def token_slots(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
     return punica.token_lora_indices, order
 
 
+META_SEGMENT_FIELDS = ("token_indices_sorted_by_lora_ids", "active_lora_ids", "num_tokens_per_lora",
+                       "lora_token_start_loc")
+
+
+def token_segments(layer):
+    """The current batch's tokens grouped by slot, as vLLM's `LoRAKernelMeta` holds them (sorted token indices,
+    each segment's slot (-1: none or unused), token count and first position; `prepare_tensors` refills these
+    fixed device buffers before every step, so CUDA graphs replay with the step's own metadata, as vLLM's LoRA
+    kernels do), as an `epirl.kernels.w8a8_multi_lora.segmented.Segments`; None where the wrapper keeps none."""
+    meta = getattr(layer.punica_wrapper, "token_mapping_meta", None)
+    fields = [getattr(meta, name, None) for name in META_SEGMENT_FIELDS]
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in fields):
+        return None
+    from epirl.kernels.w8a8_multi_lora.segmented import Segments
+
+    return Segments(*fields)
+
+
 def punica_lora_adder(x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
                       token_lora: torch.Tensor, scale: float):
     """vLLM's own LoRA kernels on one batch, as its GPU punica wrapper calls them in `add_lora_linear`
@@ -153,7 +173,7 @@ def missing() -> list[str]:
         return lacking
     from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
 
-    for field in ("token_indices_sorted_by_lora_ids", "no_lora_flag_cpu"):
+    for field in (*META_SEGMENT_FIELDS, "no_lora_flag_cpu"):
         if field not in getattr(LoRAKernelMeta, "__annotations__", {}):
             lacking.append(f"vllm.lora.ops.triton_ops.lora_kernel_metadata:LoRAKernelMeta.{field}")
     lacking += _source_lacks(base_linear, ["self.base_layer =", "self.lora_a_stacked =", "self.lora_b_stacked =",

@@ -1,0 +1,198 @@
+"""Segment-tiled LoRA shrink and expand for batches spread over many adapters (Hopper, Triton): the LoRA term of a
+multi-adapter layer added after a vendor FP8 GEMM (dispatch candidate "vendor+seg").
+
+Why: the grouped shrink and K2's epilogue take tiles of tokens in adapter order and loop over every adapter present
+in a tile (one full-tile dot each). With 32 tenants a 64-token tile holds ~32 adapters, so a tile does 32 serial
+dots and reloads its x columns 32 times (measured on the H200, 2026-12-01: 1.8-2.0x vLLM's own LoRA kernels at 64
+tokens). Here every tile holds the tokens of ONE adapter: the batch's tokens sorted by adapter are cut into
+segments (one per adapter, vLLM's `LoRAKernelMeta` layout: sorted token indices, each segment's adapter, token
+count and first position), each segment into tiles of BT tokens, and the tiles of all segments are numbered in
+segment order; program p finds its tile from the segment counts (a cumsum over the slots, no host sync), so the
+launch grid depends only on M and the slot count (CUDA-graph safe) and a tile's work is one dot per K step.
+
+Numerics: identical, bit for bit, to `expand_into` on the same tokens (the same K chunks, BK steps, dot orientation
+and chunk-sum order; `_lora_epilogue` is shared with K2): y_t = fma(σ_l, B_l · bf16(Σ_chunks x_t A_lᵀ), y_t), every
+output element from its own token only, so a mixed batch equals each group alone. Tokens of no adapter (-1) are
+left untouched.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import interpreting
+from .triton import Slices, _bf16_slices, _lora_epilogue, _shrink_chunk, _sigma, shrink_chunking
+
+SEG_SHRINK_CONFIG = dict(BT=64, BK=64, num_warps=4, num_stages=3)
+SEG_EXPAND_CONFIG = dict(BN=128, BT=64, num_warps=4, num_stages=2)
+# From this many shrink programs (tile bound x slices) on, one program adds all K chunks of its tile itself, in chunk
+# order (the same bits as the expand adding them): enough programs fill the GPU without splitting K, and the
+# expand's tiles stop re-reading every chunk's partials. Below it, K is split over programs for parallelism.
+SUM_IN_SHRINK_FROM = 264  # two programs per SM of an H200
+
+
+class Segments(NamedTuple):
+    """A batch's tokens grouped by adapter, in vLLM's `LoRAKernelMeta` layout (its tensors can be passed as they
+    are): tokens `[>= M]` int32, the token indices sorted by adapter; lora_ids `[S]` int32, segment i's adapter
+    (-1: no adapter, or an unused segment); counts `[S]` int32, its token count; starts `[S + 1]` int32, its first
+    position in `tokens`."""
+    tokens: torch.Tensor
+    lora_ids: torch.Tensor
+    counts: torch.Tensor
+    starts: torch.Tensor
+
+
+def segments(token_lora: torch.Tensor, slots: int) -> Segments:
+    """The segments of a batch whose tokens use adapters 0..slots-1 (-1: none): one per slot plus the no-adapter
+    one, all on the device, no host sync (capturable in a CUDA graph), as vLLM prepares its metadata."""
+    ids = token_lora.reshape(-1).to(torch.int64)
+    dev = ids.device
+    tokens = torch.sort(ids, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(slots + 1, dtype=torch.int32, device=dev)
+    counts.scatter_add_(0, ids + 1, torch.ones_like(ids, dtype=torch.int32))
+    starts = torch.zeros(slots + 2, dtype=torch.int32, device=dev)
+    starts[1:] = torch.cumsum(counts, 0, dtype=torch.int32)
+    lora_ids = torch.arange(-1, slots, dtype=torch.int32, device=dev)
+    return Segments(tokens, lora_ids, counts, starts)
+
+
+@triton.jit
+def _segment_tile(p, lora_ids_ptr, counts_ptr, starts_ptr, S, BT: tl.constexpr, BS: tl.constexpr):
+    # tile p of the segments' tiles (BT tokens each, numbered in segment order; no-adapter segments have none):
+    # (its adapter, its first position in the sorted tokens, its token count; <= 0 past the last tile)
+    rs = tl.arange(0, BS)
+    in_range = rs < S
+    lora = tl.load(lora_ids_ptr + rs, mask=in_range, other=-1)
+    count = tl.load(counts_ptr + rs, mask=in_range, other=0)
+    tiles = tl.where(lora >= 0, (count + BT - 1) // BT, 0)
+    ends = tl.cumsum(tiles, axis=0)
+    seg = tl.sum((ends <= p).to(tl.int32), axis=0)  # segments wholly before tile p
+    here = rs == seg
+    lo = (p - tl.sum(tl.where(here, ends - tiles, 0), axis=0)) * BT
+    n = tl.minimum(tl.sum(tl.where(here, count, 0), axis=0) - lo, BT)
+    start = tl.load(starts_ptr + seg, mask=seg < S, other=0)
+    return tl.sum(tl.where(here, lora, 0), axis=0), start + lo, n
+
+
+@triton.jit(do_not_specialize=["M"])
+def _seg_shrink_kernel(x_ptr, a_tab, tokens_ptr, lora_ids_ptr, counts_ptr, starts_ptr, part_ptr, M, K, R, S,
+                       K_CHUNK, N_CHUNKS, stride_xm, stride_al, stride_ar, stride_ak, SUM_CHUNKS: tl.constexpr,
+                       DOT_F32: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                       BS: tl.constexpr):
+    # program (segment tile, K chunk, slice): the fp32 shrink partial of the tile's tokens (one adapter) for the
+    # chunk, K1's layout [slice, chunk, token, r]; SUM_CHUNKS: every chunk, added in chunk order into chunk 0
+    adapter, lo, n = _segment_tile(tl.program_id(0), lora_ids_ptr, counts_ptr, starts_ptr, S, BT, BS)
+    if n > 0:
+        split = tl.program_id(1)
+        slice_id = tl.program_id(2)
+        rt = tl.arange(0, BT)
+        mask_t = rt < n
+        tok = tl.load(tokens_ptr + lo + rt, mask=mask_t, other=0).to(tl.int64)
+        rr = tl.arange(0, BR)
+        mask_r = rr < R
+        a_ptr = tl.load(a_tab + slice_id).to(tl.pointer_type(tl.bfloat16))
+        a_rows = a_ptr + adapter.to(tl.int64) * stride_al + rr[:, None] * stride_ar
+        x_cols = x_ptr + tok[None, :] * stride_xm
+        mask_out = mask_r[:, None] & mask_t[None, :]
+        if SUM_CHUNKS:  # h = ((0 + p_0) + p_1) + ...: sum_chunks' order, so the same bits
+            h = tl.zeros((BR, BT), dtype=tl.float32)
+            for c in range(0, N_CHUNKS):
+                h += _shrink_chunk(a_rows, x_cols, c * K_CHUNK, K_CHUNK, K, mask_r, mask_t, stride_ak, DOT_F32, BR,
+                                   BT, BK)
+            tl.store(part_ptr + (slice_id * M + tok[None, :]) * BR + rr[:, None], h, mask=mask_out)
+        else:
+            acc = _shrink_chunk(a_rows, x_cols, split * K_CHUNK, K_CHUNK, K, mask_r, mask_t, stride_ak, DOT_F32, BR,
+                                BT, BK)
+            tl.store(part_ptr + ((slice_id * N_CHUNKS + split) * M + tok[None, :]) * BR + rr[:, None], acc,
+                     mask=mask_out)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _seg_expand_kernel(y_ptr, tokens_ptr, lora_ids_ptr, counts_ptr, starts_ptr, part_ptr, b_tab, bl_tab,
+                       slice_starts_ptr, sigma_ptr, M, N, R, S, N_CHUNKS, N_SLICES, sigma_const, stride_ym, stride_bn,
+                       SIGMA_PER_ADAPTER: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+                       BR: tl.constexpr, BS: tl.constexpr):
+    # program (segment tile, N tile): y[tile's tokens, N tile] += σ_l B_l h (K2's epilogue, one adapter per tile);
+    # consecutive programs are an adapter's consecutive tiles on the same N tile, so its B tile stays in L2
+    adapter, lo, n = _segment_tile(tl.program_id(0), lora_ids_ptr, counts_ptr, starts_ptr, S, BT, BS)
+    if n > 0:
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask_n = rn < N
+        rt = tl.arange(0, BT)
+        mask_t = rt < n
+        tok = tl.load(tokens_ptr + lo + rt, mask=mask_t, other=0).to(tl.int64)
+        y_ptrs = y_ptr + tok[None, :] * stride_ym + rn[:, None]
+        mask_y = mask_n[:, None] & mask_t[None, :]
+        acc = tl.load(y_ptrs, mask=mask_y, other=0.0).to(tl.float32)
+        ids = tl.where(mask_t, adapter, -1).to(tl.int32)
+        acc = _lora_epilogue(acc, rn, mask_n, tok, mask_t, ids, M, R, part_ptr, b_tab, bl_tab, slice_starts_ptr,
+                             N_SLICES, sigma_ptr, sigma_const, stride_bn, N_CHUNKS, SIGMA_PER_ADAPTER, DOT_F32, BR,
+                             BT, BN)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+def _check_segments(segs: Segments, M: int):
+    S = segs.counts.numel()
+    if segs.lora_ids.numel() != S or segs.starts.numel() < S or segs.tokens.numel() < M:
+        raise ValueError(f"segments: lora_ids {segs.lora_ids.numel()}, counts {S}, starts {segs.starts.numel()}, "
+                         f"tokens {segs.tokens.numel()} (want S, S, >= S, >= M={M})")
+    return S
+
+
+def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shrink: bool | None = None):
+    """The shrink of every adapter token: fp32 `[slices, chunks, M, BR]` (chunks 1 when summed in the shrink, else
+    K1's chunking); rows of no-adapter tokens are left unwritten (the expand never reads them)."""
+    M, K = x2.shape
+    if x2.dtype != torch.bfloat16 or x2.stride(1) != 1:
+        raise TypeError(f"segmented shrink needs bf16 x with unit K stride, got {x2.dtype} strides {x2.stride()}")
+    cfg = dict(config or SEG_SHRINK_CONFIG)
+    S = _check_segments(segs, M)
+    BR = max(16, triton.next_power_of_2(slices.R))
+    k_chunk, n_chunks = shrink_chunking(K)
+    if k_chunk % cfg["BK"]:
+        raise ValueError(f"segmented shrink BK={cfg['BK']} must divide the K chunk {k_chunk}")
+    n_slices = len(slices.widths)
+    tiles = triton.cdiv(M, cfg["BT"]) + S  # bound on the segments' tiles
+    if sum_in_shrink is None:
+        sum_in_shrink = n_chunks == 1 or tiles * n_slices >= SUM_IN_SHRINK_FROM
+    out_chunks = 1 if sum_in_shrink else n_chunks
+    part = torch.empty(n_slices, out_chunks, M, BR, device=x2.device, dtype=torch.float32)
+    if M:
+        _seg_shrink_kernel[(tiles, out_chunks, n_slices)](
+            x2, slices.a_tab, segs.tokens, segs.lora_ids, segs.counts, segs.starts, part, M, K, slices.R, S, k_chunk,
+            n_chunks, x2.stride(0), *slices.stride_a, SUM_CHUNKS=sum_in_shrink, DOT_F32=interpreting(),
+            BT=cfg["BT"], BR=BR, BK=cfg["BK"], BS=max(16, triton.next_power_of_2(S)), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+    return part
+
+
+def expand_segments(y, x2, lora_a, lora_b, segs: Segments, lora_scale, widths=None, config=None,
+                    shrink_config=None, sum_in_shrink: bool | None = None):
+    """`y += σ_l · bf16(x A_lᵀ) B_lᵀ` in place for every token of an adapter segment (y: a vendor GEMM's `[M, N]`
+    output). lora_a / lora_b: one `[L, r, K]` / `[L, N, r]` tensor, or lists of slices with `widths`; segs: from
+    `segments` or vLLM's `LoRAKernelMeta`. Same bits as `expand_into` on the same tokens."""
+    if isinstance(lora_a, torch.Tensor):
+        lora_a, lora_b, widths = [lora_a], [lora_b], [y.shape[1]]
+    slices = _bf16_slices(lora_a, lora_b, widths)
+    M, N = y.shape
+    if y.stride(1) != 1 or x2.shape[0] != M:
+        raise ValueError(f"y must be [M={x2.shape[0]}, N] with unit column stride, got {tuple(y.shape)} {y.stride()}")
+    if M == 0 or N == 0 or not slices.active:
+        return y
+    cfg = dict(config or SEG_EXPAND_CONFIG)
+    part = shrink_segments(x2 if x2.stride(1) == 1 else x2.contiguous(), slices, segs, shrink_config, sum_in_shrink)
+    sigma = _sigma(lora_scale, slices.L, x2.device)
+    per_adapter = isinstance(sigma, torch.Tensor)
+    S = segs.counts.numel()
+    BR = part.shape[3]
+    _seg_expand_kernel[(triton.cdiv(M, cfg["BT"]) + S, triton.cdiv(N, cfg["BN"]))](
+        y, segs.tokens, segs.lora_ids, segs.counts, segs.starts, part, slices.b_tab, slices.bl_tab, slices.starts,
+        sigma if per_adapter else y, M, N, slices.R, S, part.shape[1], len(slices.widths),
+        0.0 if per_adapter else float(sigma), y.stride(0), slices.stride_bn, SIGMA_PER_ADAPTER=per_adapter,
+        DOT_F32=interpreting(), BN=cfg["BN"], BT=cfg["BT"], BR=BR, BS=max(16, triton.next_power_of_2(S)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y
