@@ -39,7 +39,7 @@ class Segments(NamedTuple):
     """A batch's tokens grouped by adapter, in vLLM's `LoRAKernelMeta` layout (its tensors can be passed as they
     are): tokens `[>= M]` int32, the token indices sorted by adapter; lora_ids `[S]` int32, segment i's adapter
     (-1: no adapter, or an unused segment); counts `[S]` int32, its token count; starts `[S + 1]` int32, its first
-    position in `tokens`."""
+    position in `tokens`, the sum of the counts before it (the kernels compute it from the counts)."""
     tokens: torch.Tensor
     lora_ids: torch.Tensor
     counts: torch.Tensor
@@ -61,9 +61,11 @@ def segments(token_lora: torch.Tensor, slots: int) -> Segments:
 
 
 @triton.jit
-def _segment_tile(p, lora_ids_ptr, counts_ptr, starts_ptr, S, BT: tl.constexpr, BS: tl.constexpr):
+def _segment_tile(p, lora_ids_ptr, counts_ptr, S, BT: tl.constexpr, BS: tl.constexpr):
     # tile p of the segments' tiles (BT tokens each, numbered in segment order; no-adapter segments have none):
-    # (its adapter, its first position in the sorted tokens, its token count; <= 0 past the last tile)
+    # (its adapter, its first position in the sorted tokens, its token count; <= 0 past the last tile). A
+    # segment's start is the sum of the counts before it (what `starts` holds, computed here rather than loaded:
+    # one dependent memory round trip less before the tile's first load)
     rs = tl.arange(0, BS)
     in_range = rs < S
     lora = tl.load(lora_ids_ptr + rs, mask=in_range, other=-1)
@@ -74,18 +76,18 @@ def _segment_tile(p, lora_ids_ptr, counts_ptr, starts_ptr, S, BT: tl.constexpr, 
     here = rs == seg
     lo = (p - tl.sum(tl.where(here, ends - tiles, 0), axis=0)) * BT
     n = tl.minimum(tl.sum(tl.where(here, count, 0), axis=0) - lo, BT)
-    start = tl.load(starts_ptr + seg, mask=seg < S, other=0)
+    start = tl.sum(tl.where(rs < seg, count, 0), axis=0)
     return tl.sum(tl.where(here, lora, 0), axis=0), start + lo, n
 
 
 @triton.jit(do_not_specialize=["M"])
-def _seg_shrink_kernel(x_ptr, a_tab, tokens_ptr, lora_ids_ptr, counts_ptr, starts_ptr, part_ptr, M, K, R, S,
+def _seg_shrink_kernel(x_ptr, a_tab, tokens_ptr, lora_ids_ptr, counts_ptr, part_ptr, M, K, R, S,
                        K_CHUNK, N_CHUNKS, stride_xm, stride_al, stride_ar, stride_ak, SUM_CHUNKS: tl.constexpr,
                        DOT_F32: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
                        BS: tl.constexpr):
     # program (segment tile, K chunk, slice): the fp32 shrink partial of the tile's tokens (one adapter) for the
     # chunk, K1's layout [slice, chunk, token, r]; SUM_CHUNKS: every chunk, added in chunk order into chunk 0
-    adapter, lo, n = _segment_tile(tl.program_id(0), lora_ids_ptr, counts_ptr, starts_ptr, S, BT, BS)
+    adapter, lo, n = _segment_tile(tl.program_id(0), lora_ids_ptr, counts_ptr, S, BT, BS)
     if n > 0:
         split = tl.program_id(1)
         slice_id = tl.program_id(2)
@@ -112,13 +114,13 @@ def _seg_shrink_kernel(x_ptr, a_tab, tokens_ptr, lora_ids_ptr, counts_ptr, start
 
 
 @triton.jit(do_not_specialize=["M"])
-def _seg_expand_kernel(y_ptr, tokens_ptr, lora_ids_ptr, counts_ptr, starts_ptr, part_ptr, b_tab, bl_tab,
+def _seg_expand_kernel(y_ptr, tokens_ptr, lora_ids_ptr, counts_ptr, part_ptr, b_tab, bl_tab,
                        slice_starts_ptr, sigma_ptr, M, N, R, S, N_CHUNKS, N_SLICES, sigma_const, stride_ym, stride_bn,
                        SIGMA_PER_ADAPTER: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
                        BR: tl.constexpr, BS: tl.constexpr):
     # program (segment tile, N tile): y[tile's tokens, N tile] += σ_l B_l h (K2's epilogue, one adapter per tile);
     # consecutive programs are an adapter's consecutive tiles on the same N tile, so its B tile stays in L2
-    adapter, lo, n = _segment_tile(tl.program_id(0), lora_ids_ptr, counts_ptr, starts_ptr, S, BT, BS)
+    adapter, lo, n = _segment_tile(tl.program_id(0), lora_ids_ptr, counts_ptr, S, BT, BS)
     if n > 0:
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         mask_n = rn < N
@@ -163,7 +165,7 @@ def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shri
     part = torch.empty(n_slices, out_chunks, M, BR, device=x2.device, dtype=torch.float32)
     if M:
         _seg_shrink_kernel[(tiles, out_chunks, n_slices)](
-            x2, slices.a_tab, segs.tokens, segs.lora_ids, segs.counts, segs.starts, part, M, K, slices.R, S, k_chunk,
+            x2, slices.a_tab, segs.tokens, segs.lora_ids, segs.counts, part, M, K, slices.R, S, k_chunk,
             n_chunks, x2.stride(0), *slices.stride_a, SUM_CHUNKS=sum_in_shrink, DOT_F32=interpreting(),
             BT=cfg["BT"], BR=BR, BK=cfg["BK"], BS=max(16, triton.next_power_of_2(S)), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
@@ -190,7 +192,7 @@ def expand_segments(y, x2, lora_a, lora_b, segs: Segments, lora_scale, widths=No
     S = segs.counts.numel()
     BR = part.shape[3]
     _seg_expand_kernel[(triton.cdiv(M, cfg["BT"]) + S, triton.cdiv(N, cfg["BN"]))](
-        y, segs.tokens, segs.lora_ids, segs.counts, segs.starts, part, slices.b_tab, slices.bl_tab, slices.starts,
+        y, segs.tokens, segs.lora_ids, segs.counts, part, slices.b_tab, slices.bl_tab, slices.starts,
         sigma if per_adapter else y, M, N, slices.R, S, part.shape[1], len(slices.widths),
         0.0 if per_adapter else float(sigma), y.stride(0), slices.stride_bn, SIGMA_PER_ADAPTER=per_adapter,
         DOT_F32=interpreting(), BN=cfg["BN"], BT=cfg["BT"], BR=BR, BS=max(16, triton.next_power_of_2(S)),

@@ -44,6 +44,7 @@ PREFILL_CONFIG = dict(BN=128, BT=128, BK=128, num_warps=8, num_stages=3)
 PREFILL_VARIANTS = {"bt64": dict(BN=128, BT=64, BK=128, num_warps=4, num_stages=4),
                     "bt32": dict(BN=128, BT=32, BK=128, num_warps=4, num_stages=4)}
 SHRINK_CHUNK = 512   # K chunk of one K1 program (the chunking is fixed by K: batch invariant)
+CHUNK_UNROLL = tl.constexpr(4)  # K chunk partials K2's epilogue loads at once
 SHRINK_BK = 128
 QUANT_BK = 1024      # K1's amax pass
 GROUPED_SHRINK_CONFIG = dict(BT=64, BK=64, num_warps=4, num_stages=3)  # above DECODE_MAX_TOKENS tokens
@@ -209,9 +210,13 @@ def _lora_epilogue(acc, rn, mask_n, tok, mask_t, ids, M, R, part_ptr, b_tab, bl_
         hi = tl.load(starts_ptr + sl + 1)
         if (lo < tile_lo + BN) & (hi > tile_lo):
             h = tl.zeros((BR, BT), dtype=tl.float32)
-            for c in range(0, N_CHUNKS):  # chunk order: h is the same for every batch composition
-                h += tl.load(part_ptr + ((sl * N_CHUNKS + c) * M + tok[None, :]) * BR + rr[:, None], mask=mask_rt,
-                             other=0.0)
+            # chunk order (h is the same for every batch composition), CHUNK_UNROLL chunks' loads in flight at once
+            # instead of one dependent load per chunk; a chunk past the last adds -0.0, which leaves any h unchanged
+            for c0 in range(0, N_CHUNKS, CHUNK_UNROLL):
+                for j in tl.static_range(CHUNK_UNROLL):
+                    in_chunks = (rr[:, None] * 0 + c0 + j) < N_CHUNKS  # a tensor (the interpreter masks by tensors)
+                    h += tl.load(part_ptr + ((sl * N_CHUNKS + c0 + j) * M + tok[None, :]) * BR + rr[:, None],
+                                 mask=mask_rt & in_chunks, other=-0.0)
             b_ptr = tl.load(b_tab + sl).to(tl.pointer_type(tl.bfloat16))
             rows = mask_n & (rn >= lo) & (rn < hi)
             acc = _slice_lora(acc, rn - lo, rows, ids, h.to(tl.bfloat16), b_ptr, tl.load(bl_tab + sl), stride_bn,

@@ -65,7 +65,7 @@ def test_chunk_sum_lowers():
     assert "ld.global" in ptx and "add.f32" in ptx and "fma" not in ptx  # plain adds in chunk order, no contraction
 
 
-SEG_META = {"tokens_ptr": "*i32", "lora_ids_ptr": "*i32", "counts_ptr": "*i32", "starts_ptr": "*i32"}
+SEG_META = {"tokens_ptr": "*i32", "lora_ids_ptr": "*i32", "counts_ptr": "*i32"}
 SEG_SHRINK_SIG = {"x_ptr": "*bf16", "a_tab": "*i64", **SEG_META, "part_ptr": "*fp32", "M": "i32", "K": "i32",
                   "R": "i32", "S": "i32", "K_CHUNK": "i32", "N_CHUNKS": "i32", "stride_xm": "i32", "stride_al": "i32",
                   "stride_ar": "i32", "stride_ak": "i32"}

@@ -1,0 +1,87 @@
+"""Where the multi-tenant LoRA time goes (H200): the variants of scripts/bench_serving_tenants.py on one Qwen3-8B layer
+under torch.profiler, kernel by kernel (µs per layer call, from CUDA activity records), plus a memory-bound yardstick
+(one bf16 read + write of every projection's output, what an expand after a vendor GEMM must move at least).
+Extra variants: the segment-tiled path with other expand / shrink tiles and both chunk-sum modes.
+Usage: python scripts/profile_tenants.py [--cases 8192:1 256:32 16:1] [--top 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving_tenants as tenants  # noqa: E402
+
+SEG_TILES = {  # tag -> (expand config, shrink config, sum_in_shrink)
+    "seg[split]": (None, None, False),
+    "seg[summed]": (None, None, True),
+    "seg[e-bt128w8]": (dict(BN=128, BT=128, num_warps=8, num_stages=2), None, None),
+    "seg[e-bn64]": (dict(BN=64, BT=64, num_warps=4, num_stages=2), None, None),
+    "seg[s-bk128]": (None, dict(BT=64, BK=128, num_warps=4, num_stages=3), None),
+}
+
+
+def extra_variants(layer, xs, ids, T):
+    from epirl.kernels.w8a8_multi_lora.segmented import expand_segments, segments
+    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
+
+    segs = segments(ids, T)
+    ys = {p["name"]: vendor_base(xs[p["K"]], p["codes"], p["scale_b"]) for p in layer}
+    out = {"y read+write": lambda: [ys[p["name"]].add_(1.0) for p in layer]}
+    for tag, (cfg, shrink_cfg, summed) in SEG_TILES.items():
+        out[tag] = lambda cfg=cfg, sc=shrink_cfg, summed=summed: [
+            expand_segments(ys[p["name"]], xs[p["K"]], p["a"], p["b"], segs, tenants.SIGMA, widths=p["widths"],
+                            config=cfg, shrink_config=sc, sum_in_shrink=summed) for p in layer]
+    return out
+
+
+def kernel_times(fn, reps: int = 3) -> dict[str, float]:
+    """{kernel name: µs per call of fn} from the profiler's CUDA kernel records (fn warmed up first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] += event.device_time / reps  # µs
+    return dict(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=["8192:1", "256:32", "16:1"], help="tokens:tenants")
+    ap.add_argument("--top", type=int, default=6)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_tenants needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for case in args.cases:
+        M, T = (int(v) for v in case.split(":"))
+        layer = tenants.build_layer(T)
+        fns, xs, ids = tenants.variants(layer, M, T)
+        fns.update(extra_variants(layer, xs, ids, T))
+        print(f"\n| {M} tokens, {T} tenants | kernel | µs per layer |\n|---|---|---|")
+        for name in ("base", "y read+write", "vendor+vllm", "vendor+epirl", "vendor+seg", *SEG_TILES, "fused"):
+            if name not in fns:
+                continue
+            times = kernel_times(fns[name])
+            total = sum(times.values())
+            print(f"| **{name}** | (all) | **{total:.1f}** |")
+            for kernel, us in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
+                print(f"| {name} | {kernel[:70]} | {us:.1f} |")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
