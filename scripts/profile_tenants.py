@@ -1,7 +1,8 @@
 """Where the multi-tenant LoRA time goes (H200): the variants of scripts/bench_serving_tenants.py on one Qwen3-8B layer
 under torch.profiler, kernel by kernel (µs per layer call, from CUDA activity records), plus a memory-bound yardstick
 (one bf16 read + write of every projection's output, what an expand after a vendor GEMM must move at least).
-Extra variants: the segment-tiled path with other expand / shrink tiles and both chunk-sum modes.
+Extra variants: the segment-tiled path with other expand / shrink tiles, the chunks summed in the shrink, one run of
+row tiles per slice.
 Usage: python scripts/profile_tenants.py [--cases 8192:1 256:32 16:1] [--top 6]
 """
 
@@ -17,12 +18,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving_tenants as tenants  # noqa: E402
 
-SEG_TILES = {  # tag -> (expand config, shrink config, sum_in_shrink)
-    "seg[split]": (None, None, False),
-    "seg[summed]": (None, None, True),
-    "seg[e-bt128w8]": (dict(BN=128, BT=128, num_warps=8, num_stages=2), None, None),
-    "seg[e-bn64]": (dict(BN=64, BT=64, num_warps=4, num_stages=2), None, None),
-    "seg[s-bk128]": (None, dict(BT=64, BK=128, num_warps=4, num_stages=3), None),
+SEG_TILES = {  # tag -> (expand config, shrink config, sum_in_shrink, groups)
+    "seg[summed]": (None, None, True, None),
+    "seg[g1]": (None, None, False, 1),
+    "seg[e-bt128w8]": (dict(BN=128, BT=128, num_warps=8, num_stages=2), None, False, None),
+    "seg[e-bn64s3]": (dict(BN=64, BT=64, num_warps=4, num_stages=3), None, False, None),
+    "seg[e-bt32]": (dict(BN=128, BT=32, num_warps=4, num_stages=2), None, False, None),
+    "seg[s-bt32]": (None, dict(BT=32, BK=64, num_warps=4, num_stages=3), False, None),
 }
 
 
@@ -33,10 +35,10 @@ def extra_variants(layer, xs, ids, T):
     segs = segments(ids, T)
     ys = {p["name"]: vendor_base(xs[p["K"]], p["codes"], p["scale_b"]) for p in layer}
     out = {"y read+write": lambda: [ys[p["name"]].add_(1.0) for p in layer]}
-    for tag, (cfg, shrink_cfg, summed) in SEG_TILES.items():
-        out[tag] = lambda cfg=cfg, sc=shrink_cfg, summed=summed: [
+    for tag, (cfg, shrink_cfg, summed, groups) in SEG_TILES.items():
+        out[tag] = lambda cfg=cfg, sc=shrink_cfg, summed=summed, groups=groups: [
             expand_segments(ys[p["name"]], xs[p["K"]], p["a"], p["b"], segs, tenants.SIGMA, widths=p["widths"],
-                            config=cfg, shrink_config=sc, sum_in_shrink=summed) for p in layer]
+                            config=cfg, shrink_config=sc, sum_in_shrink=summed, groups=groups) for p in layer]
     return out
 
 

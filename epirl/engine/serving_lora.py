@@ -202,9 +202,9 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
                  segs=None):
     """A LoRA linear layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i)
     per token (σ = 1: vLLM's B holds it). token_lora: vLLM's token -> slot map (shorter than the batch: the rest
-    gets no adapter; longer: its first M entries). choice: "fused", "fused[<tag>]", "vendor+epirl" or "vendor+seg"
-    (None: the dispatch's); segs: the batch's adapter segments for "vendor+seg" (vLLM's metadata in the engine;
-    None: computed here from token_lora)."""
+    gets no adapter; longer: its first M entries). choice: "fused", "fused[<tag>]", "vendor+epirl", "vendor+seg" or
+    "vendor+seg[<tag>]" (None: the dispatch's); segs: the batch's adapter segments for "vendor+seg" (vLLM's metadata
+    in the engine; None: computed here from token_lora)."""
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
     # vLLM's sorted order is valid for its first len(token_lora) entries only (the rest of its buffer is stale and
@@ -230,11 +230,13 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
         choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device, lora_a[0].shape[0])
     if choice == "vendor+epirl":
         out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
-    elif choice == "vendor+seg":  # one adapter per tile: batches spread over many adapters
-        from epirl.kernels.w8a8_multi_lora.segmented import expand_segments, segments
+    elif choice.startswith("vendor+seg"):  # one adapter per tile: batches spread over many adapters
+        from epirl.kernels.w8a8_multi_lora.segmented import SEG_VARIANTS, expand_segments, segments
 
         segs = segs if segs is not None else segments(ids, lora_a[0].shape[0])
-        out = expand_segments(_vendor_base(x2, codes, scale, bias), x2, lora_a, lora_b, segs, 1.0, widths=widths)
+        config = SEG_VARIANTS[choice[len("vendor+seg["):-1]] if choice.endswith("]") else None
+        out = expand_segments(_vendor_base(x2, codes, scale, bias), x2, lora_a, lora_b, segs, 1.0, widths=widths,
+                              config=config)
     elif choice.startswith("fused["):  # the prefill path with another K2 token tile (timed faster)
         from epirl.kernels.w8a8_multi_lora.triton import PREFILL_VARIANTS
 
@@ -325,7 +327,7 @@ def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torc
         return punica.vllm_lora_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
     # "vendor+seg" reads vLLM's own per-step segment metadata (valid in captures and replays: fixed buffers that
     # vLLM refills before every step, covering the step's real tokens; padding rows get no adapter)
-    segs = punica.token_segments(layer) if choice == "vendor+seg" else None
+    segs = punica.token_segments(layer) if choice.startswith("vendor+seg") else None
     return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice, segs)
 
 

@@ -25,14 +25,15 @@ import triton
 import triton.language as tl
 
 from .._dispatch import interpreting
-from .triton import Slices, _bf16_slices, _lora_epilogue, _shrink_chunk, _sigma, shrink_chunking
+from .triton import Slices, _bf16_slices, _shrink_chunk, _sigma, _sum_chunk_partials, shrink_chunking
 
 SEG_SHRINK_CONFIG = dict(BT=64, BK=64, num_warps=4, num_stages=3)
-SEG_EXPAND_CONFIG = dict(BN=128, BT=64, num_warps=4, num_stages=2)
-# From this many shrink programs (tile bound x slices) on, one program adds all K chunks of its tile itself, in chunk
-# order (the same bits as the expand adding them): enough programs fill the GPU without splitting K, and the
-# expand's tiles stop re-reading every chunk's partials. Below it, K is split over programs for parallelism.
-SUM_IN_SHRINK_FROM = 264  # two programs per SM of an H200
+# expand tiles: 128 rows x 32 tokens compiles to 204 registers without spills for sm_90a (128 x 64: 255 and spills,
+# one CTA per SM); the timed dispatch also tries SEG_VARIANTS ("vendor+seg[<tag>]")
+SEG_EXPAND_CONFIG = dict(BN=128, BT=32, num_warps=4, num_stages=3)
+SEG_VARIANTS = {"bt16": dict(BN=128, BT=16, num_warps=4, num_stages=3),
+                "bn64": dict(BN=64, BT=64, num_warps=4, num_stages=2)}
+EXPAND_PROGRAMS = 528  # the expand's launch: about four programs per SM of an H200, each over a run of row tiles
 
 
 class Segments(NamedTuple):
@@ -114,27 +115,49 @@ def _seg_shrink_kernel(x_ptr, a_tab, tokens_ptr, lora_ids_ptr, counts_ptr, part_
 
 
 @triton.jit(do_not_specialize=["M"])
-def _seg_expand_kernel(y_ptr, tokens_ptr, lora_ids_ptr, counts_ptr, part_ptr, b_tab, bl_tab,
-                       slice_starts_ptr, sigma_ptr, M, N, R, S, N_CHUNKS, N_SLICES, sigma_const, stride_ym, stride_bn,
+def _seg_expand_kernel(y_ptr, tokens_ptr, lora_ids_ptr, counts_ptr, part_ptr, b_tab, bl_tab, slice_starts_ptr,
+                       sigma_ptr, M, R, S, N_CHUNKS, GROUPS, sigma_const, stride_ym, stride_bn,
                        SIGMA_PER_ADAPTER: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-                       BR: tl.constexpr, BS: tl.constexpr):
-    # program (segment tile, N tile): y[tile's tokens, N tile] += σ_l B_l h (K2's epilogue, one adapter per tile);
-    # consecutive programs are an adapter's consecutive tiles on the same N tile, so its B tile stays in L2
+                       BR: tl.constexpr, BS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # program (segment tile, slice x group): y[tile's tokens, rows] += σ_l B_l h for a run of BN-row tiles of one
+    # slice. The tile's fixed costs (finding its segment, its tokens, h summed over the K chunks and widened to
+    # bf16) are paid once for the run, and the run's y / B loads are software-pipelined; per tile of rows the
+    # arithmetic is K2's epilogue's (the same dot shape and explicit FMA: same bits).
     adapter, lo, n = _segment_tile(tl.program_id(0), lora_ids_ptr, counts_ptr, S, BT, BS)
     if n > 0:
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask_n = rn < N
+        sl = tl.program_id(1) // GROUPS
+        group = tl.program_id(1) % GROUPS
+        row_lo = tl.load(slice_starts_ptr + sl)
+        width = tl.load(slice_starts_ptr + sl + 1) - row_lo
+        per_group = tl.cdiv(tl.cdiv(width, BN), GROUPS)
+        first = group * per_group
+        last = tl.minimum(first + per_group, tl.cdiv(width, BN))
         rt = tl.arange(0, BT)
         mask_t = rt < n
         tok = tl.load(tokens_ptr + lo + rt, mask=mask_t, other=0).to(tl.int64)
-        y_ptrs = y_ptr + tok[None, :] * stride_ym + rn[:, None]
-        mask_y = mask_n[:, None] & mask_t[None, :]
-        acc = tl.load(y_ptrs, mask=mask_y, other=0.0).to(tl.float32)
-        ids = tl.where(mask_t, adapter, -1).to(tl.int32)
-        acc = _lora_epilogue(acc, rn, mask_n, tok, mask_t, ids, M, R, part_ptr, b_tab, bl_tab, slice_starts_ptr,
-                             N_SLICES, sigma_ptr, sigma_const, stride_bn, N_CHUNKS, SIGMA_PER_ADAPTER, DOT_F32, BR,
-                             BT, BN)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+        rr = tl.arange(0, BR)
+        mask_r = rr < R
+        h = _sum_chunk_partials(part_ptr, sl, N_CHUNKS, M, tok, rr, mask_r[:, None] & mask_t[None, :], BR,
+                                BT).to(tl.bfloat16)
+        b_rows = (tl.load(b_tab + sl).to(tl.pointer_type(tl.bfloat16)) + adapter.to(tl.int64) * tl.load(bl_tab + sl)
+                  + rr[None, :])
+        if SIGMA_PER_ADAPTER:
+            sigma = tl.load(sigma_ptr + adapter)
+        else:
+            sigma = sigma_const
+        y_cols = y_ptr + tok[None, :] * stride_ym + row_lo
+        for t in tl.range(first, last, num_stages=NUM_STAGES):
+            rn = t * BN + tl.arange(0, BN)  # rows within the slice
+            mask_n = rn < width
+            mask_y = mask_n[:, None] & mask_t[None, :]
+            y = tl.load(y_cols + rn[:, None], mask=mask_y, other=0.0).to(tl.float32)
+            b = tl.load(b_rows + rn[:, None].to(tl.int64) * stride_bn, mask=mask_n[:, None] & mask_r[None, :],
+                        other=0.0)
+            if DOT_F32:  # Triton's CPU interpreter: fp32 dots (tests only)
+                lora = tl.dot(b.to(tl.float32), h.to(tl.float32))
+            else:
+                lora = tl.dot(b, h)
+            tl.store(y_cols + rn[:, None], tl.fma(lora, sigma, y).to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
 def _check_segments(segs: Segments, M: int):
@@ -145,9 +168,11 @@ def _check_segments(segs: Segments, M: int):
     return S
 
 
-def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shrink: bool | None = None):
-    """The shrink of every adapter token: fp32 `[slices, chunks, M, BR]` (chunks 1 when summed in the shrink, else
-    K1's chunking); rows of no-adapter tokens are left unwritten (the expand never reads them)."""
+def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shrink: bool = False):
+    """The shrink of every adapter token: fp32 `[slices, chunks, M, BR]` (K1's chunking, or chunks 1 when summed in
+    the shrink); rows of no-adapter tokens are left unwritten (the expand never reads them). sum_in_shrink: one
+    program per tile adds all K chunks in chunk order (the same bits as the expand adding them) - measured slower
+    on the H200 at 16-8192 tokens (2026-12-01: too few programs, long serial loops), kept for comparison."""
     M, K = x2.shape
     if x2.dtype != torch.bfloat16 or x2.stride(1) != 1:
         raise TypeError(f"segmented shrink needs bf16 x with unit K stride, got {x2.dtype} strides {x2.stride()}")
@@ -159,8 +184,7 @@ def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shri
         raise ValueError(f"segmented shrink BK={cfg['BK']} must divide the K chunk {k_chunk}")
     n_slices = len(slices.widths)
     tiles = triton.cdiv(M, cfg["BT"]) + S  # bound on the segments' tiles
-    if sum_in_shrink is None:
-        sum_in_shrink = n_chunks == 1 or tiles * n_slices >= SUM_IN_SHRINK_FROM
+    sum_in_shrink = sum_in_shrink or n_chunks == 1
     out_chunks = 1 if sum_in_shrink else n_chunks
     part = torch.empty(n_slices, out_chunks, M, BR, device=x2.device, dtype=torch.float32)
     if M:
@@ -173,10 +197,11 @@ def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shri
 
 
 def expand_segments(y, x2, lora_a, lora_b, segs: Segments, lora_scale, widths=None, config=None,
-                    shrink_config=None, sum_in_shrink: bool | None = None):
+                    shrink_config=None, sum_in_shrink: bool = False, groups: int | None = None):
     """`y += σ_l · bf16(x A_lᵀ) B_lᵀ` in place for every token of an adapter segment (y: a vendor GEMM's `[M, N]`
     output). lora_a / lora_b: one `[L, r, K]` / `[L, N, r]` tensor, or lists of slices with `widths`; segs: from
-    `segments` or vLLM's `LoRAKernelMeta`. Same bits as `expand_into` on the same tokens."""
+    `segments` or vLLM's `LoRAKernelMeta`; groups: runs of row tiles per slice (None: `expand_groups`). Same bits
+    as `expand_into` on the same tokens."""
     if isinstance(lora_a, torch.Tensor):
         lora_a, lora_b, widths = [lora_a], [lora_b], [y.shape[1]]
     slices = _bf16_slices(lora_a, lora_b, widths)
@@ -190,11 +215,19 @@ def expand_segments(y, x2, lora_a, lora_b, segs: Segments, lora_scale, widths=No
     sigma = _sigma(lora_scale, slices.L, x2.device)
     per_adapter = isinstance(sigma, torch.Tensor)
     S = segs.counts.numel()
-    BR = part.shape[3]
-    _seg_expand_kernel[(triton.cdiv(M, cfg["BT"]) + S, triton.cdiv(N, cfg["BN"]))](
+    tiles = triton.cdiv(M, cfg["BT"]) + S
+    n_slices = len(slices.widths)
+    groups = groups or expand_groups(tiles * n_slices, max(triton.cdiv(w, cfg["BN"]) for w in slices.widths))
+    _seg_expand_kernel[(tiles, n_slices * groups)](
         y, segs.tokens, segs.lora_ids, segs.counts, part, slices.b_tab, slices.bl_tab, slices.starts,
-        sigma if per_adapter else y, M, N, slices.R, S, part.shape[1], len(slices.widths),
-        0.0 if per_adapter else float(sigma), y.stride(0), slices.stride_bn, SIGMA_PER_ADAPTER=per_adapter,
-        DOT_F32=interpreting(), BN=cfg["BN"], BT=cfg["BT"], BR=BR, BS=max(16, triton.next_power_of_2(S)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        sigma if per_adapter else y, M, slices.R, S, part.shape[1], groups, 0.0 if per_adapter else float(sigma),
+        y.stride(0), slices.stride_bn, SIGMA_PER_ADAPTER=per_adapter, DOT_F32=interpreting(), BN=cfg["BN"],
+        BT=cfg["BT"], BR=part.shape[3], BS=max(16, triton.next_power_of_2(S)), NUM_STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"])
     return y
+
+
+def expand_groups(programs: int, row_tiles: int, target: int = EXPAND_PROGRAMS) -> int:
+    """Groups each slice's BN-row tiles are split into (one program per segment tile and group): enough programs
+    for `target` in all, at most one group per row tile of the widest slice."""
+    return max(1, min(row_tiles, triton.cdiv(target, max(programs, 1))))

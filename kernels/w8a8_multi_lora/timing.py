@@ -7,7 +7,8 @@ over min(shape.adapters, M) adapters in random order):
   fused[<tag>]  above DECODE_MAX_TOKENS tokens: the prefill path with K2's token tile PREFILL_VARIANTS[tag]
   vendor+epirl  epirl's per-token quantization + torch._scaled_mm (cuBLASLt FP8) + epirl's shrink + K2 expand
   vendor+seg    the same vendor GEMM + the segment-tiled shrink and expand (segmented.py: one adapter per tile;
-                the segments prepared outside the graph, as vLLM prepares its metadata once per step)
+                the segments prepared outside the graph, as vLLM prepares its metadata once per step);
+                vendor+seg[<tag>] with the expand tile SEG_VARIANTS[tag]
   extra         whatever the caller adds: the engine adds "vllm", vendor GEMM + vLLM's own LoRA kernels
                 (`epirl.engine.serving_lora.vllm_candidate`; kernels/ does not import the engine)
 """
@@ -50,7 +51,7 @@ def spread_adapters(M: int, adapters: int, seed: int = 0) -> torch.Tensor:
 def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict[str, Callable[[], object]]:
     """The dispatch candidates for `shape` at M tokens, spread over min(shape.adapters, M) adapters.
     extra(x, codes, scale, a, b, ids, sigma) -> {name: fn} adds caller-provided candidates."""
-    from .segmented import expand_segments, segments
+    from .segmented import SEG_VARIANTS, expand_segments, segments
     from .triton import DECODE_MAX_TOKENS, PREFILL_VARIANTS, expand_into, expand_order, w8a8_multi_lora
 
     codes, scale, a, b = random_projection(shape, L=shape.adapters)
@@ -63,7 +64,9 @@ def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict
                                             order=expand_order(ids)),
     }
     segs = segments(ids, shape.adapters)
-    cands["vendor+seg"] = lambda: expand_segments(vendor_base(x, codes, scale_b), x, a, b, segs, sigma)
+    for tag, cfg in {"": None, **SEG_VARIANTS}.items():
+        cands[f"vendor+seg[{tag}]" if tag else "vendor+seg"] = lambda cfg=cfg: expand_segments(
+            vendor_base(x, codes, scale_b), x, a, b, segs, sigma, config=cfg)
     if M > DECODE_MAX_TOKENS:  # the prefill path's other K2 tiles
         for tag, cfg in PREFILL_VARIANTS.items():
             cands[f"fused[{tag}]"] = lambda cfg=cfg: w8a8_multi_lora(x, codes, scale, a, b, ids, sigma, path="prefill",
@@ -75,6 +78,8 @@ def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict
 
 def candidate_names() -> list[str]:
     """Every name gpu_candidates (plus the engine's "vllm") can return: part of the dispatch cache key."""
+    from .segmented import SEG_VARIANTS
     from .triton import PREFILL_VARIANTS
 
-    return ["fused", *(f"fused[{tag}]" for tag in PREFILL_VARIANTS), "vendor+epirl", "vendor+seg", "vllm"]
+    return ["fused", *(f"fused[{tag}]" for tag in PREFILL_VARIANTS), "vendor+epirl", "vendor+seg",
+            *(f"vendor+seg[{tag}]" for tag in SEG_VARIANTS), "vllm"]

@@ -198,6 +198,20 @@ def _slice_lora(acc, rn, rows, ids, h, b_ptr, stride_bl, stride_bn, sigma_ptr, s
 
 
 @triton.jit
+def _sum_chunk_partials(part_ptr, sl, N_CHUNKS, M, tok, rr, mask_rt, BR: tl.constexpr, BT: tl.constexpr):
+    # h [r, tokens] fp32 of slice sl: its K chunks' partials added in chunk order from zero (h is the same for every
+    # batch composition), CHUNK_UNROLL chunks' loads in flight at once instead of one dependent load per chunk; a
+    # chunk past the last adds -0.0, which leaves any h unchanged
+    h = tl.zeros((BR, BT), dtype=tl.float32)
+    for c0 in range(0, N_CHUNKS, CHUNK_UNROLL):
+        for j in tl.static_range(CHUNK_UNROLL):
+            in_chunks = (rr[:, None] * 0 + c0 + j) < N_CHUNKS  # a tensor (the interpreter masks by tensors)
+            h += tl.load(part_ptr + ((sl * N_CHUNKS + c0 + j) * M + tok[None, :]) * BR + rr[:, None],
+                         mask=mask_rt & in_chunks, other=-0.0)
+    return h
+
+
+@triton.jit
 def _lora_epilogue(acc, rn, mask_n, tok, mask_t, ids, M, R, part_ptr, b_tab, bl_tab, starts_ptr, N_SLICES,
                    sigma_ptr, sigma_const, stride_bn, N_CHUNKS, SIGMA_PER_ADAPTER: tl.constexpr,
                    DOT_F32: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
@@ -209,14 +223,7 @@ def _lora_epilogue(acc, rn, mask_n, tok, mask_t, ids, M, R, part_ptr, b_tab, bl_
         lo = tl.load(starts_ptr + sl)
         hi = tl.load(starts_ptr + sl + 1)
         if (lo < tile_lo + BN) & (hi > tile_lo):
-            h = tl.zeros((BR, BT), dtype=tl.float32)
-            # chunk order (h is the same for every batch composition), CHUNK_UNROLL chunks' loads in flight at once
-            # instead of one dependent load per chunk; a chunk past the last adds -0.0, which leaves any h unchanged
-            for c0 in range(0, N_CHUNKS, CHUNK_UNROLL):
-                for j in tl.static_range(CHUNK_UNROLL):
-                    in_chunks = (rr[:, None] * 0 + c0 + j) < N_CHUNKS  # a tensor (the interpreter masks by tensors)
-                    h += tl.load(part_ptr + ((sl * N_CHUNKS + c0 + j) * M + tok[None, :]) * BR + rr[:, None],
-                                 mask=mask_rt & in_chunks, other=-0.0)
+            h = _sum_chunk_partials(part_ptr, sl, N_CHUNKS, M, tok, rr, mask_rt, BR, BT)
             b_ptr = tl.load(b_tab + sl).to(tl.pointer_type(tl.bfloat16))
             rows = mask_n & (rn >= lo) & (rn < hi)
             acc = _slice_lora(acc, rn - lo, rows, ids, h.to(tl.bfloat16), b_ptr, tl.load(bl_tab + sl), stride_bn,

@@ -236,7 +236,8 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     import epirl.kernels.gpu_timing as gpu_timing
     monkeypatch.setattr(gpu_timing, "release", lambda: None)
     serving_lora._time_shape(dispatch.Shape("64x96", 64, 96, 8, adapters=4))
-    assert seen["names"] == ["fused", "fused[bt64]", "fused[bt32]", "vendor+epirl", "vendor+seg", "vllm"]
+    assert seen["names"] == ["fused", "fused[bt64]", "fused[bt32]", "vendor+epirl", "vendor+seg", "vendor+seg[bt16]",
+                             "vendor+seg[bn64]", "vllm"]
     assert seen["shape"].adapters == 4
 
     layer, x = object(), torch.randn(5, 64)
@@ -257,10 +258,10 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     choice = "vllm"
     assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(7).all()
     assert serving_lora._STATE["vllm_calls"] == calls + 1 and asked == [4]
-    for choice in ("vendor+epirl", "vendor+seg"):
+    for choice in ("vendor+epirl", "vendor+seg", "vendor+seg[bt16]"):
         assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(1).all()
-    # the segment-tiled path reads vLLM's per-step segment metadata; the others need none
-    assert served == [("vendor+epirl", None), ("vendor+seg", "vLLM's metadata")]
+    # the segment-tiled paths read vLLM's per-step segment metadata; the others need none
+    assert served == [("vendor+epirl", None), ("vendor+seg", "vLLM's metadata"), ("vendor+seg[bt16]", "vLLM's metadata")]
 
 
 def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
@@ -280,3 +281,15 @@ def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
     parts = (torch.zeros(96, 64), torch.ones(1), [torch.zeros(4, 8, 64)], [torch.zeros(4, 96, 8)], [96])
     serving_lora.serve_slices(x, *parts, torch.zeros(5, dtype=torch.long), None, None, choice="fused[bt32]")
     assert seen["path"] == "prefill" and seen["config"] == multi.PREFILL_VARIANTS["bt32"]
+    # "vendor+seg[<tag>]": the vendor GEMM, then the segment-tiled kernels with SEG_VARIANTS[tag]'s expand tile, on
+    # the given segments (vLLM's metadata) or, without them, on segments built from the token map
+    segmented = importlib.import_module("epirl.kernels.w8a8_multi_lora.segmented")
+    monkeypatch.setattr(serving_lora, "_vendor_base", lambda x2, *a: x2.new_zeros(5, 96))
+    monkeypatch.setattr(segmented, "expand_segments", lambda y, x2, a, b, segs, sigma, **kw: seen.update(
+        kw, segs=segs) or y)
+    serving_lora.serve_slices(x, *parts, torch.zeros(5, dtype=torch.long), None, None, choice="vendor+seg[bn64]",
+                              segs="vLLM's")
+    assert seen["config"] == segmented.SEG_VARIANTS["bn64"] and seen["segs"] == "vLLM's"
+    ids = torch.tensor([2, -1, 0, 2, 3])
+    serving_lora.serve_slices(x, *parts, ids, None, None, choice="vendor+seg")
+    assert seen["config"] is None and seen["segs"].counts.tolist() == [1, 1, 0, 2, 1]

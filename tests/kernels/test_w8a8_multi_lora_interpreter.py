@@ -277,10 +277,10 @@ def case_segmented_expand_equals_grouped_bitwise():
     tiles = dict(BN=32, BT=16, BK=64, num_warps=4, num_stages=2)
     want = expand_into(base.clone(), x, a, b, ids, 1.5, order=adapter_order(ids, 16))
     for segs in (segments(ids, 4), vllm_meta(ids)):
-        for summed in (True, False):
+        for summed, groups in ((True, None), (False, None), (False, 1)):  # groups 1: one program, both row tiles
             got = expand_segments(base.clone(), x, a, b, segs, 1.5, config=tiles, sum_in_shrink=summed,
-                                  shrink_config=dict(BT=16, BK=64, num_warps=4, num_stages=2))
-            assert torch.equal(got, want), summed
+                                  shrink_config=dict(BT=16, BK=64, num_warps=4, num_stages=2), groups=groups)
+            assert torch.equal(got, want), (summed, groups)
     got = expand_segments(base.clone(), x, a, b, segments(ids, 4), 1.5)  # the default tiles
     assert torch.equal(got[ids < 0], base[ids < 0])
     assert close_bf16(got, reference(x, codes, scale, a, b, ids, 1.5))

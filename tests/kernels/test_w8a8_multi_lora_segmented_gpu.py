@@ -37,9 +37,10 @@ def grouped(base, x, a, b, ids, sigma=1.5):
 def test_segmented_equals_expand_into_bitwise(M, L):
     x, a, b, ids, base = layer(M, L, seed=M + L)
     want = grouped(base, x, a, b, ids)
-    for summed in (True, False):
-        got = expand_segments(base.clone(), x, a, b, segments(ids, L), 1.5, widths=WIDTHS, sum_in_shrink=summed)
-        assert torch.equal(got, want), (summed, (got.float() - want.float()).abs().max().item())
+    for summed, groups in ((True, None), (False, None), (False, 1)):  # groups 1: each program loops over a slice
+        got = expand_segments(base.clone(), x, a, b, segments(ids, L), 1.5, widths=WIDTHS, sum_in_shrink=summed,
+                              groups=groups)
+        assert torch.equal(got, want), (summed, groups, (got.float() - want.float()).abs().max().item())
     assert torch.equal(got[ids < 0], base[ids < 0])
 
 

@@ -70,8 +70,8 @@ SEG_SHRINK_SIG = {"x_ptr": "*bf16", "a_tab": "*i64", **SEG_META, "part_ptr": "*f
                   "R": "i32", "S": "i32", "K_CHUNK": "i32", "N_CHUNKS": "i32", "stride_xm": "i32", "stride_al": "i32",
                   "stride_ar": "i32", "stride_ak": "i32"}
 SEG_EXPAND_SIG = {"y_ptr": "*bf16", **SEG_META, "part_ptr": "*fp32", "b_tab": "*i64", "bl_tab": "*i64",
-                  "slice_starts_ptr": "*i32", "sigma_ptr": "*fp32", "M": "i32", "N": "i32", "R": "i32", "S": "i32",
-                  "N_CHUNKS": "i32", "N_SLICES": "i32", "sigma_const": "fp32", "stride_ym": "i32", "stride_bn": "i32"}
+                  "slice_starts_ptr": "*i32", "sigma_ptr": "*fp32", "M": "i32", "R": "i32", "S": "i32",
+                  "N_CHUNKS": "i32", "GROUPS": "i32", "sigma_const": "fp32", "stride_ym": "i32", "stride_bn": "i32"}
 
 
 @pytest.mark.parametrize("sum_chunks", [True, False])
@@ -91,7 +91,8 @@ def test_segmented_expand_lowers_to_bf16_wgmma_with_explicit_fma():
     from epirl.kernels.w8a8_multi_lora import segmented
 
     cfg = segmented.SEG_EXPAND_CONFIG
-    consts = dict(SIGMA_PER_ADAPTER=False, DOT_F32=False, BN=cfg["BN"], BT=cfg["BT"], BR=64, BS=64)
+    consts = dict(SIGMA_PER_ADAPTER=False, DOT_F32=False, BN=cfg["BN"], BT=cfg["BT"], BR=64, BS=64,
+                  NUM_STAGES=cfg["num_stages"])
     ptx = ptx_for(segmented._seg_expand_kernel, SEG_EXPAND_SIG, consts, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     assert "wgmma.mma_async" in ptx and ".f32.bf16.bf16" in ptx and "fma.rn.f32" in ptx
