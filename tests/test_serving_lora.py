@@ -170,8 +170,8 @@ def test_batches_from_the_vllm_threshold_run_vllms_own_lora_path(monkeypatch):
     for value, want in (("0", None), ("never", None), (" Never ", None)):
         monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, value)
         assert serving_lora.read_vllm_from() is want
-    monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "")  # unset: timed mode hands batches above 16 tokens to vLLM
-    assert serving_lora.read_vllm_from("timed") == serving_lora.TIMED_VLLM_FROM == 17
+    monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "")  # unset: timed mode lets the dispatch decide every size
+    assert serving_lora.read_vllm_from("timed") is serving_lora.TIMED_VLLM_FROM is None
     assert serving_lora.read_vllm_from("fused") is None  # fused: always epirl's kernels
     monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "many")
     with pytest.raises(ValueError, match="EPIRL_SERVING_VLLM_FROM='many'"):

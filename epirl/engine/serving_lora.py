@@ -49,12 +49,14 @@ MODES = ("0", "fused", "1", "timed")
 _STATE: dict = {"installed": False, "tables": {}, "mode": "off", "calls": 0, "short_maps": 0, "vendor_calls": 0,
                 "vllm_calls": 0, "vllm_from": None, "checked_configs": []}
 VLLM_FROM_ENV = "EPIRL_SERVING_VLLM_FROM"
-# timed mode's default: batches above the 16-token bucket take vLLM's own LoRA path. Measured on the H200
-# (BENCHMARKS.md § Serving kernels, 2026-12-01): with 32 tenants, epirl's paths at >= 32 tokens (vendor FP8 GEMM +
-# per-token shrink/expand, timed faster than the fused kernels with ONE adapter) made the engine 0.55x vLLM's
-# throughput. The dispatch now also times vLLM's kernels ("vllm") on batches spread over the slots, and the shrink
-# above 32 tokens is grouped on tensor cores; this default stays until those are measured (bench_serving_tenants.py).
-TIMED_VLLM_FROM = 17
+# timed mode's default: no batch size is handed to vLLM's own LoRA path before the dispatch is asked; the dispatch
+# times vLLM's kernels ("vllm") beside epirl's on batches spread over the slots and keeps the faster per bucket. It
+# was 17 (batches above the 16-token bucket to vLLM) after the 32-tenant run of 2026-12-01 measured 0.55x vLLM's
+# throughput with epirl's paths at >= 32 tokens; with the segment-tiled shrink/expand ("vendor+seg") one Qwen3-8B
+# layer is 0.41-0.79x vLLM's LoRA path at 16-8192 tokens over 8 or 32 adapters and 0.94-0.95x at 256-8192 tokens
+# with one (H200, bench_serving_tenants.py, BENCHMARKS.md § Serving kernels). EPIRL_SERVING_VLLM_FROM=N restores a
+# threshold.
+TIMED_VLLM_FROM = None
 CONFIG_KEY = "epirl_serving_kernels"  # the `additional_config` entry that keys vLLM's compile cache by the mode
 _MARKER = "_epirl_serving"  # on the vLLM methods install() wrapped (idempotence)
 
@@ -69,7 +71,7 @@ def read_mode() -> str:
 
 def read_vllm_from(active_mode: str = "timed") -> int | None:
     """EPIRL_SERVING_VLLM_FROM as a token count; None (never) for "0" / "never". Unset or empty: in timed mode
-    TIMED_VLLM_FROM, in fused mode never (fused means always epirl's kernels)."""
+    TIMED_VLLM_FROM (never: the dispatch decides), in fused mode never (fused means always epirl's kernels)."""
     value = os.environ.get(VLLM_FROM_ENV, "").strip().lower()
     if not value:
         return TIMED_VLLM_FROM if active_mode == "timed" else None
