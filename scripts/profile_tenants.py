@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving_tenants as tenants  # noqa: E402
+from profile_trainer_linear import kernel_us_per_step  # noqa: E402
 
 SEG_TILES = {  # tag -> (expand config, shrink config, sum_in_shrink, groups)
     "seg[summed]": (None, None, True, None),
@@ -42,23 +42,6 @@ def extra_variants(layer, xs, ids, T):
     return out
 
 
-def kernel_times(fn, reps: int = 3) -> dict[str, float]:
-    """{kernel name: µs per call of fn} from the profiler's CUDA kernel records (fn warmed up first)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    times: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] += event.device_time / reps  # µs
-    return dict(times)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["8192:1", "256:32", "16:1"], help="tokens:tenants")
@@ -76,7 +59,7 @@ def main(argv=None) -> int:
         for name in ("base", "y read+write", "vendor+vllm", "vendor+epirl", "vendor+seg", *SEG_TILES, "fused"):
             if name not in fns:
                 continue
-            times = kernel_times(fns[name])
+            times = kernel_us_per_step(fns[name], steps=3)
             total = sum(times.values())
             print(f"| **{name}** | (all) | **{total:.1f}** |")
             for kernel, us in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:

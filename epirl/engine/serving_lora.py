@@ -53,9 +53,9 @@ VLLM_FROM_ENV = "EPIRL_SERVING_VLLM_FROM"
 # times vLLM's kernels ("vllm") beside epirl's on batches spread over the slots and keeps the faster per bucket. It
 # was 17 (batches above the 16-token bucket to vLLM) after the 32-tenant run of 2026-12-01 measured 0.55x vLLM's
 # throughput with epirl's paths at >= 32 tokens; with the segment-tiled shrink/expand ("vendor+seg") one Qwen3-8B
-# layer is 0.41-0.79x vLLM's LoRA path at 16-8192 tokens over 8 or 32 adapters and 0.94-0.95x at 256-8192 tokens
-# with one (H200, bench_serving_tenants.py, BENCHMARKS.md § Serving kernels). EPIRL_SERVING_VLLM_FROM=N restores a
-# threshold.
+# layer is 0.41-0.87x vLLM's LoRA path at 16-1024 tokens over 8 or 32 adapters and 0.94-0.95x at 256-8192 tokens
+# with one (H200, bench_serving_tenants.py, BENCHMARKS.md § Serving kernels; the end-to-end 32-tenant run with it is
+# still to be made). EPIRL_SERVING_VLLM_FROM=N restores a threshold.
 TIMED_VLLM_FROM = None
 CONFIG_KEY = "epirl_serving_kernels"  # the `additional_config` entry that keys vLLM's compile cache by the mode
 _MARKER = "_epirl_serving"  # on the vLLM methods install() wrapped (idempotence)

@@ -261,7 +261,8 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     for choice in ("vendor+epirl", "vendor+seg", "vendor+seg[bt16]"):
         assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(1).all()
     # the segment-tiled paths read vLLM's per-step segment metadata; the others need none
-    assert served == [("vendor+epirl", None), ("vendor+seg", "vLLM's metadata"), ("vendor+seg[bt16]", "vLLM's metadata")]
+    meta = "vLLM's metadata"
+    assert served == [("vendor+epirl", None), ("vendor+seg", meta), ("vendor+seg[bt16]", meta)]
 
 
 def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
