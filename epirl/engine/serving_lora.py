@@ -328,8 +328,10 @@ def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torc
         _STATE["vllm_calls"] += 1
         return punica.vllm_lora_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
     # "vendor+seg" reads vLLM's own per-step segment metadata (valid in captures and replays: fixed buffers that
-    # vLLM refills before every step, covering the step's real tokens; padding rows get no adapter)
-    segs = punica.token_segments(layer) if choice.startswith("vendor+seg") else None
+    # vLLM refills before every step, covering the step's real tokens; padding rows get no adapter) - not when the
+    # token map is longer than this batch: its segments would name tokens past x (serve_slices then builds them)
+    use_meta = choice.startswith("vendor+seg") and token_lora.numel() <= M
+    segs = punica.token_segments(layer) if use_meta else None
     return serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice, segs)
 
 

@@ -263,6 +263,10 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     # the segment-tiled paths read vLLM's per-step segment metadata; the others need none
     meta = "vLLM's metadata"
     assert served == [("vendor+epirl", None), ("vendor+seg", meta), ("vendor+seg[bt16]", meta)]
+    # a token map longer than the batch: vLLM's segments would name tokens past x, so serve_slices builds its own
+    monkeypatch.setattr(punica, "token_slots", lambda lay: (torch.zeros(7, dtype=torch.long), None))
+    serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96)
+    assert served[-1] == ("vendor+seg[bt16]", None)
 
 
 def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
