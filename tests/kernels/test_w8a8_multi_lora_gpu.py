@@ -212,12 +212,17 @@ def test_dispatch_candidates_agree_on_batches_spread_over_the_slots(M):
     adapter kernels and (with vLLM) vendor + vLLM's own LoRA kernels, on a batch spread over 8 adapters."""
     import importlib.util
 
-    from epirl.engine import serving_lora
     from epirl.kernels.w8a8_multi_lora.dispatch import Shape
     from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates
 
-    outs = {name: fn() for name, fn in gpu_candidates(Shape("t", 1024, 1536, 64, adapters=8), M,
-                                                      extra=serving_lora.vllm_candidate).items()}
-    assert ("vllm" in outs) == (importlib.util.find_spec("vllm") is not None), sorted(outs)
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    extra = None
+    if has_vllm:  # the engine package (pydantic etc.) comes with the vLLM kit on the device, not without it
+        from epirl.engine import serving_lora
+
+        extra = serving_lora.vllm_candidate
+    outs = {name: fn() for name, fn in gpu_candidates(Shape("t", 1024, 1536, 64, adapters=8), M, extra=extra).items()}
+    assert ("vllm" in outs) == has_vllm, sorted(outs)
+    assert {"vendor+seg", "vendor+seg[bt16]", "vendor+seg[bn64]"} <= set(outs)
     for y in outs.values():
         assert_close_bf16(y.float(), outs["fused"].float(), ulps=4.0)
