@@ -145,7 +145,8 @@ def _cache_dir() -> Path:
 
 
 def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1) -> str:
-    """"fused", "vendor+epirl" or "vllm" for this layer at M tokens (timed mode: from the dispatch table, timed
+    """The candidate (`timing.candidate_names()`: "fused", "vendor+seg", "vllm", ...) for this layer at M tokens
+    ("fused" outside timed mode; timed mode: from the dispatch table, timed
     with batches spread over min(slots, M) adapters; slots: the layer's adapter slots, vLLM's max_loras)."""
     if mode() != "timed" or device.type != "cuda":
         return "fused"
