@@ -18,27 +18,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving_tenants as tenants  # noqa: E402
 from profile_trainer_linear import kernel_us_per_step  # noqa: E402
 
-SEG_TILES = {  # tag -> (expand config, shrink config, sum_in_shrink, groups)
-    "seg[summed]": (None, None, True, None),
-    "seg[g1]": (None, None, False, 1),
-    "seg[e-bt128w8]": (dict(BN=128, BT=128, num_warps=8, num_stages=2), None, False, None),
-    "seg[e-bn64s3]": (dict(BN=64, BT=64, num_warps=4, num_stages=3), None, False, None),
-    "seg[e-bt32]": (dict(BN=128, BT=32, num_warps=4, num_stages=2), None, False, None),
-    "seg[s-bt32]": (None, dict(BT=32, BK=64, num_warps=4, num_stages=3), False, None),
+SEG_OPTIONS = {  # tag -> expand_segments keyword arguments; the dispatch's expand tiles are added from SEG_VARIANTS
+    "seg[summed]": dict(sum_in_shrink=True),
+    "seg[g1]": dict(groups=1),
+    "seg[e-bt128w8]": dict(config=dict(BN=128, BT=128, num_warps=8, num_stages=2)),
+    "seg[s-bt32]": dict(shrink_config=dict(BT=32, BK=64, num_warps=4, num_stages=3)),
 }
 
 
 def extra_variants(layer, xs, ids, T):
-    from epirl.kernels.w8a8_multi_lora.segmented import expand_segments, segments
+    from epirl.kernels.w8a8_multi_lora.segmented import SEG_VARIANTS, expand_segments, segments
     from epirl.kernels.w8a8_multi_lora.timing import vendor_base
 
     segs = segments(ids, T)
     ys = {p["name"]: vendor_base(xs[p["K"]], p["codes"], p["scale_b"]) for p in layer}
     out = {"y read+write": lambda: [ys[p["name"]].add_(1.0) for p in layer]}
-    for tag, (cfg, shrink_cfg, summed, groups) in SEG_TILES.items():
-        out[tag] = lambda cfg=cfg, sc=shrink_cfg, summed=summed, groups=groups: [
-            expand_segments(ys[p["name"]], xs[p["K"]], p["a"], p["b"], segs, tenants.SIGMA, widths=p["widths"],
-                            config=cfg, shrink_config=sc, sum_in_shrink=summed, groups=groups) for p in layer]
+    options = {**{f"seg[{tag}]": dict(config=cfg) for tag, cfg in SEG_VARIANTS.items()}, **SEG_OPTIONS}
+    for tag, kw in options.items():
+        out[tag] = lambda kw=kw: [expand_segments(ys[p["name"]], xs[p["K"]], p["a"], p["b"], segs, tenants.SIGMA,
+                                                  widths=p["widths"], **kw) for p in layer]
     return out
 
 
@@ -56,7 +54,8 @@ def main(argv=None) -> int:
         fns, xs, ids = tenants.variants(layer, M, T)
         fns.update(extra_variants(layer, xs, ids, T))
         print(f"\n| {M} tokens, {T} tenants | kernel | µs per layer |\n|---|---|---|")
-        for name in ("base", "y read+write", "vendor+vllm", "vendor+epirl", "vendor+seg", *SEG_TILES, "fused"):
+        seg = sorted(n for n in fns if n.startswith("seg["))
+        for name in ("base", "y read+write", "vendor+vllm", "vendor+epirl", "vendor+seg", *seg, "fused"):
             if name not in fns:
                 continue
             times = kernel_us_per_step(fns[name], steps=3)

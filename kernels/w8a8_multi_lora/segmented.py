@@ -42,12 +42,11 @@ EXPAND_PROGRAMS = 528  # the expand's launch: about four programs per SM of an H
 class Segments(NamedTuple):
     """A batch's tokens grouped by adapter, in vLLM's `LoRAKernelMeta` layout (its tensors can be passed as they
     are): tokens `[>= M]` int32, the token indices sorted by adapter; lora_ids `[S]` int32, segment i's adapter
-    (-1: no adapter, or an unused segment); counts `[S]` int32, its token count; starts `[S + 1]` int32, its first
-    position in `tokens`, the sum of the counts before it (the kernels compute it from the counts)."""
+    (-1: no adapter, or an unused segment); counts `[S]` int32, its token count. A segment starts where the
+    counts before it end (vLLM's `lora_token_start_loc`; the kernels compute it from the counts)."""
     tokens: torch.Tensor
     lora_ids: torch.Tensor
     counts: torch.Tensor
-    starts: torch.Tensor
 
 
 def segments(token_lora: torch.Tensor, slots: int) -> Segments:
@@ -58,18 +57,15 @@ def segments(token_lora: torch.Tensor, slots: int) -> Segments:
     tokens = torch.sort(ids, stable=True).indices.to(torch.int32)
     counts = torch.zeros(slots + 1, dtype=torch.int32, device=dev)
     counts.scatter_add_(0, ids + 1, torch.ones_like(ids, dtype=torch.int32))
-    starts = torch.zeros(slots + 2, dtype=torch.int32, device=dev)
-    starts[1:] = torch.cumsum(counts, 0, dtype=torch.int32)
-    lora_ids = torch.arange(-1, slots, dtype=torch.int32, device=dev)
-    return Segments(tokens, lora_ids, counts, starts)
+    return Segments(tokens, torch.arange(-1, slots, dtype=torch.int32, device=dev), counts)
 
 
 @triton.jit
 def _segment_tile(p, lora_ids_ptr, counts_ptr, S, BT: tl.constexpr, BS: tl.constexpr):
     # tile p of the segments' tiles (BT tokens each, numbered in segment order; no-adapter segments have none):
     # (its adapter, its first position in the sorted tokens, its token count; <= 0 past the last tile). A
-    # segment's start is the sum of the counts before it (what `starts` holds, computed here rather than loaded:
-    # one dependent memory round trip less before the tile's first load)
+    # segment's start is the sum of the counts before it (computed here rather than loaded from vLLM's
+    # `lora_token_start_loc`: one dependent memory round trip less before the tile's first load)
     rs = tl.arange(0, BS)
     in_range = rs < S
     lora = tl.load(lora_ids_ptr + rs, mask=in_range, other=-1)
@@ -165,9 +161,9 @@ def _seg_expand_kernel(y_ptr, tokens_ptr, lora_ids_ptr, counts_ptr, part_ptr, b_
 
 def _check_segments(segs: Segments, M: int):
     S = segs.counts.numel()
-    if segs.lora_ids.numel() != S or segs.starts.numel() < S or segs.tokens.numel() < M:
-        raise ValueError(f"segments: lora_ids {segs.lora_ids.numel()}, counts {S}, starts {segs.starts.numel()}, "
-                         f"tokens {segs.tokens.numel()} (want S, S, >= S, >= M={M})")
+    if segs.lora_ids.numel() != S or segs.tokens.numel() < M:
+        raise ValueError(f"segments: lora_ids {segs.lora_ids.numel()}, counts {S}, tokens {segs.tokens.numel()} "
+                         f"(want S, S, >= M={M})")
     return S
 
 

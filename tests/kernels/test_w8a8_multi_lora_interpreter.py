@@ -256,10 +256,8 @@ def vllm_meta(ids):
     lora_ids[:present.numel()] = present.int()
     count = torch.zeros(slots, dtype=torch.int32)
     count[:counts.numel()] = counts.int()
-    starts = torch.zeros(slots + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(count, 0)
     tokens = torch.cat([torch.sort(ids, stable=True).indices.int(), torch.tensor([3, 0, 7], dtype=torch.int32)])
-    return Segments(tokens, lora_ids, count, starts)
+    return Segments(tokens, lora_ids, count)
 
 
 def case_segmented_expand_equals_grouped_bitwise():

@@ -49,8 +49,7 @@ def vllm_segments(ids, L, extra_tokens=0):
     meta_cls = pytest.importorskip("vllm.lora.ops.triton_ops.lora_kernel_metadata").LoRAKernelMeta
     meta = meta_cls.make(max_loras=L, max_num_tokens=ids.numel() + extra_tokens + 64, device=DEV)
     meta.prepare_tensors(ids.to(torch.int32))
-    return Segments(meta.token_indices_sorted_by_lora_ids, meta.active_lora_ids, meta.num_tokens_per_lora,
-                    meta.lora_token_start_loc)
+    return Segments(meta.token_indices_sorted_by_lora_ids, meta.active_lora_ids, meta.num_tokens_per_lora)
 
 
 @pytest.mark.parametrize("M,L", [(64, 8), (300, 32)])

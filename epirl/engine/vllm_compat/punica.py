@@ -11,8 +11,8 @@ Read from vLLM 0.26.0 and 0.32.0 source (same names in both):
   -1 = no adapter, the first `indices_len[0]` entries of a fixed buffer); `punica_gpu.py` sets
   `self.token_mapping_meta` (`LoRAKernelMeta`, `vllm/lora/ops/triton_ops/lora_kernel_metadata.py`) whose field
   `token_indices_sorted_by_lora_ids` is the batch sorted by slot (CPU wrappers have no such metadata), with
-  `active_lora_ids` / `num_tokens_per_lora` / `lora_token_start_loc` (each present slot, -1 first, its token
-  count and first sorted position; unused entries -1 / 0, reset by `_reset` in `prepare_tensors`), and
+  `active_lora_ids` / `num_tokens_per_lora` (each present slot, -1 first, and its token count, in sorted order:
+  `lora_token_start_loc` is their running sum; unused entries -1 / 0, reset by `_reset` in `prepare_tensors`), and
   `no_lora_flag_cpu`, a CPU bool tensor `[1]` that `prepare_tensors` sets to "no token of this batch has an
   adapter" (vLLM's punica ops return early on it, `punica_gpu.py` `add_lora_fused_moe` / the `lora_shrink` and
   `lora_expand` ops; with `cudagraph_specialize_lora` vLLM captures separate graphs for such batches).
@@ -103,13 +103,12 @@ def token_slots(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
     return punica.token_lora_indices, order
 
 
-META_SEGMENT_FIELDS = ("token_indices_sorted_by_lora_ids", "active_lora_ids", "num_tokens_per_lora",
-                       "lora_token_start_loc")
+META_SEGMENT_FIELDS = ("token_indices_sorted_by_lora_ids", "active_lora_ids", "num_tokens_per_lora")
 
 
 def token_segments(layer):
     """The current batch's tokens grouped by slot, as vLLM's `LoRAKernelMeta` holds them (sorted token indices,
-    each segment's slot (-1: none or unused), token count and first position; `prepare_tensors` refills these
+    each segment's slot (-1: none or unused) and token count; `prepare_tensors` refills these
     fixed device buffers before every step, so CUDA graphs replay with the step's own metadata, as vLLM's LoRA
     kernels do), as an `epirl.kernels.w8a8_multi_lora.segmented.Segments`; None where the wrapper keeps none."""
     meta = getattr(layer.punica_wrapper, "token_mapping_meta", None)
