@@ -33,7 +33,7 @@ def compile_cubin(tile: str, one_chunk: bool, dx: bool) -> bytes:
     from epirl.kernels.gemm.weight_stationary import _ws_single_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK, BR=16,
-                 GROUP_N=8, stride_xk=1, stride_yn=1)
+                 GROUP_N=8, WAIT_PDL=False, stride_xk=1, stride_yn=1)
     const.update({"stride_wn": 1} if dx else {"stride_wk": 1})  # the contiguous dimension of w
     if one_chunk:
         const["N_CHUNKS"] = 1

@@ -29,11 +29,12 @@ import triton.language as tl
 
 from .._dispatch import interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, ws_config, xa_chunking
-from .ws_epilogue import _load_xa, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
+from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
 from .ws_tma import launch_tma_single, tma_ok
 
 PDL_ENV = "EPIRL_WS_PDL"  # "0": launch the split-K reduce kernel plainly, not as a PDL dependent (on by default)
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
+DOWN_FIRST_MAX_M = 64  # the decode buckets: above, xa's launch is not worth hiding behind the base GEMM
 
 
 @triton.jit
@@ -121,23 +122,29 @@ def _ws_reduce_kernel(
 ):
     """Adds the chunk partials in chunk order (as the single pass does) and runs the epilogue; with XA_PARTS the
     N_XA partials of the down-projection are added in order into xa first. WAIT_PDL: launched as the partial
-    kernel's programmatic dependent (resident while it runs), so wait for it before the first read."""
+    kernel's programmatic dependent (resident while it runs), so it fetches its rows of B, which the partial
+    kernel does not write, and then waits for it before the first read of a partial."""
     rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
+    b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
     if WAIT_PDL:
         tl.extra.cuda.gdc_wait()
-    offs = rm[None, :].to(tl.int64) * N + rn[:, None]
-    total = tl.zeros((BN, BM), dtype=tl.float32)
-    for c in range(0, N_CHUNKS):
-        total += tl.load(part_ptr + c * M * N + offs, mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+    total = _sum_parts(part_ptr, M * N, rm[None, :].to(tl.int64) * N + rn[:, None],
+                       mask_n[:, None] & mask_m[None, :], N_CHUNKS, BN, BM)
     xa_t = _load_xa(xa_part_ptr, xa_ptr, rm, mask_m, M, R, N_XA, stride_xam, stride_xar,
                     HAS_LORA, XA_PARTS, BR, BM)
-    _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
-                 stride_ym, stride_yn, stride_bn, stride_br, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
+    _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
+                 stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _xa_reduce_kernel(xa_part_ptr, xa_ptr, M, R, N_CHUNKS, BR: tl.constexpr, BM: tl.constexpr):
-    """xa `[M, R]` bf16 from the down-projection's chunk partials (same order as `_ws_reduce_kernel`)."""
+def _xa_reduce_kernel(xa_part_ptr, xa_ptr, M, R, N_CHUNKS, BR: tl.constexpr, BM: tl.constexpr,
+                      PDL: tl.constexpr):
+    """xa `[M, R]` bf16 from the down-projection's chunk partials (same order as `_ws_reduce_kernel`). PDL: the
+    partial kernel's programmatic dependent and the primary of the base GEMM that reads xa (it lets that one
+    launch at once, then waits for the partials)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     mask_m = rm < M
     rr = tl.arange(0, BR)
@@ -152,16 +159,22 @@ def _ws_single_kernel(
     stride_xam, stride_xar, stride_bn, stride_br,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
+    WAIT_PDL: tl.constexpr = False,
 ):
-    """One program per output tile: every chunk from zero, added in chunk order, then the epilogue."""
+    """One program per output tile: every chunk from zero, added in chunk order, then the epilogue. WAIT_PDL:
+    launched as the programmatic dependent of the kernel that writes xa (`lora_down`), so the weights stream
+    while the down-projection runs; it waits for xa only before its epilogue."""
     rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
     total = tl.zeros((BN, BM), dtype=tl.float32)
     for c in range(0, N_CHUNKS):
         total += _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, c * K_CHUNK, (c + 1) * K_CHUNK, K,
                            stride_wn, stride_wk, stride_xm, stride_xk, BN, BM, BK, DOT_F32)
+    b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
+    if WAIT_PDL:
+        tl.extra.cuda.gdc_wait()
     xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, M, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
-    _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
-                 stride_ym, stride_yn, stride_bn, stride_br, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
+    _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
+                 stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
 
 
 def split_pdl(x: torch.Tensor) -> bool:
@@ -210,10 +223,11 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
     return part, xa_part
 
 
-def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd"):
+def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool = False):
     """xa `[M, r]` = bf16(x · Aᵀ), batch invariant: the sub-chunks of `configs.xa_chunking` for the base layer
     `[chunk_n, K]` (default r), each from zero, added in order - the same bits as the down-projection fused into
-    the split-K path."""
+    the split-K path. pdl: both launches let their dependents launch at once (the next kernel launched with
+    launch_pdl must gdc_wait before it reads xa)."""
     M, K = x.shape
     R = lora_a.shape[0]
     out = torch.empty(M, R, device=x.device, dtype=x.dtype)
@@ -222,9 +236,11 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd"):
     k_chunk, n_chunks = k_chunking(chunk_n or R, K)
     xa_chunk, xa_subs, n_xa = xa_chunking(chunk_n or R, K)
     cfg = ws_config(op, chunk_n or R, K, M)
-    _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs)
+    _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
+                                  launch_dependents=pdl)
     BM = 32
-    _xa_reduce_kernel[(triton.cdiv(M, BM),)](xa_part, out, M, R, n_xa, BR=_epilogue_rows(R), BM=BM, num_warps=4)
+    _xa_reduce_kernel[(triton.cdiv(M, BM),)](xa_part, out, M, R, n_xa, BR=_epilogue_rows(R), BM=BM, PDL=pdl,
+                                              num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -241,8 +257,12 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     k_chunk, n_chunks = k_chunking(N, K) if op == "fwd" else whole_k(K)
     has_lora = xa is not None or lora_a is not None
     fuse_down = xa is None and has_lora and op == "fwd"
-    # split-K also for a one-chunk layer with the down-projection to compute: it then rides in the same launch
-    split = allow_split and cfg.get("split", M <= 64) and (n_chunks > 1 or fuse_down)
+    pdl = split_pdl(x)
+    # A decode-size layer whose K is one chunk (gate_up) and whose down-projection is to compute: with PDL,
+    # `lora_down` first and the single pass as its dependent, streaming its weights while xa is computed (one
+    # base launch, no fp32 partial of the layer's outputs); else split-K, the down-projection riding in its launch
+    down_first = fuse_down and pdl and n_chunks == 1 and M <= DOWN_FIRST_MAX_M
+    split = allow_split and cfg.get("split", M <= 64) and (n_chunks > 1 or (fuse_down and not down_first))
     R = (xa.shape[1] if xa is not None else lora_a.shape[0]) if has_lora else 0
     BR = _epilogue_rows(R)
     ws = w_scale if w_scale is not None else y
@@ -254,7 +274,6 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     if split:
         xa_chunk, xa_subs, n_xa = xa_chunking(N, K) if fuse_down else (0, 1, 0)
-        pdl = split_pdl(x)
         part, xa_part = _launch_partials(x, w, lora_a if fuse_down else None, M, N, K, R, k_chunk, n_chunks, cfg,
                                          xa_chunk, xa_subs, launch_dependents=pdl)
         xa_ = xa if xa is not None else y
@@ -264,8 +283,10 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
             *lora_strides, XA_PARTS=fuse_down, WAIT_PDL=pdl, num_warps=4, **flags,
             **({"launch_pdl": True} if pdl else {}))
         return y
+    wait_down = False
     if xa is None and has_lora:
-        xa = lora_down(x, lora_a, N, op)
+        wait_down = down_first
+        xa = lora_down(x, lora_a, N, op, pdl=wait_down)
     if cfg.get("tma") and tma_ok(x, w):  # experimental (gemm/ws_tma.py); else below
         return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
                                  lora_strides, cfg, flags)
@@ -273,5 +294,6 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         x, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
         xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
-        BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
+        BK=cfg["BK"], WAIT_PDL=wait_down, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+        **({"launch_pdl": True} if wait_down else {}))
     return y

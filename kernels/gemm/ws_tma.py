@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .scaled import _grouped_tile_ids
-from .ws_epilogue import _load_xa, _ws_epilogue
+from .ws_epilogue import _load_xa, _lora_b_tile, _ws_epilogue
 
 
 def tma_available() -> bool:
@@ -94,8 +94,9 @@ def _ws_tma_kernel(
     mask_n = rn < N
     mask_m = rm < M
     xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, M, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
-    _ws_epilogue(total, xa_t, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, b_ptr, bias_ptr, R, lora_scale,
-                 stride_ym, stride_yn, stride_bn, stride_br, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BR)
+    b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
+    _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
+                 stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
 
 
 def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale, lora_strides,

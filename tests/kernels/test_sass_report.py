@@ -49,3 +49,15 @@ def test_split_k_decode_kernels_compile_for_sm90(pdl):
                           fp32, 4, 1)
     assert partial.count("wgmma.mma_async") >= 2  # base tile and down-projection branches both on wgmma
     assert ("griddepcontrol" in partial) == pdl and ("griddepcontrol" in reduce) == pdl
+
+
+def test_one_chunk_decode_chain_compiles_for_sm90():
+    """A one-chunk layer's decode path with PDL (gate_up): lora_down's reduce lets the single pass launch and waits
+    for the down partials; the single pass waits for xa only after its K loop."""
+    from epirl.kernels.gemm.weight_stationary import _ws_single_kernel, _xa_reduce_kernel
+    reduce = _ptx(_xa_reduce_kernel, dict(BR=64, BM=32, PDL=True), {"xa_part_ptr": "*fp32"}, 4, 1)
+    single = _ptx(_ws_single_kernel, dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BN=64,
+                                          BM=16, BK=128, BR=64, GROUP_N=8, WAIT_PDL=True),
+                  {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}, 4, 4)
+    assert reduce.count("griddepcontrol") == 2  # launch_dependents, then wait
+    assert "griddepcontrol.wait" in single and single.index("griddepcontrol.wait") > single.index("wgmma.mma_async")
