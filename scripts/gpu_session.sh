@@ -17,6 +17,7 @@
 #              candidates, decides every batch size; it times every bucket at engine start)            ~13 min
 #   tenants    multi-adapter kernel tests, then bench_serving_tenants.py (layer at 16-8192 tokens over
 #              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~8 min
+#   decodeprof profile_decode_lora.py: the W8A16 decode layer's kernels on a timeline, LoRA on/off, PDL on/off ~1 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
 set -o pipefail
 source scripts/device_env.sh
@@ -49,8 +50,9 @@ for name in "$@"; do
     tenants)  part tenants 540 bash -c "python3 -P -m pytest -q tests/kernels/test_w8a8_multi_lora_gpu.py \
                 tests/kernels/test_w8a8_multi_lora_segmented_gpu.py tests/kernels/test_w8a8_multi_lora_sm90.py; python3 -P scripts/bench_serving_tenants.py --sweep \
                 --json $OUT/bench_tenants.json" ;;
+    decodeprof) part decodeprof 200 python3 -P scripts/profile_decode_lora.py ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants q35w8a16)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decodeprof q35w8a16)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
