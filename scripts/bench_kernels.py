@@ -185,12 +185,14 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes/tokens (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time candidate W8A16 tile configs")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="forward token counts")
-    ap.add_argument("--train-tokens", type=int, nargs="+", default=None, help="trainer token counts")
+    ap.add_argument("--train-tokens", type=int, nargs="*", default=None,
+                    help="trainer token counts (given without values: no trainer rows)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = ap.parse_args()
     shapes = SHAPES[:2] if args.quick else SHAPES
     tokens = args.tokens or ([1, 16, 4096] if args.quick else TOKENS)
-    train_tokens = args.train_tokens or (TRAIN_TOKENS[:1] if args.quick else TRAIN_TOKENS)
+    train_tokens = (args.train_tokens if args.train_tokens is not None
+                    else TRAIN_TOKENS[:1] if args.quick else TRAIN_TOKENS)
     t0 = time.time()
     print(f"# timer: CUDA-graph replays, L2 {flush_mode()}-flushed before each call ({FLUSH_ENV_NOTE})", flush=True)
     sweep = sweep_weight_stationary() if args.sweep else []

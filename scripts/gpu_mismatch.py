@@ -3,6 +3,7 @@ W8A16 engines on the H200, printed as the Markdown table for BENCHMARKS.md § Mi
 
     python scripts/gpu_mismatch.py --out $OUT/mismatch            # full run (128 prompts × 4 samples)
     python scripts/gpu_mismatch.py --quick --out $OUT/mismatch    # 16 prompts × 2 samples, 128 tokens
+    python scripts/gpu_mismatch.py --random-adapter 0.02 ...      # with a random rank-r adapter on every projection
 
 Needs CUDA and a vLLM with the epirl plugin (see shared/device/ for staging). Writes mismatch.json,
 mismatch.png and mismatch.md under --out; exit status is the command's.
@@ -18,6 +19,26 @@ import time
 from pathlib import Path
 
 
+def random_adapter(args, folder: Path) -> str:
+    """A PEFT adapter folder for --model with the config's default rank and targets: A ~ N(0, 1/K), B ~ N(0, std²)
+    (a trained adapter's B is not zero; a fresh one's is, and would leave the LoRA kernels nothing to add)."""
+    import torch
+
+    from epirl.config import load_config
+    from epirl.model import load_policy
+    from epirl.model.adapter_io import save_adapter
+
+    cfg = load_config(None, [f"model.dtype={args.dtype}"])
+    cfg.model.path = args.model
+    policy = load_policy(cfg, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    state = {k: (torch.randn(v.shape, generator=g) / v.shape[-1] ** 0.5 if "lora_A" in k
+                 else torch.randn(v.shape, generator=g) * args.random_adapter)
+             for k, v in policy.lora_state_dict().items()}
+    policy.load_lora_state_dict(state)
+    return str(save_adapter(policy, folder, cfg))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -28,6 +49,9 @@ def main() -> int:
                         help="engines without torch.compile / CUDA graphs (starts in ~15 s instead of ~60-90 s; "
                              "the engine's kernels then differ from a graph-captured run's fused ones)")
     parser.add_argument("--dtype", default="bfloat16", help="model.dtype for engines and trainer")
+    parser.add_argument("--random-adapter", type=float, default=0.0, metavar="STD",
+                        help="measure with a random LoRA adapter (A ~ N(0, 1/K), B ~ N(0, STD²), lora.* defaults) "
+                             "written under --out: the engines' LoRA kernels then serve every step (0: none)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
@@ -40,7 +64,8 @@ def main() -> int:
 
     sizes = ["--n-prompts", "16", "--samples", "2", "--max-tokens", "128"] if args.quick else \
         ["--n-prompts", "128", "--samples", "4", "--max-tokens", "256"]
-    argv = ["mismatch", "--model", args.model, "--engines", args.engines, "--out", args.out, *sizes,
+    adapter = ["--adapter", random_adapter(args, Path(args.out) / "adapter")] if args.random_adapter else []
+    argv = ["mismatch", "--model", args.model, "--engines", args.engines, "--out", args.out, *sizes, *adapter,
             f"model.dtype={args.dtype}", "engine.gpu_memory_utilization=0.35",
             f"engine.enforce_eager={str(args.eager).lower()}"]
     t0 = time.perf_counter()
@@ -48,8 +73,10 @@ def main() -> int:
     if status != 0:
         return status
     summary = json.loads((Path(args.out) / "mismatch.json").read_text())
-    header = (f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, `python scripts/gpu_mismatch.py"
-              f"{' --quick' if args.quick else ''}{' --eager' if args.eager else ''}` ({time.perf_counter() - t0:.0f} s)")
+    flags = (f"{' --quick' if args.quick else ''}{' --eager' if args.eager else ''}"
+             f"{f' --random-adapter {args.random_adapter}' if args.random_adapter else ''} --engines {args.engines}")
+    header = (f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, `python scripts/gpu_mismatch.py{flags}`"
+              f" ({time.perf_counter() - t0:.0f} s)")
     table = markdown_table(summary)
     (Path(args.out) / "mismatch.md").write_text(header + "\n\n" + table + "\n")
     print(header)

@@ -11,12 +11,15 @@
 #   flush      bench_kernels.py --quick with EPIRL_L2_FLUSH=write (the old timer) for comparison          ~2 min
 #   tune       tune_w8a16.py (LoRA-aware timing) -> $OUT/ws_configs.json + its log                         ~6 min
 #   engine     matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 (gpu_evidence.sh engine; needs vLLM)     ~6 min
-#   mismatch   epirl mismatch with bf16, w8a8, w8a8@timed (epirl's serving kernels), w8a16 (SmolLM2 kit)  ~4 min
+#   mismatch   epirl mismatch with bf16, w8a8, w8a8@timed (epirl's serving kernels), w8a16, a random rank-16
+#              adapter on every projection (SmolLM2 kit; carry .whl for math-verify)                       ~4 min
 #   serving    bench_serving.py --vllm (TPOT + 32 tenants, both settings)                                ~9 min
 #   servingall the same with EPIRL_SERVING_VLLM_FROM=never (the timed dispatch, vLLM's kernels among its
 #              candidates, decides every batch size; it times every bucket at engine start)            ~13 min
 #   tenants    multi-adapter kernel tests, then bench_serving_tenants.py (layer at 16-8192 tokens over
 #              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~8 min
+#   decode     the W8A16 decode-path GPU tests (split-K, PDL, lora_down, invariance), then bench_kernels.py at
+#              1/4/16/64 tokens without trainer rows                                                      ~3 min
 #   decodeprof profile_decode_lora.py: the W8A16 decode layer's kernels on a timeline, LoRA on/off, PDL on/off ~1 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
 set -o pipefail
@@ -41,7 +44,7 @@ for name in "$@"; do
                 --train-tokens 4096 --json "$OUT/bench_write_flush.json" ;;
     tune)     part tune 480 python3 -P scripts/tune_w8a16.py --out "$OUT/ws_configs.json" ;;
     engine)   part engine 600 bash scripts/gpu_evidence.sh engine ;;
-    mismatch) part mismatch 400 python3 -P scripts/gpu_mismatch.py --quick --eager \
+    mismatch) part mismatch 400 python3 -P scripts/gpu_mismatch.py --quick --eager --random-adapter 0.02 \
                 --engines bf16,w8a8,w8a8@timed,w8a16 --out "$OUT/mismatch" ;;
     serving)  part serving 560 python3 -P scripts/bench_serving.py --vllm ;;
     servingall) mkdir -p "$OUT/servingall"  # its own folder: the child logs' names are fixed
@@ -50,9 +53,12 @@ for name in "$@"; do
     tenants)  part tenants 540 bash -c "python3 -P -m pytest -q tests/kernels/test_w8a8_multi_lora_gpu.py \
                 tests/kernels/test_w8a8_multi_lora_segmented_gpu.py tests/kernels/test_w8a8_multi_lora_sm90.py; python3 -P scripts/bench_serving_tenants.py --sweep \
                 --json $OUT/bench_tenants.json" ;;
+    decode)   part decode 300 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
+                -k 'pdl or lora_down or split_k or bitwise'; python3 -P scripts/bench_kernels.py --tokens 1 4 16 64 \
+                --train-tokens --json $OUT/bench_decode.json" ;;
     decodeprof) part decodeprof 200 python3 -P scripts/profile_decode_lora.py ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decodeprof q35w8a16)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode decodeprof q35w8a16)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

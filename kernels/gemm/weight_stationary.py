@@ -62,11 +62,13 @@ def _ws_partial_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ar, stride_ak,
     HAS_BASE: tl.constexpr, HAS_DOWN: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     BK: tl.constexpr, BRT: tl.constexpr, GROUP_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    WAIT_AT_END: tl.constexpr = False,
 ):
     """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS programs of each chunk compute the fp32
     partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk) each: first in their chunk's
     row of the grid, so that they are not the last to start. The others compute the chunk's partial of one base
-    tile."""
+    tile. WAIT_AT_END: launched as the PDL dependent of `lora_down` (whose xa it does not read): it waits for it
+    only before it exits, so that its own dependent (the reduce, which reads xa) may rely on both."""
     if LAUNCH_DEPENDENTS:  # PDL: the reduce kernel may launch now; it reads nothing of ours before its gdc_wait
         tl.extra.cuda.gdc_launch_dependents()
     m_tiles = tl.cdiv(M, BM)
@@ -90,6 +92,8 @@ def _ws_partial_kernel(
     else:
         _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA_SUBS,
                       stride_xm, stride_xk, stride_ar, stride_ak, DOT_F32, BM, BK, BRT)
+    if WAIT_AT_END:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -201,9 +205,10 @@ def _epilogue_rows(R: int) -> int:
 
 
 def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=0, xa_subs=1,
-                     launch_dependents=False):
+                     launch_dependents=False, after_down=False):
     """fp32 chunk partials of the base tiles (w given) and/or of xaᵀ = A·xᵀ (lora_a given, `xa_subs` sub-chunks
-    of `xa_chunk` per base chunk): one launch (that lets a PDL dependent launch at once if asked)."""
+    of `xa_chunk` per base chunk): one launch (that lets a PDL dependent launch at once if asked; after_down: it
+    is itself the PDL dependent of `lora_down(..., pdl=True)`)."""
     n_base = N if w is not None else 0
     part = torch.empty(n_chunks, M, n_base, device=x.device, dtype=torch.float32) if n_base else None
     xa_part = (torch.empty(n_chunks * xa_subs, M, R, device=x.device, dtype=torch.float32)
@@ -219,7 +224,8 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
         x.stride(0), x.stride(1), w_.stride(0), w_.stride(1), a_.stride(0), a_.stride(1),
         HAS_BASE=n_base > 0, HAS_DOWN=lora_a is not None, DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"],
         BK=cfg["BK"], BRT=_lora_tile_rows(R), GROUP_N=cfg.get("GROUP_N", 8), LAUNCH_DEPENDENTS=launch_dependents,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        WAIT_AT_END=after_down, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"launch_pdl": True} if after_down else {}))
     return part, xa_part
 
 
@@ -258,11 +264,16 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     has_lora = xa is not None or lora_a is not None
     fuse_down = xa is None and has_lora and op == "fwd"
     pdl = split_pdl(x)
-    # A decode-size layer whose K is one chunk (gate_up) and whose down-projection is to compute: with PDL,
-    # `lora_down` first and the single pass as its dependent, streaming its weights while xa is computed (one
-    # base launch, no fp32 partial of the layer's outputs); else split-K, the down-projection riding in its launch
-    down_first = fuse_down and pdl and n_chunks == 1 and M <= DOWN_FIRST_MAX_M
-    split = allow_split and cfg.get("split", M <= 64) and (n_chunks > 1 or (fuse_down and not down_first))
+    # Decode with the down-projection to compute and PDL: `lora_down` first (two small launches), the base GEMM as
+    # its dependent, streaming the weights while xa is computed; a one-chunk layer (gate_up) then also takes the
+    # split-K launch pair, which keeps the LoRA epilogue (B's registers) out of the streaming kernel (the profile:
+    # the single pass with LoRA took 55 µs against 43.5 without, scripts/profile_decode_lora.py). Without PDL the
+    # down-projection rides in the split-K launch and the reduce sums its partials.
+    down_first = fuse_down and pdl and M <= DOWN_FIRST_MAX_M
+    if down_first:
+        xa = lora_down(x, lora_a, N, op, pdl=True)
+        fuse_down = False
+    split = allow_split and (down_first or (cfg.get("split", M <= 64) and (n_chunks > 1 or fuse_down)))
     R = (xa.shape[1] if xa is not None else lora_a.shape[0]) if has_lora else 0
     BR = _epilogue_rows(R)
     ws = w_scale if w_scale is not None else y
@@ -275,7 +286,7 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     if split:
         xa_chunk, xa_subs, n_xa = xa_chunking(N, K) if fuse_down else (0, 1, 0)
         part, xa_part = _launch_partials(x, w, lora_a if fuse_down else None, M, N, K, R, k_chunk, n_chunks, cfg,
-                                         xa_chunk, xa_subs, launch_dependents=pdl)
+                                         xa_chunk, xa_subs, launch_dependents=pdl, after_down=down_first)
         xa_ = xa if xa is not None else y
         _ws_reduce_kernel[(tiles,)](
             part, xa_part if fuse_down else part, xa_, y, ws, b_, bias_, M, N, R, n_chunks, n_xa, float(lora_scale),
@@ -283,11 +294,10 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
             *lora_strides, XA_PARTS=fuse_down, WAIT_PDL=pdl, num_warps=4, **flags,
             **({"launch_pdl": True} if pdl else {}))
         return y
-    wait_down = False
     if xa is None and has_lora:
-        wait_down = down_first
-        xa = lora_down(x, lora_a, N, op, pdl=wait_down)
-    if cfg.get("tma") and tma_ok(x, w):  # experimental (gemm/ws_tma.py); else below
+        xa = lora_down(x, lora_a, N, op)
+    wait_down = down_first  # xa comes from lora_down's PDL launch pair: wait for it before the epilogue
+    if cfg.get("tma") and tma_ok(x, w) and not wait_down:  # experimental (gemm/ws_tma.py); else below
         return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
                                  lora_strides, cfg, flags)
     _ws_single_kernel[(tiles,)](

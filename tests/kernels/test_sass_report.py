@@ -42,7 +42,8 @@ def test_split_k_decode_kernels_compile_for_sm90(pdl):
     from epirl.kernels.gemm.weight_stationary import _ws_partial_kernel, _ws_reduce_kernel
     fp32 = {"part_ptr": "*fp32", "xa_part_ptr": "*fp32", "w_scale_ptr": "*fp32"}
     partial = _ptx(_ws_partial_kernel, dict(HAS_BASE=True, HAS_DOWN=True, DOT_F32=False, BN=64, BM=16,
-                                                    BK=128, BRT=64, GROUP_N=8, LAUNCH_DEPENDENTS=pdl),
+                                                    BK=128, BRT=64, GROUP_N=8, LAUNCH_DEPENDENTS=pdl,
+                                                    WAIT_AT_END=False),
                            dict(fp32, w_ptr="*fp8e4nv"), 4, 4)
     reduce = _ptx(_ws_reduce_kernel, dict(HAS_W_SCALE=True, HAS_LORA=True, XA_PARTS=True, HAS_BIAS=True,
                                                   DOT_F32=False, BN=64, BM=16, BR=64, GROUP_N=8, WAIT_PDL=pdl),
@@ -51,13 +52,19 @@ def test_split_k_decode_kernels_compile_for_sm90(pdl):
     assert ("griddepcontrol" in partial) == pdl and ("griddepcontrol" in reduce) == pdl
 
 
-def test_one_chunk_decode_chain_compiles_for_sm90():
-    """A one-chunk layer's decode path with PDL (gate_up): lora_down's reduce lets the single pass launch and waits
-    for the down partials; the single pass waits for xa only after its K loop."""
-    from epirl.kernels.gemm.weight_stationary import _ws_single_kernel, _xa_reduce_kernel
-    reduce = _ptx(_xa_reduce_kernel, dict(BR=64, BM=32, PDL=True), {"xa_part_ptr": "*fp32"}, 4, 1)
+def test_down_first_decode_chain_compiles_for_sm90():
+    """The decode path with PDL when the down-projection is to compute: lora_down's reduce lets the base GEMM launch
+    and waits for the down partials; the base partial kernel waits for it only at its end (so its own dependent,
+    the reduce, may read xa); a single pass (allow_split=False) waits for xa only after its K loop."""
+    from epirl.kernels.gemm.weight_stationary import _ws_partial_kernel, _ws_single_kernel, _xa_reduce_kernel
+    fp32 = {"part_ptr": "*fp32", "xa_part_ptr": "*fp32", "w_scale_ptr": "*fp32"}
+    reduce = _ptx(_xa_reduce_kernel, dict(BR=64, BM=32, PDL=True), fp32, 4, 1)
+    partial = _ptx(_ws_partial_kernel, dict(HAS_BASE=True, HAS_DOWN=False, DOT_F32=False, BN=64, BM=16, BK=128,
+                                            BRT=64, GROUP_N=8, LAUNCH_DEPENDENTS=True, WAIT_AT_END=True),
+                   dict(fp32, w_ptr="*fp8e4nv"), 4, 4)
     single = _ptx(_ws_single_kernel, dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BN=64,
                                           BM=16, BK=128, BR=64, GROUP_N=8, WAIT_PDL=True),
-                  {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}, 4, 4)
+                  dict(fp32, w_ptr="*fp8e4nv"), 4, 4)
     assert reduce.count("griddepcontrol") == 2  # launch_dependents, then wait
-    assert "griddepcontrol.wait" in single and single.index("griddepcontrol.wait") > single.index("wgmma.mma_async")
+    for ptx in (partial, single):
+        assert "griddepcontrol.wait" in ptx and ptx.rindex("griddepcontrol.wait") > ptx.index("wgmma.mma_async")
