@@ -76,11 +76,12 @@ class EngineConfig(Section):
     """Maximum concurrent sequences in the engine."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)."""
-    serving_kernels: Literal["env", "off", "fused", "timed"] = "env"
+    serving_kernels: Literal["env", "auto", "off", "fused", "timed"] = "env"
     """`precision: w8a8` only: compute the engine's LoRA layers with epirl's multi-adapter FP8 kernels
     (`epirl.kernels.w8a8_multi_lora`; README "Serving adapters with epirl's kernels"): `timed` = per shape and
     batch size the fastest of epirl's and vLLM's kernels, timed at engine start and cached; `fused` = always
-    epirl's; `off` = vLLM's; `env` = what the variable EPIRL_SERVING_KERNELS says (off when unset)."""
+    epirl's; `off` = vLLM's; `env` = what the variable EPIRL_SERVING_KERNELS says (off when unset); `auto` =
+    `timed` for a W8A8 engine on CUDA, else `env` (valid with every precision and on CPU)."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""
@@ -101,6 +102,12 @@ class EngineConfig(Section):
     missing (`engine.vllm_args.gdn_prefill_backend=triton` on the command line). Names must be fields of the
     installed vLLM's EngineArgs; arguments epirl sets itself (dtype, LoRA slot, log-prob mode, quantization,
     sleep mode, the fields above) are refused: change them through their own config field."""
+
+    @field_validator("serving_kernels", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare `off` (recipe or `engine.serving_kernels=off`) as false: it means the setting `off`."""
+        return "off" if value is False else value
 
     @model_validator(mode="before")
     @classmethod

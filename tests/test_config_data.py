@@ -47,7 +47,7 @@ def test_overrides_parse_yaml_values():
     (["rl.steps.x=1"], "override rl.steps.x=1: rl.steps: Input should be a valid integer"),
     (["rl.steps=3", "rl.stepz=4"], "override rl.stepz=4: unknown key"),
     (["engine.serving_kernels=timed"], "engine.serving_kernels=timed serves W8A8 layers, but engine.precision=bf16"),
-    (["engine.serving_kernels=on"], "Input should be 'env', 'off', 'fused' or 'timed'"),
+    (["engine.serving_kernels=on"], "Input should be 'env', 'auto', 'off', 'fused' or 'timed'"),
 ])
 def test_bad_overrides_fail_with_one_line_naming_the_field(override, message):
     with pytest.raises(ConfigError) as info:

@@ -175,6 +175,18 @@ def test_fp8_base_views_are_zero_copy_in_either_vllm_weight_layout(layout):
     assert torch.equal(views["o_proj"][0].float(), o_codes.float())  # the square one, not its transpose
 
 
+@pytest.mark.parametrize("precision,cuda,want", [("w8a8", True, "timed"), ("w8a8", False, "env"),
+                                                 ("w8a16", True, "env"), ("bf16", True, "env")])
+def test_serving_kernels_auto_is_timed_for_w8a8_engines_on_cuda_only(precision, cuda, want):
+    from epirl.config import load_config
+    from epirl.engine.engine import serving_mode_for
+
+    cfg = load_config(None, [f"engine.precision={precision}", "engine.serving_kernels=auto"])
+    assert serving_mode_for(cfg, cuda) == want
+    explicit = load_config(None, ["engine.precision=w8a8", "engine.serving_kernels=off"])
+    assert serving_mode_for(explicit, True) == "off"
+
+
 def test_engine_serving_kernels_mode_is_set_before_vllm_builds_the_model_and_restored(monkeypatch):
     """engine.serving_kernels: the mode is active while vLLM builds the model (the LoRA layers register, torch.compile
     traces the op) and is the old one again once the engine is gone, also when vLLM fails to start."""

@@ -142,6 +142,15 @@ def _is_multimodal(model_path: str) -> bool:
         return False
 
 
+def serving_mode_for(cfg: Any, cuda: bool) -> str:
+    """engine.serving_kernels resolved for this engine: `auto` is `timed` for a W8A8 engine on CUDA (where epirl's
+    serving kernels run), else `env`."""
+    chosen = getattr(cfg.engine, "serving_kernels", "env")
+    if chosen == "auto":
+        return "timed" if cuda and cfg.engine.precision == "w8a8" else "env"
+    return chosen
+
+
 class RolloutEngine:
     """vLLM rollout engine with an in-memory adapter slot (see module docstring)."""
 
@@ -153,7 +162,7 @@ class RolloutEngine:
         # engine.serving_kernels: the serving-kernels mode (process-wide) for this engine's life, before vLLM builds
         # the model (its LoRA layers register and torch.compile traces the op); restored by close()
         self._serving_mode = contextlib.ExitStack()
-        chosen = getattr(cfg.engine, "serving_kernels", "env")
+        chosen = serving_mode_for(cfg, on_cuda())
         self._serving_mode.enter_context(serving_lora.using_mode(None if chosen == "env" else chosen))
         # w8a16 sizes its fixed LoRA buffers (rank, σ) while quantizing, before any graph capture.
         plugin.configure(cfg.lora.rank, cfg.lora.alpha / cfg.lora.rank)
