@@ -20,6 +20,8 @@
 #              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~8 min
 #   decode     the W8A16 decode-path GPU tests (split-K, PDL, lora_down, invariance), then bench_kernels.py at
 #              1/4/16/64 tokens without trainer rows                                                      ~3 min
+#   loopk      the SmolLM2 RL loop, 10 steps, W8A8 engine with vLLM's LoRA kernels and with engine.serving_kernels=auto
+#              (epirl's serving kernels; the run that decides that default; carry .whl)               ~8 min
 #   decodeprof profile_decode_lora.py: the W8A16 decode layer's kernels on a timeline, LoRA on/off, PDL on/off ~1 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
 set -o pipefail
@@ -56,9 +58,10 @@ for name in "$@"; do
     decode)   part decode 300 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
                 -k 'pdl or lora_down or split_k or bitwise'; python3 -P scripts/bench_kernels.py --tokens 1 4 16 64 \
                 --train-tokens --json $OUT/bench_decode.json" ;;
+    loopk)    part loopk 560 bash scripts/gpu_train_smollm2.sh 10 w8a8 w8a8k ;;
     decodeprof) part decodeprof 200 python3 -P scripts/profile_decode_lora.py ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode decodeprof q35w8a16)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk decodeprof q35w8a16)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
