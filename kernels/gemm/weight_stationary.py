@@ -15,7 +15,9 @@ are added in chunk order. Two schedules give the same bits:
   512 deep, so no down program is longer than a base program): in split-K it rides in the partial kernel as its
   first programs (no extra launch; split-K is then used for a one-chunk layer too), and `_ws_reduce_kernel`
   sums its sub-chunks in order before rounding xa to bf16; for many tokens `lora_down` runs those programs
-  alone (same sub-chunks, same order), then the single pass.
+  alone (same sub-chunks, same order), then the single pass. With PDL (default on Hopper) a decode call runs
+  `lora_down` first and the base partial kernel, compiled as without LoRA, as its programmatic dependent; the
+  reduce reads the bf16 xa (same bits; the weight stream does not carry the LoRA branch's registers).
 The σ·LoRA + y step is an explicit `tl.fma` (no compiler-chosen contraction).
 """
 
