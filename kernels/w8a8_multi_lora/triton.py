@@ -33,6 +33,7 @@ from .._dispatch import interpreting, pdl_supported  # noqa: F401  (pdl_supporte
 from ..fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from ..fp8_quant.triton import _abs_nan_to_zero, _saturating_e4m3, quantize_per_token
 from ..gemm.scaled import _grouped_tile_ids
+from ..gemm.ws_epilogue import _sum_parts
 from .reference import check_args
 
 DECODE_MAX_TOKENS = 32
@@ -44,7 +45,6 @@ PREFILL_CONFIG = dict(BN=128, BT=128, BK=128, num_warps=8, num_stages=3)
 PREFILL_VARIANTS = {"bt64": dict(BN=128, BT=64, BK=128, num_warps=4, num_stages=4),
                     "bt32": dict(BN=128, BT=32, BK=128, num_warps=4, num_stages=4)}
 SHRINK_CHUNK = 512   # K chunk of one K1 program (the chunking is fixed by K: batch invariant)
-CHUNK_UNROLL = tl.constexpr(4)  # K chunk partials K2's epilogue loads at once
 SHRINK_BK = 128
 QUANT_BK = 1024      # K1's amax pass
 GROUPED_SHRINK_CONFIG = dict(BT=64, BK=64, num_warps=4, num_stages=3)  # above DECODE_MAX_TOKENS tokens
@@ -200,15 +200,9 @@ def _slice_lora(acc, rn, rows, ids, h, b_ptr, stride_bl, stride_bn, sigma_ptr, s
 @triton.jit
 def _sum_chunk_partials(part_ptr, sl, N_CHUNKS, M, tok, rr, mask_rt, BR: tl.constexpr, BT: tl.constexpr):
     # h [r, tokens] fp32 of slice sl: its K chunks' partials added in chunk order from zero (h is the same for every
-    # batch composition), CHUNK_UNROLL chunks' loads in flight at once instead of one dependent load per chunk; a
-    # chunk past the last adds -0.0, which leaves any h unchanged
-    h = tl.zeros((BR, BT), dtype=tl.float32)
-    for c0 in range(0, N_CHUNKS, CHUNK_UNROLL):
-        for j in tl.static_range(CHUNK_UNROLL):
-            in_chunks = (rr[:, None] * 0 + c0 + j) < N_CHUNKS  # a tensor (the interpreter masks by tensors)
-            h += tl.load(part_ptr + ((sl * N_CHUNKS + c0 + j) * M + tok[None, :]) * BR + rr[:, None],
-                         mask=mask_rt & in_chunks, other=-0.0)
-    return h
+    # batch composition), several chunks' loads in flight (the W8A16 split-K reduce's `_sum_parts`)
+    offs = (sl * N_CHUNKS * M + tok[None, :]) * BR + rr[:, None]
+    return _sum_parts(part_ptr, M * BR, offs, mask_rt, N_CHUNKS, BR, BT)
 
 
 @triton.jit
