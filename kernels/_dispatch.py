@@ -38,6 +38,13 @@ def pdl_supported(device_index: int = 0) -> bool:
     return has_gdc and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def check_reduction(K: int, what: str = "K") -> None:
+    """The GEMM kernels tell the compiler that their K loops run at least once (`tl.assume`: otherwise ptxas
+    serializes their wgmmas); an empty reduction is refused here instead of reaching them."""
+    if K <= 0:
+        raise ValueError(f"{what}={K}: the reduction dimension of a GEMM must be positive")
+
+
 def use_triton(t: torch.Tensor, backend: str | None) -> bool:
     """Whether this call runs the Triton kernel. `backend` None or "auto" reads EPIRL_KERNELS."""
     choice = backend or os.environ.get("EPIRL_KERNELS", "auto")

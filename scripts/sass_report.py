@@ -8,6 +8,13 @@ device specializes integer arguments the same way (`tt.divisibility` 16 on point
 Per tile (BN weight rows / BM tokens / BK / warps / stages): registers, stack bytes (spills), and per trip of the
 innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.async), BAR, the e4m3 → bf16
 widening (F2FP, F2F, PRMT) and LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
+
+    python scripts/sass_report.py --wgmma
+
+compiles every wgmma kernel of epirl.kernels in the configs the committed tables select and says, per kernel,
+whether ptxas **serialized its wgmmas** (its note C7515: every wgmma then waits for the one before, so the tensor
+core stalls on whatever the warps do between them - for the W8A16 kernels, the e4m3 → bf16 widening of the next
+k-step), with registers and spill bytes. tests/kernels/test_sass_report.py holds every case to "not serialized".
 """
 
 from __future__ import annotations
@@ -79,12 +86,128 @@ def report(cubin: bytes) -> dict:
                 loop=sum(body.values()), **{k: body.get(k, 0) for k in KEYS})
 
 
+def ptxas_notes(ptx: str) -> dict:
+    """What Triton's own ptxas makes of this PTX for sm_90a: whether it serialized the wgmmas and why (C7515: a
+    non-wgmma instruction defines an accumulator inside a pipeline stage; C7512: too few registers), registers,
+    spill bytes, and the spill instructions (LDL/STL) inside the innermost loop."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", src + ".o"],
+                             capture_output=True, text=True)
+        log = out.stdout + out.stderr
+        if out.returncode != 0:
+            raise RuntimeError(f"ptxas failed: {log[-500:]}")
+        with open(src + ".o", "rb") as f:
+            loop = report(f.read())
+    why = [code for code in ("C7515", "C7512", "C7510", "C7514") if code in log]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
+    return dict(serialized=",".join(why), regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+                spill=sum(spills), loop_spill=loop["LDL"] + loop["STL"])
+
+
+def compile_ptx(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisible=()) -> str:
+    """PTX of a Triton kernel for sm_90a; pointers default to bf16, other runtime arguments to i32 (fp32 for the
+    LoRA scales); `divisible` names the arguments Triton would see as multiples of 16 on the device."""
+    sig = {}
+    for n in fn.arg_names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr") or n.endswith("_tab"):
+            sig[n] = ptr_types.get(n, "*bf16")
+        else:
+            sig[n] = "fp32" if n in ("lora_scale", "sigma_const") else "i32"
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible if sig.get(n, "constexpr") != "constexpr"}
+    compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    return compiled.asm["ptx"]
+
+
+def _tile_consts(cfg: dict, keys=("BN", "BM", "BK")) -> dict:
+    return {k: cfg[k] for k in keys}
+
+
+def wgmma_cases() -> list[tuple[str, callable]]:
+    """(name, () -> PTX) for each wgmma kernel of epirl.kernels in the configs it runs with: the W8A16 forward and
+    dX over every row of the committed tile table (one chunk where `k_chunking` gives one, as Triton specializes
+    it), its split-K decode kernels, the W8A8 GEMM, and the serving kernels (K1's shrink, K2, segmented shrink)."""
+    from epirl.kernels.gemm import configs, scaled, weight_stationary as ws
+    from epirl.kernels.w8a8_multi_lora import segmented, triton as multi
+
+    fp8 = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "part_ptr": "*fp32", "xa_part_ptr": "*fp32"}
+    div = ("x_ptr", "w_ptr", "y_ptr", "xa_ptr", "b_ptr", "a_ptr", "part_ptr", "xa_part_ptr", "N", "K", "K_CHUNK",
+           "XA_CHUNK", "stride_xm", "stride_wn", "stride_wk", "stride_ym", "stride_xam", "stride_bn", "stride_ar")
+    cases = []
+    table = configs.load_table()
+    for op in ("fwd", "dx"):
+        for shape, row in table[op].items():
+            N, K = (4096, 4096) if shape == "default" else map(int, shape.split("x"))
+            one = (configs.k_chunking(N, K) if op == "fwd" else ws.whole_k(K))[1] == 1
+            for bound, cfg in row.items():
+                if cfg.get("split") and op == "fwd":
+                    const = dict(HAS_BASE=True, HAS_DOWN=False, DOT_F32=False, BRT=64, GROUP_N=8,
+                                 LAUNCH_DEPENDENTS=True, WAIT_AT_END=True, stride_xk=1, stride_wk=1, stride_ak=1,
+                                 **_tile_consts(cfg))
+                    kernel = ws._ws_partial_kernel
+                else:
+                    const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BR=64, GROUP_N=8,
+                                 WAIT_PDL=False, stride_xk=1, stride_yn=1, **_tile_consts(cfg))
+                    const.update({"stride_wn": 1} if op == "dx" else {"stride_wk": 1})
+                    if one:
+                        const["N_CHUNKS"] = 1
+                    kernel = ws._ws_single_kernel
+                cases.append((f"w8a16 {op} {shape} M<={bound} {cfg['BN']}/{cfg['BM']}/{cfg['BK']}/"
+                              f"{cfg['num_warps']}/{cfg['num_stages']}",
+                              lambda k=kernel, c=const, g=cfg: compile_ptx(k, c, fp8, g["num_warps"], g["num_stages"],
+                                                                           div)))
+    w8a8 = scaled.FWD_CONFIG
+    cases.append(("w8a8 scaled_gemm_lora", lambda: compile_ptx(
+        scaled._scaled_gemm_lora_kernel, dict(HAS_W_SCALE=True, HAS_X_SCALE=True, HAS_LORA=True, HAS_BIAS=False,
+                                              FP8_DOT=True, DOT_F32=False, BR=64, GROUP_M=8, stride_xk=1,
+                                              stride_wk=1, stride_yn=1, **_tile_consts(w8a8, ("BM", "BN", "BK"))),
+        {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32"},
+        w8a8["num_warps"], w8a8["num_stages"], div)))
+    k2_ptrs = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "order_ptr": "*i64",
+               "ids_ptr": "*i64", "part_ptr": "*fp32", "b_tab": "*i64", "bl_tab": "*i64", "starts_ptr": "*i32",
+               "sigma_ptr": "*fp32"}
+    for name, cfg in (("decode", multi.DECODE_CONFIG), ("prefill", multi.PREFILL_CONFIG)):
+        cases.append((f"w8a8_multi_lora K2 {name}", lambda c=cfg: compile_ptx(
+            multi._multi_lora_gemm_kernel, dict(HAS_BASE=True, HAS_ORDER=False, HAS_LORA=True, SIGMA_PER_ADAPTER=True,
+                                                HAS_BIAS=False, WAIT_PDL=True, DOT_F32=False, BR=64, GROUP_N=8,
+                                                **_tile_consts(c, ("BN", "BT", "BK"))),
+            k2_ptrs, c["num_warps"], c["num_stages"], div + ("xs_ptr",))))
+    seg = segmented.SEG_SHRINK_CONFIG
+    cases.append(("w8a8_multi_lora segmented shrink", lambda: compile_ptx(
+        segmented._seg_shrink_kernel, dict(SUM_CHUNKS=False, DOT_F32=False, BR=64, BS=64, BT=seg["BT"], BK=seg["BK"]),
+        {"a_tab": "*i64", "tokens_ptr": "*i32", "lora_ids_ptr": "*i32", "counts_ptr": "*i32", "part_ptr": "*fp32"},
+        seg["num_warps"], seg["num_stages"], div)))
+    return cases
+
+
+def wgmma_report() -> list[dict]:
+    rows = []
+    for name, build in wgmma_cases():
+        r = dict(kernel=name, **ptxas_notes(build()))
+        rows.append(r)
+        print(f"| {name} | {('**' + r['serialized'] + '**') if r['serialized'] else 'no'} | {r['regs']} | "
+              f"{r['spill']} | {r['loop_spill']} |", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiles", nargs="+", default=["128/256/64/8/3", "128/128/64/8/4", "256/128/64/8/3"])
     ap.add_argument("--one-chunk", action="store_true", help="N_CHUNKS = 1 (as Triton specializes it)")
     ap.add_argument("--dx", action="store_true", help="dX operand strides (codes read transposed)")
+    ap.add_argument("--wgmma", action="store_true", help="every wgmma kernel: serialized by ptxas (C7515)?")
     args = ap.parse_args()
+    if args.wgmma:
+        print(f"triton {triton.__version__}, sm_90a\n\n| kernel, config | wgmma serialized | regs | spill B | LDL+STL in the K loop |\n|---|---|---|---|---|")
+        wgmma_report()
+        return
     print(f"triton {triton.__version__}, sm_90a, {'dX' if args.dx else 'forward'}, "
           f"{'one chunk' if args.one_chunk else 'chunked'}\n")
     print("| BN/BM/BK/warps/stages | regs | stack B | loop instr | " + " | ".join(KEYS) + " |")

@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from .._dispatch import check_reduction
+
 TABLE_PATH = Path(__file__).with_name("ws_configs.json")
 TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own output, before committing it)
 ALLOW_TMA_ENV = "EPIRL_WS_ALLOW_TMA"  # let a table select the TMA-load kernel (experiments only: ws_tma.py)
@@ -31,6 +33,7 @@ CHUNK_ALIGN = 256
 
 def k_chunking(N: int, K: int) -> tuple[int, int]:
     """(K_CHUNK, N_CHUNKS): each chunk is accumulated from zero and the chunks are added in order."""
+    check_reduction(K)
     k_units = -(-K // CHUNK_ALIGN)
     want = max(1, min(k_units, TARGET_PROGRAMS // max(1, -(-N // CHUNK_REF_BN))))
     units = -(-k_units // want)

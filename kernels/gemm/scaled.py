@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpreting
+from .._dispatch import check_reduction, interpreting
 from ..w8a16_lora.reference import check_lora_args
 
 # Pinned config of `scaled_gemm_lora` (W8A8 batch invariance): BM 64 keeps Hopper on wgmma for every M;
@@ -61,6 +61,7 @@ def _scaled_gemm_lora_kernel(
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
     w_ptrs = w_ptr + rk[:, None].to(tl.int64) * stride_wk + rn[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    tl.assume(K > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     for k0 in range(0, K, BK):
         mask_k = (k0 + rk) < K
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -102,6 +103,7 @@ def scaled_gemm_lora(x, w, out_dtype=torch.bfloat16, w_scale=None, x_scale=None,
     """y `[M, N]` = (x `[M, K]` · w `[N, K]`ᵀ) * w_scale * x_scale + σ xa · lora_bᵀ + bias (any w strides)."""
     M, K = x.shape
     N = w.shape[0]
+    check_reduction(K)
     cfg = dict(FWD_CONFIG if config is None else config)
     y = torch.empty(M, N, device=x.device, dtype=out_dtype) if out is None else out
     if M == 0 or N == 0:
@@ -142,6 +144,7 @@ def _lora_down_partial_kernel(
     mask_r = rr < R
     acc = tl.zeros((BM, BR), dtype=tl.float32)
     k_lo = split * K_CHUNK
+    tl.assume(K_CHUNK > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     for k0 in range(k_lo, k_lo + K_CHUNK, BK):
         mask_k = ((k0 + rk) < K) & ((k0 + rk) < k_lo + K_CHUNK)
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :] * stride_xk,
@@ -173,6 +176,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, M, R, SPLITS: tl.constexpr, BR: tl.con
 def lora_down_split(x, lora_a, splits: int = LORA_SPLITS):
     """xa `[M, r]` = act(x · Aᵀ), batch invariant: K split into `splits` chunks fixed by K alone."""
     M, K = x.shape
+    check_reduction(K)
     R = lora_a.shape[0]
     BR = max(16, triton.next_power_of_2(R))
     BK = 64

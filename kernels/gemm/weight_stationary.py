@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpreting, pdl_supported
+from .._dispatch import check_reduction, interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, ws_config, xa_chunking
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
 from .ws_tma import launch_tma_single, tma_ok
@@ -44,6 +44,14 @@ def _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, k_lo, k_hi, K, stride_wn, st
               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     """fp32 [BN, BM] = w[rn, k_lo:k_hi] · x[rm, k_lo:k_hi]ᵀ, accumulated from zero in k order."""
     rk = tl.arange(0, BK)
+    # Every caller passes a non-empty chunk. Said to the compiler: without it the loop's zero-trip path defines the
+    # accumulator outside a wgmma, and ptxas then serializes every wgmma of the kernel (C7515: each waits for the
+    # one before), which stalls the tensor core on the e4m3 -> bf16 widening of the next k-step. Same wgmmas in
+    # the same order on the same accumulator: the same bits. Not for tiles of 128 x 256 and up, whose accumulator
+    # alone takes half of a thread's 255 registers: there wgmmas kept in flight spill inside the K loop and
+    # ptxas serializes them anyway (C7512); `scripts/sass_report.py --wgmma` shows both, per table config.
+    if BN * BM < 128 * 256:
+        tl.assume(k_hi > k_lo)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         mask_k = (k0 + rk) < K
@@ -172,6 +180,7 @@ def _ws_single_kernel(
     while the down-projection runs; it waits for xa only before its epilogue."""
     rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
     total = tl.zeros((BN, BM), dtype=tl.float32)
+    tl.assume(N_CHUNKS > 0)
     for c in range(0, N_CHUNKS):
         total += _ws_chunk(w_ptr, x_ptr, rn, rm, mask_n, mask_m, c * K_CHUNK, (c + 1) * K_CHUNK, K,
                            stride_wn, stride_wk, stride_xm, stride_xk, BN, BM, BK, DOT_F32)
@@ -195,6 +204,7 @@ def split_pdl(x: torch.Tensor) -> bool:
 def whole_k(K: int) -> tuple[int, int]:
     """One chunk (one accumulator): for dX, which need not be batch invariant (measured 1.3-1.45x faster
     than the forward's chunking at 4096 tokens on the H200, scripts/tune_w8a16.py)."""
+    check_reduction(K)
     return -(-K // CHUNK_ALIGN) * CHUNK_ALIGN, 1
 
 

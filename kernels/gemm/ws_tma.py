@@ -79,6 +79,8 @@ def _ws_tma_kernel(
     off_n = pid_n * BN
     off_m = pid_m * BM
     total = tl.zeros((BN, BM), dtype=tl.float32)
+    tl.assume(K_CHUNK > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
+    tl.assume(N_CHUNKS > 0)
     for c in range(0, N_CHUNKS):
         acc = tl.zeros_like(total)
         for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpreting, pdl_supported  # noqa: F401  (pdl_supported: re-export)
+from .._dispatch import check_reduction, interpreting, pdl_supported  # noqa: F401  (pdl_supported: re-export)
 from ..fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from ..fp8_quant.triton import _abs_nan_to_zero, _saturating_e4m3, quantize_per_token
 from ..gemm.scaled import _grouped_tile_ids
@@ -109,6 +109,7 @@ def _shrink_chunk(a_rows, x_cols, k_lo, K_CHUNK, K, mask_r, mask_t, stride_ak, D
     # (a token's column comes from its own x row and the adapter's A: an MMA output element never mixes columns)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BR, BT), dtype=tl.float32)
+    tl.assume(K_CHUNK > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     for k0 in range(k_lo, k_lo + K_CHUNK, BK):
         mask_k = (k0 + rk) < K
         a = tl.load(a_rows + (k0 + rk)[None, :] * stride_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
@@ -250,6 +251,7 @@ def _multi_lora_gemm_kernel(
         rk = tl.arange(0, BK)
         s_x = tl.load(xs_ptr + tok, mask=mask_t, other=1.0)
         acc = tl.zeros((BN, BT), dtype=tl.float32)
+        tl.assume(K > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         x_ptrs = x_ptr + tok[None, :] * stride_xm + rk[:, None]
         for k0 in range(0, K, BK):
@@ -275,6 +277,7 @@ def _multi_lora_gemm_kernel(
 
 def shrink_chunking(K: int) -> tuple[int, int]:
     """(K_CHUNK, N_CHUNKS) of K1: a function of K only."""
+    check_reduction(K)
     chunk = min(SHRINK_CHUNK, triton.cdiv(K, SHRINK_BK) * SHRINK_BK)
     return chunk, triton.cdiv(K, chunk)
 
@@ -398,6 +401,7 @@ def multi_lora_gemm(x, codes, w_scale, y, token_lora, part, slices: Slices | Non
     has_base False: y already holds a base GEMM's output and only the LoRA term is added (expand)."""
     M, K = x.shape
     N = y.shape[1]
+    check_reduction(K)
     cfg = dict(config or (DECODE_CONFIG if M <= DECODE_MAX_TOKENS else PREFILL_CONFIG))
     if not has_base:
         codes, w_scale = y, y  # never read without the base GEMM
