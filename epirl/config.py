@@ -76,12 +76,12 @@ class EngineConfig(Section):
     """Maximum concurrent sequences in the engine."""
     enforce_eager: bool = False
     """Disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)."""
-    serving_kernels: Literal["env", "auto", "off", "fused", "timed"] = "env"
-    """`precision: w8a8` only: compute the engine's LoRA layers with epirl's multi-adapter FP8 kernels
-    (`epirl.kernels.w8a8_multi_lora`; README "Serving adapters with epirl's kernels"): `timed` = per shape and
-    batch size the fastest of epirl's and vLLM's kernels, timed at engine start and cached; `fused` = always
-    epirl's; `off` = vLLM's; `env` = what the variable EPIRL_SERVING_KERNELS says (off when unset); `auto` =
-    `timed` for a W8A8 engine on CUDA, else `env` (valid with every precision and on CPU)."""
+    serving_kernels: Literal["env", "auto", "off", "fused", "timed"] = "auto"
+    """How a `precision: w8a8` engine computes its LoRA layers: `auto` (default) = `timed` for a W8A8 engine on
+    CUDA, else `env`; `timed` = per shape and batch size the fastest of epirl's multi-adapter FP8 kernels
+    (`epirl.kernels.w8a8_multi_lora`; README "Serving adapters with epirl's kernels") and vLLM's own, timed at the
+    first engine start (~1-2 min) and cached on disk; `fused` = always epirl's; `off` = vLLM's; `env` = what the
+    variable EPIRL_SERVING_KERNELS says (off when unset). `fused`/`timed` need precision w8a8."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""

@@ -61,7 +61,9 @@ def make_cfg(model_path: str, precision: str, rank: int, max_model_len: int = 10
     return EpirlConfig.model_validate({
         "model": {"path": model_path, "max_model_len": max_model_len, "dtype": "bfloat16"},
         "engine": {"precision": precision, "gpu_memory_utilization": gpu_util, "max_num_seqs": max_num_seqs,
-                   "enforce_eager": eager, "kv_release": True, "cpu_kv_cache_gb": 1},
+                   "enforce_eager": eager, "kv_release": True, "cpu_kv_cache_gb": 1,
+                   # the W8A8 engine a user would pick instead: vLLM's own LoRA kernels (the default, auto, is epirl's)
+                   "serving_kernels": "off"},
         "lora": {"rank": rank, "alpha": 2.0 * rank},
     })
 

@@ -22,6 +22,8 @@
 #              1/4/16/64 tokens without trainer rows                                                      ~3 min
 #   loopk      the SmolLM2 RL loop, 10 steps, W8A8 engine with vLLM's LoRA kernels and with engine.serving_kernels=auto
 #              (epirl's serving kernels; the run that decides that default; carry .whl)               ~8 min
+#   publish    gpu_publish_check.py for w8a8 (vLLM's kernels, epirl's fused), bf16, w8a16: each engine serves every
+#              publish the loop makes (re-publish, publish while the KV cache is released, decode), β vs the trainer ~5 min
 #   decodeprof profile_decode_lora.py: the W8A16 decode layer's kernels on a timeline, LoRA on/off, PDL on/off ~1 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
 set -o pipefail
@@ -59,9 +61,12 @@ for name in "$@"; do
                 -k 'pdl or lora_down or split_k or bitwise'; python3 -P scripts/bench_kernels.py --tokens 1 4 16 64 \
                 --train-tokens --json $OUT/bench_decode.json" ;;
     loopk)    part loopk 560 bash scripts/gpu_train_smollm2.sh 10 w8a8 w8a8k ;;
+    publish)  part publish 400 bash -c 'python3 -P -m epirl.model.smollm2 > /dev/null; for pk in "w8a8 env" \
+                "w8a8 fused" "bf16 env" "w8a16 env"; do set -- $pk; timeout 110 python3 -P scripts/gpu_publish_check.py \
+                --precisions $1 --serving-kernels $2; done' ;;
     decodeprof) part decodeprof 200 python3 -P scripts/profile_decode_lora.py ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk decodeprof q35w8a16)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

@@ -3,7 +3,7 @@
 # the SmolLM2 arithmetic recipe with real vLLM on the GPU for each engine/trainer pairing, each followed by
 # its table (reward curve, engine-trainer KL, probe, seconds per phase).
 # Usage: bash scripts/gpu_train_smollm2.sh [steps] [pairing ...]
-#   pairings: bf16 w8a16 w8a8 (default: all three), w8a8k (w8a8 with engine.serving_kernels=auto: epirl's
+#   pairings: bf16 w8a16 w8a8 (default: all three; w8a8 = vLLM's LoRA kernels, engine.serving_kernels=off), w8a8k (w8a8 with engine.serving_kernels=auto, the default: epirl's
 #   serving kernels, timed dispatch). The KV cache is released around training (on vLLM
 #   0.26-0.27 by the manual unmap; export EPIRL_KV_RELEASE_MANUAL=0 to keep it resident). Each run's table
 #   with its console output (and, when it failed, the end of its train.log without progress bars) is kept as
@@ -18,7 +18,7 @@ COMMON=(rl.steps=$STEPS output_dir=/tmp/runs tracking.wandb=disabled engine.gpu_
 declare -A OVERRIDES=(
   [bf16]="engine.precision=bf16 trainer.base=bf16 rl.correction=tis"
   [w8a16]="engine.precision=w8a16 trainer.base=fp8 rl.correction=none"
-  [w8a8]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis"
+  [w8a8]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis engine.serving_kernels=off"
   [w8a8k]="engine.precision=w8a8 trainer.base=fp8 rl.correction=tis engine.serving_kernels=auto"
 )
 for pairing in "${PAIRINGS[@]}"; do

@@ -163,3 +163,60 @@ def test_probe_on_the_real_engine(engine_pool, one_thread, monkeypatch):
         assert metrics["probe/separation_vs_old"] < cfg.engine.probe_separation
     finally:
         _publish(engine, policy, zero, 99)  # the pooled engine goes back with a zero adapter
+
+
+# --- W8A8 engines: the hypotheses in the engine's arithmetic -------------------------------------------------
+
+class _EngineAnswering:
+    """A stand-in engine whose sampled tokens' log-probs are given: the probe's decision, not vLLM, is tested."""
+
+    def __init__(self, token_ids, logprobs):
+        self.token_ids, self.logprobs = token_ids, logprobs
+
+    def generate(self, prompts, n, max_tokens, temperature):
+        from types import SimpleNamespace
+
+        return [[SimpleNamespace(token_ids=self.token_ids, logprobs=self.logprobs)] for _ in prompts]
+
+
+@pytest.mark.parametrize("precision,base,fake_quant", [("w8a8", "fp8", True), ("w8a16", "fp8", False),
+                                                       ("w8a8", "bf16", False)])
+def test_w8a8_engines_are_probed_against_the_fp8_activation_trainer(precision, base, fake_quant, monkeypatch,
+                                                                    one_thread):
+    """For a W8A8 engine over an FP8 trainer every hypothesis (new, old, base) is scored with per-token FP8
+    activations (`epirl mismatch`'s variant (c), entered inside each hypothesis' LoRA state); an engine that
+    answers with exactly those log-probs for the new adapter arrives at β = 1. Other pairings score plainly."""
+    from epirl.mismatch import variants
+    from epirl.model import load_policy
+    from epirl.rl import probe as probe_mod
+
+    cfg = _cfg_for(precision, base)
+    policy = load_policy(cfg, torch.device("cpu"))
+    entered = []
+
+    def counting(policy_):
+        entered.append(next(float(m.lora_scale) for _, m in variants.fp8_projections(policy_) if hasattr(m, "lora_A")))
+        return variants.fake_quant_activations(policy_)
+
+    monkeypatch.setattr(probe_mod, "fake_quant_activations", counting)
+    old = _random_adapter(policy, 3, 1.0)
+    new = {k: v * 2 for k, v in old.items()}
+    policy.load_lora_state_dict(new)
+    prompt, tokens = [1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14]
+    probe = PublishProbe(cfg, [prompt], torch.device("cpu"), 0)
+    with (variants.fake_quant_activations(policy) if fake_quant else torch.no_grad()):  # the engine's answer
+        ids = torch.tensor([prompt + tokens])
+        lp, _ = policy.token_logprobs(ids[:, :-1], ids[:, 1:], cfg.rl.temperature, cfg.trainer.logprob_chunk_tokens)
+    engine_lps = lp[0, len(prompt) - 1:].float().tolist()
+    metrics = probe(_EngineAnswering(tokens, engine_lps), policy, old, 1)
+    assert metrics["probe/fp8_activations"] == float(fake_quant)
+    assert len(entered) == (3 if fake_quant else 0)
+    if fake_quant:
+        assert entered[2] == 0.0 and entered[0] == entered[1] > 0  # new, old: the adapter's σ; base: σ = 0
+    assert abs(metrics["probe/arrival_vs_old"] - 1) < 1e-3 and abs(metrics["probe/arrival_vs_base"] - 1) < 1e-3
+
+
+def _cfg_for(precision, base):
+    from conftest import engine_test_config
+
+    return engine_test_config(precision, engine={"probe_prompts": 1, "probe_tokens": 8}, trainer={"base": base})

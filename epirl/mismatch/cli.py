@@ -44,8 +44,9 @@ def add_mismatch_args(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--engines", default="bf16,w8a8,w8a16",
-                        help="comma-separated engine precisions; w8a8@timed / w8a8@fused: the W8A8 engine with "
-                             "epirl's serving kernels (EPIRL_SERVING_KERNELS) instead of vLLM's LoRA kernels")
+                        help="comma-separated engine precisions; w8a8 is vLLM's W8A8 engine with its own LoRA kernels, "
+                             "w8a8@timed / w8a8@fused the W8A8 engine with epirl's serving kernels (what "
+                             "`epirl train` uses by default on CUDA: engine.serving_kernels=auto)")
     parser.add_argument("--topk", type=int, default=20,
                         help=f"engine log-probs per position for the KL (top-k + tail bucket; ≤ {MAX_TOPK})")
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates (over prompts)")

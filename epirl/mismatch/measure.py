@@ -265,6 +265,8 @@ def collect_rollouts(cfg, specs: list[str], prompt_ids_P: list[list[int]], sampl
         precision, serving = split_engine_spec(spec)
         engine_cfg = copy.deepcopy(cfg)
         engine_cfg.engine.precision = precision
+        if serving is None and precision == "w8a8":
+            serving = "off"  # a bare `w8a8` is vLLM's own W8A8 engine (its LoRA kernels); `w8a8@timed` is epirl's
         if serving is not None:  # the engine sets the serving-kernels mode for its life (engine.serving_kernels)
             engine_cfg.engine.serving_kernels = serving
         engine = RolloutEngine(engine_cfg)

