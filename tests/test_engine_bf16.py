@@ -17,10 +17,12 @@ from conftest import random_lora
 
 # Engine vs reference, both bf16 through different kernels. SmolLM2's logits reach |z| ~ 20-30, where
 # one bf16 ulp is 0.125, so a single logit's rounding alone can move a log-prob by ~0.06 on each side;
-# measured here (2026-11-29): mean |Δ log p| 0.04-0.06, max 0.11-0.21 over 10-token completions. A random
-# rank-8 adapter (std 0.05) moves the same log-probs by > 1, which is what the tests tell apart.
-REF_TOL = 0.3  # max |Δ| per token
-REF_TOL_MEAN = 0.08  # mean |Δ| per sequence
+# measured (2026-11-29): mean |Δ log p| 0.04-0.06, max 0.11-0.21 over 10-token completions; on an AVX-512 Xeon
+# without AVX512-BF16/AMX (2026-12-01; oneDNN takes another bf16 path there): mean 0.047-0.107, max 0.11-0.25,
+# and the same commit that passed elsewhere failed the old 0.08 mean bound. A random rank-8 adapter (std 0.05)
+# moves the same log-probs by > 1 (max 2.5), which is what the tests tell apart.
+REF_TOL = 0.4  # max |Δ| per token
+REF_TOL_MEAN = 0.15  # mean |Δ| per sequence
 # fp32 engine vs fp32 reference: only summation order differs; measured max |Δ log p| 1.2e-5 (base),
 # 2.7e-5 (with adapter), while the adapter moves the log-probs by > 1.
 FP32_TOL = 1e-3
