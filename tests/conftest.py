@@ -229,12 +229,10 @@ def ptx_for(fn, signature, constants, **options):
 
     sig = dict(signature, **{name: "constexpr" for name in constants})
     try:
+        # (arch 90, warp size 32: the H200's; a warp size of 64 lowered the kernels for warps that CUDA does not have)
         compiled = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 32), options=options)
     except (ImportError, RuntimeError) as exc:  # a Triton build without the NVIDIA backend / ptxas
         if "backend" in str(exc).lower() or "ptxas" in str(exc).lower():
             pytest.skip(f"no CUDA backend in this Triton: {exc}")
         raise
-    if os.environ.get("EPIRL_SURVEY"):
-        import sys; sys.path.insert(0, "/tmp/exp"); import survey_conftest
-        survey_conftest.check(fn.fn.__name__ if hasattr(fn, "fn") else str(fn), compiled.asm["ptx"])
     return compiled.asm["ptx"]
