@@ -24,6 +24,17 @@ import os
 import sys
 
 
+def rms(x) -> float:
+    return float(x.pow(2).mean().sqrt())
+
+
+def beta(engine_N, new_N, alt_N) -> float:
+    """The post-publish probe's arrival fraction: where the engine sits between `alt` (0) and `new` (1)."""
+    from epirl.rl.probe import arrival
+
+    return arrival(engine_N, new_N, alt_N, 1.0)[0]
+
+
 def random_adapters(cfg, seeds: list[int], std: float) -> list[dict]:
     """PEFT-named random adapters for the config's model, rank and targets: A ~ N(0, 1/K), B ~ N(0, std²)."""
     import torch
@@ -84,9 +95,6 @@ def check(precision: str, serving: str, std: float) -> dict:
     finally:
         engine.close()
 
-    def rms(x):
-        return float(x.pow(2).mean().sqrt())
-
     noise = max(rms(s_a_again - s_a), 1e-6)
     row = dict(precision=precision, serving=serving, tokens=int(s_a.numel()), noise=noise, a_vs_b=rms(s_a - s_b),
                a_vs_base=rms(s_a - base), a_again=rms(s_a2 - s_a), a_again_vs_b=rms(s_a2 - s_b),
@@ -94,8 +102,7 @@ def check(precision: str, serving: str, std: float) -> dict:
     # served iff the republished adapter is much nearer to its own earlier scores than to the other adapter's
     row["ok"] = row["a_again"] < 0.25 * row["a_again_vs_b"] and row["b_after_release"] < 0.25 * row["b_after_release_vs_a"]
     row.update(trainer)
-    delta = prefill_b - prefill_base
-    row["decode_beta"] = float(((decode_N - prefill_base) * delta).sum() / delta.pow(2).sum())
+    row["decode_beta"] = beta(decode_N, prefill_b, prefill_base)
     row["decode_vs_prefill"] = rms(decode_N - prefill_b)
     return row
 
@@ -127,15 +134,7 @@ def trainer_arrival(cfg, engine, prompts, comps, adapter, engine_N, engine_base_
             new_c_N = score()
         with policy.adapter_disabled(), fake_quant_activations(policy):  # the fake-quant forward reads σ on entry
             base_c_N = score()
-
-    def beta_of(n_N, b_N):
-        delta = n_N - b_N
-        return float(((engine_N - b_N) * delta).sum() / delta.pow(2).sum())
-
-    def rms(x):
-        return float(x.pow(2).mean().sqrt())
-
-    return dict(beta=beta_of(new_N, base_N), beta_c=beta_of(new_c_N, base_c_N), trainer_sep=rms(new_N - base_N),
+    return dict(beta=beta(engine_N, new_N, base_N), beta_c=beta(engine_N, new_c_N, base_c_N), trainer_sep=rms(new_N - base_N),
                 trainer_c_sep=rms(new_c_N - base_c_N), engine_sep=rms(engine_N - engine_base_N),
                 engine_vs_trainer=rms(engine_N - new_N), base_vs_base=rms(engine_base_N - base_N))
 

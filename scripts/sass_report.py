@@ -44,19 +44,8 @@ def compile_cubin(tile: str, one_chunk: bool, dx: bool) -> bytes:
     const.update({"stride_wn": 1} if dx else {"stride_wk": 1})  # the contiguous dimension of w
     if one_chunk:
         const["N_CHUNKS"] = 1
-    sig = {}
-    for n in fn.arg_names:
-        if n in const:
-            sig[n] = "constexpr"
-        elif n.endswith("_ptr"):
-            sig[n] = "*fp8e4nv" if n == "w_ptr" else "*fp32" if n == "w_scale_ptr" else "*bf16"
-        else:
-            sig[n] = "fp32" if n == "lora_scale" else "i32"
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig
-             if n in DIVISIBLE and sig[n] != "constexpr"}
-    compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
-    return compiled.asm["cubin"]
+    ptr_types = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
+    return _compile(fn, const, ptr_types, warps, stages, DIVISIBLE).asm["cubin"]
 
 
 def _tool(name: str) -> str:
@@ -109,8 +98,8 @@ def ptxas_notes(ptx: str) -> dict:
                 spill=sum(spills), loop_spill=loop["LDL"] + loop["STL"])
 
 
-def compile_ptx(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisible=()) -> str:
-    """PTX of a Triton kernel for sm_90a; pointers default to bf16, other runtime arguments to i32 (fp32 for the
+def _compile(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisible=()):
+    """A Triton kernel compiled for sm_90a; pointers default to bf16, other runtime arguments to i32 (fp32 for the
     LoRA scales); `divisible` names the arguments Triton would see as multiples of 16 on the device."""
     sig = {}
     for n in fn.arg_names:
@@ -121,9 +110,13 @@ def compile_ptx(fn, const: dict, ptr_types: dict, warps: int, stages: int, divis
         else:
             sig[n] = "fp32" if n in ("lora_scale", "sigma_const") else "i32"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible if sig.get(n, "constexpr") != "constexpr"}
-    compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
-    return compiled.asm["ptx"]
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_ptx(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisible=()) -> str:
+    """PTX of `_compile`."""
+    return _compile(fn, const, ptr_types, warps, stages, divisible).asm["ptx"]
 
 
 def _tile_consts(cfg: dict, keys=("BN", "BM", "BK")) -> dict:
