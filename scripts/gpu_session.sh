@@ -26,6 +26,10 @@
 #              publish the loop makes (re-publish, publish while the KV cache is released, decode), β vs the trainer ~5 min
 #   decodeprof profile_decode_lora.py: the W8A16 decode layer's kernels on a timeline, LoRA on/off, PDL on/off ~1 min
 #   q35w8a16   gpu_main_recipe.sh q35w8a16, 3 steps (needs the triton 3.7.1 kit for fla)                 ~14 min
+#   trainerprof profile_trainer_linear.py on the Qwen3-8B shapes at 1024 / 4096 tokens: kernels per step, and
+#              wall vs kernel sum vs host enqueue time (does the host keep the GPU fed?)                  ~3 min
+#   b32        bench_kernels.py at 32 tokens (the matched engine's batch-32 decode), no trainer rows        ~1 min
+#   step       bench_trainer.py on the Qwen3-8B shape, FP8 and bf16 trainer, 2 timed steps               ~4 min
 set -o pipefail
 source scripts/device_env.sh
 t0=$(date +%s)
@@ -65,8 +69,12 @@ for name in "$@"; do
                 "w8a8 fused" "bf16 env" "w8a16 env"; do set -- $pk; timeout 110 python3 -P scripts/gpu_publish_check.py \
                 --precisions $1 --serving-kernels $2; done' ;;
     decodeprof) part decodeprof 200 python3 -P scripts/profile_decode_lora.py ;;
+    trainerprof) part trainerprof 300 python3 -P scripts/profile_trainer_linear.py --shapes q3_qkv q3_o q3_gate_up \
+                q3_down --tokens 1024 4096 --steps 3 ;;
+    b32)      part b32 150 python3 -P scripts/bench_kernels.py --tokens 32 --train-tokens --json "$OUT/bench_b32.json" ;;
+    step)     part step 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --json "$OUT/bench_step.json" ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         for name in ("base", "y read+write", "vendor+vllm", "vendor+epirl", "vendor+seg", *seg, "fused"):
             if name not in fns:
                 continue
-            times = kernel_us_per_step(fns[name], steps=3)
+            times, _ = kernel_us_per_step(fns[name], steps=3)
             total = sum(times.values())
             print(f"| **{name}** | (all) | **{total:.1f}** |")
             for kernel, us in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:

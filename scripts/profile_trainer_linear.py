@@ -2,25 +2,32 @@
 backward against the frozen bf16 Linear + LoRA it replaces, from torch.profiler, same process.
 
 For each shape: the step's total CUDA µs and every kernel's µs per step (mean over the profiled steps), so a
-miss against bf16 can be pinned on a kernel (the base GEMMs, the LoRA pieces, casts, copies).
-Usage: python scripts/profile_trainer_linear.py [--shapes q3_qkv q3_o ...] [--tokens 4096] [--steps 5]
+miss against bf16 can be pinned on a kernel (the base GEMMs, the LoRA pieces, casts, copies), then one line per side
+that says whether the host keeps the GPU fed: the step's wall time (`triton.testing.do_bench`, L2 flushed, as
+bench_kernels times it), its kernel sum, and the host's enqueue time for it (the step called while the GPU is held
+busy by a sleep kernel, so no launch waits for the GPU: Python, autograd and Triton's launcher alone). When the
+host time is near or above the kernel sum, the GPU idles between launches.
+Usage: python scripts/profile_trainer_linear.py [--shapes q3_qkv q3_o ...] [--tokens 1024 4096] [--steps 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import SHAPES, make_layer, trainer_steps  # noqa: E402
+from bench_kernels import SHAPES, bench_us, make_layer, trainer_steps  # noqa: E402
 
 
-def kernel_us_per_step(step, steps: int) -> dict[str, float]:
-    """CUDA kernel name -> µs per step, over `steps` profiled steps after two warm-ups."""
+def kernel_us_per_step(step, steps: int) -> tuple[dict[str, float], float]:
+    """(CUDA kernel name -> µs per step, kernel launches per step), over `steps` profiled steps after two
+    warm-ups."""
     for _ in range(2):
         step()
     torch.cuda.synchronize()
@@ -29,32 +36,55 @@ def kernel_us_per_step(step, steps: int) -> dict[str, float]:
             step()
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = defaultdict(float)
+    launches = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[event.name[:70]] += event.device_time / steps
-    return dict(per_kernel)
+            launches += 1
+    return dict(per_kernel), launches / steps
 
 
-def profile_shape(name: str, K: int, N: int, M: int, steps: int) -> None:
+def host_enqueue_us(step, params, reps: int = 15) -> float:
+    """Median host time of one step while the GPU is busy (a sleep kernel queued first): launches only queue."""
+    times = []
+    for _ in range(reps):
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time at H200 clocks: longer than any step's enqueue
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def profile_shape(name: str, K: int, N: int, M: int, steps: int) -> list[str]:
+    """Prints the kernel table of each side; returns its wall / kernels / host line."""
+    lines = []
     for tag, (step, params) in trainer_steps(K, N, M, *make_layer(K, N)).items():
         def step_and_clear(step=step, params=params):
             step()
             for p in params:
                 p.grad = None
 
-        kernels = kernel_us_per_step(step_and_clear, steps)
+        kernels, launches = kernel_us_per_step(step_and_clear, steps)
         total = sum(kernels.values())
+        wall = bench_us(step, grad_to_none=params)
+        host = host_enqueue_us(step, params)
+        lines.append(f"| {name} | {M} | {tag} | {wall:.0f} | {total:.0f} | {host:.0f} | {launches:.0f} |")
         print(f"\n### {name} K={K} N={N} M={M} {tag}: {total:.0f} µs of kernels per step")
         print("| kernel | µs/step | share |\n|---|---|---|")
         for kname, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
             if us >= 2.0:
                 print(f"| `{kname}` | {us:.1f} | {us / total:.0%} |")
+    return lines
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["q3_qkv", "q3_o", "q3_gate_up"])
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     by_name = {s[0]: s for s in SHAPES}
@@ -62,8 +92,13 @@ def main():
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; known: {sorted(by_name)}")
     print(torch.cuda.get_device_name(), torch.__version__)
+    lines = []
     for s in args.shapes:
-        profile_shape(*by_name[s], args.tokens, args.steps)
+        for M in args.tokens:
+            lines += profile_shape(*by_name[s], M, args.steps)
+    print("\n| shape | tokens | side | wall µs (do_bench) | kernel sum µs | host enqueue µs | kernels per step |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

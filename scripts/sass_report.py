@@ -3,7 +3,7 @@ any machine (no GPU: Triton's compiler, its bundled ptxas and cuobjdump). A prof
 emits, not of a run: the installed Triton may differ from the device's (the H200's image has 3.6), and the
 device specializes integer arguments the same way (`tt.divisibility` 16 on pointers, N, K, row strides).
 
-    python scripts/sass_report.py [--tiles 128/256/64/8/3 ...] [--one-chunk] [--dx]
+    python scripts/sass_report.py [--tiles 128/256/64/8/3 ...] [--one-chunk] [--dx] [--masked]
 
 Per tile (BN weight rows / BM tokens / BK / warps / stages): registers, stack bytes (spills), and per trip of the
 innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.async), BAR, the e4m3 → bf16
@@ -35,12 +35,13 @@ DIVISIBLE = {"x_ptr", "w_ptr", "y_ptr", "w_scale_ptr", "xa_ptr", "b_ptr", "bias_
              "stride_xm", "stride_wn", "stride_wk", "stride_ym", "stride_xam", "stride_bn"}
 
 
-def compile_cubin(tile: str, one_chunk: bool, dx: bool) -> bytes:
-    """The weight-stationary single-pass kernel for sm_90a."""
+def compile_cubin(tile: str, one_chunk: bool, dx: bool, even: bool = True) -> bytes:
+    """The weight-stationary single-pass kernel for sm_90a; even: the K loop without load masks, as every Qwen
+    shape runs it (`_ws_chunk`'s EVEN_K / EVEN_N)."""
     from epirl.kernels.gemm.weight_stationary import _ws_single_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK, BR=16,
-                 GROUP_N=8, WAIT_PDL=False, stride_xk=1, stride_yn=1)
+                 GROUP_N=8, WAIT_PDL=False, EVEN_K=even, EVEN_N=even, stride_xk=1, stride_yn=1)
     const.update({"stride_wn": 1} if dx else {"stride_wk": 1})  # the contiguous dimension of w
     if one_chunk:
         const["N_CHUNKS"] = 1
@@ -138,16 +139,18 @@ def wgmma_cases() -> list[tuple[str, callable]]:
     for op in ("fwd", "dx"):
         for shape, row in table[op].items():
             N, K = (4096, 4096) if shape == "default" else map(int, shape.split("x"))
-            one = (configs.k_chunking(N, K) if op == "fwd" else ws.whole_k(K))[1] == 1
+            k_chunk, n_chunks = configs.k_chunking(N, K) if op == "fwd" else ws.whole_k(K)
+            one = n_chunks == 1
             for bound, cfg in row.items():
+                even = dict(EVEN_K=ws.even_k(K, k_chunk, n_chunks), EVEN_N=N % cfg["BN"] == 0)
                 if cfg.get("split") and op == "fwd":
                     const = dict(HAS_BASE=True, HAS_DOWN=False, DOT_F32=False, BRT=64, GROUP_N=8,
                                  LAUNCH_DEPENDENTS=True, WAIT_AT_END=True, stride_xk=1, stride_wk=1, stride_ak=1,
-                                 **_tile_consts(cfg))
+                                 **even, **_tile_consts(cfg))
                     kernel = ws._ws_partial_kernel
                 else:
                     const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BR=64, GROUP_N=8,
-                                 WAIT_PDL=False, stride_xk=1, stride_yn=1, **_tile_consts(cfg))
+                                 WAIT_PDL=False, stride_xk=1, stride_yn=1, **even, **_tile_consts(cfg))
                     const.update({"stride_wn": 1} if op == "dx" else {"stride_wk": 1})
                     if one:
                         const["N_CHUNKS"] = 1
@@ -195,6 +198,7 @@ def main():
     ap.add_argument("--tiles", nargs="+", default=["128/256/64/8/3", "128/128/64/8/4", "256/128/64/8/3"])
     ap.add_argument("--one-chunk", action="store_true", help="N_CHUNKS = 1 (as Triton specializes it)")
     ap.add_argument("--dx", action="store_true", help="dX operand strides (codes read transposed)")
+    ap.add_argument("--masked", action="store_true", help="the K loop with its load masks (ragged shapes)")
     ap.add_argument("--wgmma", action="store_true", help="every wgmma kernel: serialized by ptxas (C7515)?")
     args = ap.parse_args()
     if args.wgmma:
@@ -202,11 +206,11 @@ def main():
         wgmma_report()
         return
     print(f"triton {triton.__version__}, sm_90a, {'dX' if args.dx else 'forward'}, "
-          f"{'one chunk' if args.one_chunk else 'chunked'}\n")
+          f"{'one chunk' if args.one_chunk else 'chunked'}, {'masked' if args.masked else 'unmasked'} loads\n")
     print("| BN/BM/BK/warps/stages | regs | stack B | loop instr | " + " | ".join(KEYS) + " |")
     print("|---|---|---|---|" + "---|" * len(KEYS))
     for tile in args.tiles:
-        r = report(compile_cubin(tile, args.one_chunk, args.dx))
+        r = report(compile_cubin(tile, args.one_chunk, args.dx, even=not args.masked))
         print(f"| {tile} | {r['regs']} | {r['stack']} | {r['loop']} | "
               + " | ".join(str(r[k]) for k in KEYS) + " |", flush=True)
 

@@ -81,8 +81,8 @@ def one_chunk_us(x, w, scale, c):
         _ws_single_kernel[(tiles,)](x, w, y, scale, y, y, y, M, N, K, 0, k_all, 1, 1.0, x.stride(0), x.stride(1),
                                     w.stride(0), w.stride(1), y.stride(0), y.stride(1), 0, 0, 0, 0,
                                     HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=c["BN"],
-                                    BM=c["BM"], BK=c["BK"], BR=16, GROUP_N=8,
-                                    num_warps=c["num_warps"], num_stages=c["num_stages"])
+                                    BM=c["BM"], BK=c["BK"], BR=16, GROUP_N=8, EVEN_K=k_all == K,
+                                    EVEN_N=N % c["BN"] == 0, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return graph_us(run)
 
 

@@ -149,6 +149,56 @@ def case_tma_single_pass_equals_pointer_kernel():
     assert not tma_ok(x[:, 1:], codes[:, 1:])  # unaligned rows: the caller falls back to the pointer kernel
 
 
+def case_unmasked_loops_equal_masked():
+    # The K loops drop their load masks where the shape allows (`_ws_chunk`: EVEN_K when the chunks tile K, EVEN_N
+    # when N is a multiple of BN; token rows past M are read from the last token instead of masked). Each even shape
+    # must give the bits of the masked loops, run here on the same problem padded into ragged shapes: K = 500 inside
+    # the same two 256-deep chunks (zero columns 500..511), and N = 128 -> 130 (two more weight rows). Forward split-K
+    # (5 tokens) and single pass (70), with LoRA, and dX, whose weight rows are the contiguous dimension.
+    from epirl.kernels.gemm.weight_stationary import even_k
+    x, codes, scale, a, b, bias = problem(70, 512, 130, 8, seed=12)
+    x[:, 500:] = 0
+    a[:, 500:] = 0
+    codes[:, 500:] = 0
+    assert k_chunking(128, 512) == k_chunking(128, 500) == (256, 2)
+    assert even_k(512, 256, 2) and not even_k(500, 256, 2)
+    split = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
+    single = dict(BN=64, BM=32, BK=64, num_warps=4, num_stages=2, split=False)
+    for M, cfg in ((5, split), (70, single)):
+        for k in (512, 500):
+            args = dict(w_scale=scale, lora_a=a[:, :k].contiguous(), lora_b=b[:128], lora_scale=0.7, bias=bias[:128])
+            even = weight_stationary_gemm(x[:M, :k], codes[:128, :k], torch.bfloat16, config=cfg, **args)
+            args.update(lora_b=b, bias=bias)
+            ragged_n = weight_stationary_gemm(x[:M, :k], codes[:, :k], torch.bfloat16, config=cfg, **args)
+            assert torch.equal(even, ragged_n[:, :128]), (M, k)
+            if k == 512:
+                even_512 = even
+        assert torch.equal(even_512, even), M  # K = 512 (no column masks) == K = 500 (masked)
+    # dX: codes [256, 512] read transposed; reduction over the 256 rows (one chunk: EVEN_K), 512 output columns
+    # (EVEN_N); ragged: 500 output columns (masked weight rows), and a 250-deep reduction zero-padded to 256
+    _, codes_t, scale_t, *_ = problem(1, 512, 256, 8, seed=13)
+    codes_t[250:] = 0
+    g = torch.randn(70, 256).bfloat16()
+    g[:, 250:] = 0
+    dx_cfg = dict(BN=64, BM=32, BK=64, num_warps=4, num_stages=2, split=False)
+
+    def dx(g_, codes_):
+        return weight_stationary_gemm(g_, codes_.t(), torch.bfloat16, w_scale=scale_t, config=dx_cfg, op="dx")
+
+    dx_even = dx(g, codes_t)
+    assert torch.equal(dx_even[:, :500], dx(g, codes_t[:, :500]))
+    assert torch.equal(dx_even, dx(g[:, :250].contiguous(), codes_t[:250]))
+    # the row-major scaled GEMM (W8A8's; the backward's g·B reads w = Bᵀ, whose rows are the contiguous dimension,
+    # as the column-major copy here does): K = 256 (two 128-deep trips) vs 250 zero-padded, N = 128 vs 130
+    for w in (codes[:, :256], codes[:, :256].t().contiguous().t()):
+        x2 = x[:, :256].contiguous()
+        x2[:, 250:] = 0
+        even = scaled_gemm_lora(x2, w[:128], torch.bfloat16, w_scale=scale)
+        assert torch.equal(even, scaled_gemm_lora(x2[:, :250].contiguous(), w[:128, :250], torch.bfloat16,
+                                                  w_scale=scale))
+        assert torch.equal(even, scaled_gemm_lora(x2, w, torch.bfloat16, w_scale=scale)[:, :128])
+
+
 def case_w8a8_gemm_on_reference_codes():
     # fp8 activation codes come from the reference (interpreter e4m3 rounding is broken), the GEMM,
     # per-row scale and epilogue are the Triton kernel's
