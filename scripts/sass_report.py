@@ -102,6 +102,8 @@ def ptxas_notes(ptx: str) -> dict:
 def _compile(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisible=()):
     """A Triton kernel compiled for sm_90a; pointers default to bf16, other runtime arguments to i32 (fp32 for the
     LoRA scales); `divisible` names the arguments Triton would see as multiples of 16 on the device."""
+    # constexpr parameters with defaults left out of `const` take their defaults, as a launch would
+    const = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const)
     sig = {}
     for n in fn.arg_names:
         if n in const:

@@ -227,6 +227,8 @@ def ptx_for(fn, signature, constants, **options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # constexpr parameters with defaults that the caller leaves out take their defaults, as a launch would
+    constants = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constants)
     sig = dict(signature, **{name: "constexpr" for name in constants})
     try:
         # (arch 90, warp size 32: the H200's; a warp size of 64 lowered the kernels for warps that CUDA does not have)

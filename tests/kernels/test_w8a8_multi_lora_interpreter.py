@@ -17,7 +17,7 @@ import pytest
 CASES = ["decode_mixed_vs_reference", "decode_mixed_equals_groups_bitwise", "sorted_tiles_vs_reference",
          "sorted_tiles_equal_groups_bitwise", "expand_into_vendor_output", "per_adapter_sigma_and_bias",
          "several_k1_chunks", "fused_slices_one_launch_pair", "grouped_shrink_vs_exact_and_groups_bitwise",
-         "segmented_expand_equals_grouped_bitwise"]
+         "segmented_expand_equals_grouped_bitwise", "even_shape_equals_padded_ragged"]
 ADAPTERS = [0, 1, -1, 2, 3, 0, -1, 3, 1, 2, 2, 0, 3, -1, 1, 0, 2, 3, -1, 0]
 
 
@@ -90,6 +90,26 @@ def case_decode_mixed_equals_groups_bitwise():
         return w8a8_multi_lora(xs, codes, scale, a, b, ts, 2.0, backend="triton", path="decode")
 
     assert torch_equal(run(x, ids), groups_alone(run, x, ids))
+
+
+def case_even_shape_equals_padded_ragged():
+    """K2's loop loads without predicates on even shapes (K a multiple of BK, N of BN; token columns past M read the
+    last token): the bits of the masked loop, which runs on the same problem padded into ragged shapes (K = 256 vs
+    250 with zero columns, N = 128 vs 130), decode (20 tokens) and prefill tiles."""
+    from epirl.kernels import w8a8_multi_lora
+
+    x, codes, scale, a, b, ids = problem(20, 256, 130, seed=12)
+    x[:, 250:] = 0
+    a[:, :, 250:] = 0
+    codes[:, 250:] = 0
+    for path in ("decode", "prefill"):
+        def run(k, n):
+            return w8a8_multi_lora(x[:, :k].contiguous(), codes[:n, :k], scale, a[:, :, :k].contiguous(),
+                                   b[:, :n].contiguous(), ids, 0.5, backend="triton", path=path)
+
+        even = run(256, 128)
+        assert torch_equal(even, run(250, 128)) and torch_equal(even, run(256, 130)[:, :128]), path
+        assert close_bf16(even, reference(x, codes[:128], scale, a, b[:, :128], ids, 0.5)), path
 
 
 def torch_equal(a, b):
