@@ -292,14 +292,19 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
 
 
 def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None, lora_b=None, lora_scale=1.0,
-                           bias=None, config=None, allow_split=True, out=None, lora_a=None, op="fwd"):
+                           bias=None, config=None, allow_split=True, out=None, lora_a=None, op="fwd", return_xa=False):
     """y `[M, N]` for bf16 x `[M, K]` and w `[N, K]` (any strides), LoRA from xa (given) or lora_a (computed
-    here, fused into the split-K launch), config from the committed table unless given."""
+    here, fused into the split-K launch), config from the committed table unless given. return_xa: (y, xa), the
+    bf16 LoRA intermediate the epilogue used (the trainer saves it for the backward instead of recomputing it; to
+    have it, a decode-size call without PDL runs `lora_down` before the split-K pair instead of fusing the
+    down-projection into it: the same bits)."""
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=out_dtype) if out is None else out
+    if return_xa and xa is None and lora_a is not None and (M == 0 or N == 0):
+        xa = torch.empty(M, lora_a.shape[0], device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
-        return y
+        return (y, xa) if return_xa else y
     cfg = dict(ws_config(op, N, K, M) if config is None else config)
     k_chunk, n_chunks = k_chunking(N, K) if op == "fwd" else whole_k(K)
     has_lora = xa is not None or lora_a is not None
@@ -313,6 +318,9 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     down_first = fuse_down and pdl and M <= DOWN_FIRST_MAX_M
     if down_first:
         xa = lora_down(x, lora_a, N, op, pdl=True)
+        fuse_down = False
+    elif return_xa and fuse_down:
+        xa = lora_down(x, lora_a, N, op)
         fuse_down = False
     split = allow_split and (down_first or (cfg.get("split", M <= 64) and (n_chunks > 1 or fuse_down)))
     R = (xa.shape[1] if xa is not None else lora_a.shape[0]) if has_lora else 0
@@ -334,13 +342,14 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
             y.stride(0), y.stride(1), xa.stride(0) if xa is not None else 0, xa.stride(1) if xa is not None else 0,
             *lora_strides, XA_PARTS=fuse_down, WAIT_PDL=pdl, num_warps=4, **flags,
             **({"launch_pdl": True} if pdl else {}))
-        return y
+        return (y, xa) if return_xa else y
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
     wait_down = down_first  # xa comes from lora_down's PDL launch pair: wait for it before the epilogue
     if cfg.get("tma") and tma_ok(x, w) and not wait_down:  # experimental (gemm/ws_tma.py); else below
-        return launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
-                                 lora_strides, cfg, flags)
+        launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale, lora_strides, cfg,
+                          flags)
+        return (y, xa) if return_xa else y
     _ws_single_kernel[(tiles,)](
         x, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
@@ -348,4 +357,4 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         BK=cfg["BK"], WAIT_PDL=wait_down, EVEN_K=even_k(K, k_chunk, n_chunks), EVEN_N=N % cfg["BN"] == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
         **({"launch_pdl": True} if wait_down else {}))
-    return y
+    return (y, xa) if return_xa else y

@@ -2,8 +2,8 @@
 
 Forward is exactly `epirl.kernels.w8a16_lora(x, codes, scale, A, B, σ, bias)` - the same function (and on
 CUDA the same Triton kernel and tile config) the matched engine calls, so logits agree bitwise. The
-autograd Function saves only x, A, B, codes and scale; backward reads the codes in place (N as the
-reduction dim), never materialising a dequantized weight.
+autograd Function saves only x, A, B, codes, scale and the rank-r LoRA intermediate; backward reads the codes
+in place (N as the reduction dim), never materialising a dequantized weight.
 """
 
 from __future__ import annotations
@@ -18,35 +18,41 @@ from ..fp8_quant.reference import FP8_DTYPE
 
 
 def _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend):
-    from .. import w8a16_lora  # the public dispatcher: identical math to a direct engine-side call
+    """(y, xa): the public dispatcher's call (identical math to a direct engine-side call) and the LoRA intermediate
+    it used, which the backward's dB needs."""
+    from .. import w8a16_lora
 
-    return w8a16_lora(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend=backend)
+    return w8a16_lora(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend=backend, return_xa=True)
 
 
-def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, backend=None):
+def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, backend=None, xa=None):
+    """(dX, dA, dB); xa: the forward's LoRA intermediate bf16(x Aᵀ) when saved (else it is computed again, with the
+    forward's chunking: the same bits). dA / dB come in fp32 from the reference and in the parameters' dtype from
+    the Triton path (which rounds them there once); callers cast to the parameters' dtype."""
     if _dispatch.use_triton(x, backend):
         from .triton import lora_linear_backward as impl
     else:
         from .reference import lora_linear_backward as impl
-    return impl(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx)
+    return impl(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, xa=xa)
 
 
 class Fp8LoRAFunction(torch.autograd.Function):
-    """y = w8a16_lora(x, codes, scale, A, B, σ, bias); gradients for x, A and B only."""
+    """y = w8a16_lora(x, codes, scale, A, B, σ, bias); gradients for x, A and B only. Saves x, A, B, codes, scale
+    and xa = bf16(x Aᵀ) `[M, r]` (r/K of x's size: the backward's dB reads it instead of a second pass over x)."""
 
     @staticmethod
     def forward(ctx, x, lora_a, lora_b, codes, scale, bias, lora_scale, backend):
-        y = _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend)
-        ctx.save_for_backward(x, lora_a, lora_b, codes, scale)
+        y, xa = _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend)
+        ctx.save_for_backward(x, lora_a, lora_b, codes, scale, xa)
         ctx.lora_scale, ctx.backend = lora_scale, backend
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, lora_a, lora_b, codes, scale = ctx.saved_tensors
+        x, lora_a, lora_b, codes, scale, xa = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         dx, d_a, d_b = lora_linear_backward(grad_y.contiguous(), x, codes, scale, lora_a, lora_b,
-                                            ctx.lora_scale, need_dx, ctx.backend)
+                                            ctx.lora_scale, need_dx, ctx.backend, xa=xa)
         d_a = d_a.to(lora_a.dtype) if ctx.needs_input_grad[1] else None
         d_b = d_b.to(lora_b.dtype) if ctx.needs_input_grad[2] else None
         return dx, d_a, d_b, None, None, None, None, None

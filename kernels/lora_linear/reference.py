@@ -16,8 +16,9 @@ import torch
 from ..w8a16_lora.reference import exact_dot_fp32, lora_down
 
 
-def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx=True):
-    """Returns (dX [M, K] x.dtype or None, dA [r, K] fp32 or None, dB [N, r] fp32 or None)."""
+def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx=True, xa=None):
+    """Returns (dX [M, K] x.dtype or None, dA [r, K] fp32 or None, dB [N, r] fp32 or None); xa: the forward's
+    LoRA intermediate, if saved."""
     N, K = codes.shape
     g = grad_y.reshape(-1, N).to(x.dtype)
     x2 = x.reshape(-1, K)
@@ -32,7 +33,7 @@ def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, ne
     if not has_lora:
         return dx, None, None
     d_a = float(lora_scale) * exact_dot_fp32(gb.t(), x2.t())
-    xa = lora_down(x2, lora_a)
+    xa = lora_down(x2, lora_a) if xa is None else xa.reshape(-1, xa.shape[-1])
     d_b = float(lora_scale) * exact_dot_fp32(g.t(), xa.t())
     return dx, d_a, d_b
 

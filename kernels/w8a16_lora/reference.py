@@ -29,10 +29,11 @@ def lora_down(x2: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
     return exact_dot_fp32(x2, lora_a.to(x2.dtype)).to(x2.dtype)
 
 
-def lora_epilogue(y32, x2, lora_a, lora_b, lora_scale, bias):
-    """y32 + σ (xa Bᵀ) + bias in fp32, in that order (shared by W8A16 and W8A8)."""
+def lora_epilogue(y32, x2, lora_a, lora_b, lora_scale, bias, xa=None):
+    """y32 + σ (xa Bᵀ) + bias in fp32, in that order (shared by W8A16 and W8A8); xa: the LoRA intermediate if
+    already computed."""
     if lora_a is not None:
-        xa = lora_down(x2, lora_a)
+        xa = lora_down(x2, lora_a) if xa is None else xa
         lora = exact_dot_fp32(xa, lora_b.to(x2.dtype))
         # fused multiply-add like the kernels' tl.fma: fp32 σ times fp32 lora is exact in float64
         sigma = torch.tensor(float(lora_scale), dtype=torch.float32).double()
@@ -52,11 +53,14 @@ def check_lora_args(K: int, N: int, lora_a, lora_b):
                              f"do not fit K={K}, N={N} (want A [r, K], B [N, r])")
 
 
-def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None):
-    """x `[..., K]`, codes `[N, K]` e4m3fn, scale fp32 `[1]`, A `[r, K]`, B `[N, r]` -> `[..., N]` x.dtype."""
+def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None, return_xa=False):
+    """x `[..., K]`, codes `[N, K]` e4m3fn, scale fp32 `[1]`, A `[r, K]`, B `[N, r]` -> `[..., N]` x.dtype
+    (return_xa: and xa `[M, r]`, the rounded LoRA intermediate; None without LoRA)."""
     N, K = codes.shape
     check_lora_args(K, N, lora_a, lora_b)
     x2 = x.reshape(-1, K)
+    xa = lora_down(x2, lora_a) if lora_a is not None else None
     y32 = exact_dot_fp32(x2, codes) * scale.float().reshape(())
-    y32 = lora_epilogue(y32, x2, lora_a, lora_b, lora_scale, bias)
-    return y32.to(x.dtype).reshape(*x.shape[:-1], N)
+    y32 = lora_epilogue(y32, x2, lora_a, lora_b, lora_scale, bias, xa)
+    y = y32.to(x.dtype).reshape(*x.shape[:-1], N)
+    return (y, xa) if return_xa else y

@@ -229,7 +229,15 @@ def case_backward():
         want = ref_backward(gy, x, codes, scale, a, b, 2.0, True)
         assert close_bf16(got[0], want[0], ulps=6), "dX"
         for g, w in zip(got[1:], want[1:]):  # dA, dB go through bf16 cuBLAS-style mm
-            assert ((g - w).norm() / w.norm()).item() < 1e-2
+            assert g.dtype == torch.bfloat16  # the parameters' dtype, rounded once
+            assert ((g.float() - w).norm() / w.norm()).item() < 1e-2
+        # the forward's xa (return_xa), as Fp8LoRAFunction saves it: the same gradients as recomputing it;
+        # fp32 parameters get fp32 gradients
+        _, xa = w8a16_lora(x, codes, scale, a, b, 2.0, backend="triton", return_xa=True)
+        with_xa = tri_backward(gy, x, codes, scale, a, b, 2.0, True, xa=xa)
+        assert all(torch.equal(u, v) for u, v in zip(with_xa, got))
+        fp32 = tri_backward(gy, x, codes, scale, a.float(), b.float(), 2.0, True, xa=xa)
+        assert fp32[1].dtype == fp32[2].dtype == torch.float32 and torch.equal(fp32[1].bfloat16(), got[1])
     # no LoRA, 300 tokens: the single-pass bucket (dX: one K chunk)
     x, codes, scale, *_ = problem(300, 70, 40, 8, seed=6)
     gy = torch.randn(300, 40).bfloat16()

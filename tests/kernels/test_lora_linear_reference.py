@@ -112,3 +112,20 @@ def test_function_without_lora_gives_dx_only():
     y.backward(gy)
     want = gy.double() @ (codes.double() * scale.double())
     assert ((xr.grad.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_reads_the_saved_lora_intermediate(dtype):
+    """The forward returns xa = bf16(x Aᵀ) with y (`return_xa`), the Function saves it, and the backward's dB reads it
+    instead of recomputing it: the same gradients, bitwise, as the backward that recomputes xa."""
+    x, codes, scale, a, b, gy = problem(M=13, K=40, N=24, r=4, dtype=torch.bfloat16, seed=15)
+    y, xa = w8a16_lora(x, codes, scale, a, b, 0.5, backend="reference", return_xa=True)
+    assert torch.equal(y, w8a16_lora(x, codes, scale, a, b, 0.5, backend="reference"))
+    assert xa.dtype == torch.bfloat16 and xa.shape == (13, 4)
+    assert w8a16_lora(x, codes, scale, backend="reference", return_xa=True)[1] is None
+    layer = Fp8LoRALinear(codes, scale, a.to(dtype), b.to(dtype), lora_scale=0.5, backend="reference")
+    xr = x.clone().requires_grad_()
+    layer(xr).backward(gy)
+    dx, da, db = lora_linear_backward_reference(gy, x, codes, scale, a.to(dtype), b.to(dtype), 0.5)
+    assert torch.equal(xr.grad, dx)
+    assert torch.equal(layer.lora_A.grad, da.to(dtype)) and torch.equal(layer.lora_B.grad, db.to(dtype))
