@@ -9,7 +9,7 @@
 #              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS, for the
 #              parts after it too)
 #   flush      bench_kernels.py --quick with EPIRL_L2_FLUSH=write (the old timer) for comparison          ~2 min
-#   tune       tune_w8a16.py (LoRA-aware timing) -> $OUT/ws_configs.json + its log                         ~6 min
+#   tune       tune_w8a16.py (LoRA-aware timing) -> $OUT/ws_configs.json + its log                         ~8 min
 #   engine     matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 (gpu_evidence.sh engine; needs vLLM)     ~6 min
 #   mismatch   epirl mismatch with bf16, w8a8, w8a8@timed (epirl's serving kernels), w8a16, a random rank-16
 #              adapter on every projection (SmolLM2 kit; carry .whl for math-verify)                       ~4 min
@@ -50,7 +50,7 @@ for name in "$@"; do
               part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
     flush)    part flush 200 env EPIRL_L2_FLUSH=write python3 -P scripts/bench_kernels.py --quick --tokens 1 16 \
                 --train-tokens 4096 --json "$OUT/bench_write_flush.json" ;;
-    tune)     part tune 480 python3 -P scripts/tune_w8a16.py --out "$OUT/ws_configs.json" ;;
+    tune)     part tune 600 python3 -P scripts/tune_w8a16.py --out "$OUT/ws_configs.json" ;;
     engine)   part engine 600 bash scripts/gpu_evidence.sh engine ;;
     mismatch) part mismatch 400 python3 -P scripts/gpu_mismatch.py --quick --eager --random-adapter 0.02 \
                 --engines bf16,w8a8,w8a8@timed,w8a16 --out "$OUT/mismatch" ;;

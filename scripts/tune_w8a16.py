@@ -44,12 +44,19 @@ BIG = 1_000_000_000
 FWD_BUCKETS = {
     16: ([1, 16], [cfg(64, 16, 128, 4, 4, True), cfg(64, 16, 256, 4, 3, True), cfg(128, 16, 128, 4, 4, True),
                    cfg(128, 16, 128, 8, 4, True), cfg(64, 16, 128, 4, 6, True), cfg(64, 16, 128, 4, 4, False)]),
+    # the matched engine's batch 32 (BM 32 reads each weight tile once for the whole batch, as BM 64 does, with
+    # half the wgmma width)
+    32: ([32], [cfg(64, 32, 128, 4, 4, True), cfg(128, 32, 128, 8, 3, True), cfg(64, 32, 256, 4, 3, True),
+                cfg(64, 64, 128, 4, 4, True), cfg(128, 64, 128, 8, 3, True), cfg(64, 32, 128, 4, 4, False)]),
     64: ([64], [cfg(64, 64, 128, 4, 4, True), cfg(128, 64, 128, 8, 3, True), cfg(64, 64, 128, 4, 4, False),
                 cfg(64, 32, 128, 4, 4, True)]),
     256: ([256], [cfg(64, 64, 128, 4, 4, False), cfg(128, 64, 128, 4, 3, False), cfg(128, 128, 64, 8, 4, False),
                   cfg(64, 128, 128, 4, 3, False)]),
+    # 16 warps (four warpgroups, <= 128 registers each, no spill inside the K loop: `sass_report.py`): twice the
+    # warps to hide the widening's latency behind, at half the accumulator per thread
     BIG: ([4096], [cfg(128, 128, 64, 8, 4, False), cfg(128, 256, 64, 8, 3, False), cfg(128, 256, 64, 8, 4, False),
-                   cfg(256, 128, 64, 8, 3, False), cfg(128, 128, 128, 8, 3, False), cfg(128, 256, 128, 8, 2, False)]),
+                   cfg(256, 128, 64, 8, 3, False), cfg(128, 128, 128, 8, 3, False), cfg(128, 256, 128, 8, 2, False),
+                   cfg(256, 128, 64, 16, 3, False), cfg(128, 256, 64, 16, 3, False)]),
 }
 DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
 EXTRA_SHAPES = [("q3_kv_slice", 4096, 1024)]  # the engine calls k and v of the fused qkv per slice
