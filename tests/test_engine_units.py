@@ -67,12 +67,17 @@ def test_plugin_op_is_the_kernel_per_slice():
     x = torch.randn(5, k, generator=g).to(torch.bfloat16)
     a = [torch.randn(r, k, generator=g).to(torch.bfloat16) for _ in widths]
     b = [torch.randn(w, r, generator=g).to(torch.bfloat16) for w in widths]
-    got = torch.ops.epirl.w8a16_lora_slices(x, codes, scale, a, b, widths, 2.0, None)
-    parts, start = [], 0
-    for w, ai, bi in zip(widths, a, b):
-        parts.append(w8a16_lora(x, codes[start:start + w], scale, ai, bi, 2.0))
-        start += w
-    assert torch.equal(got, torch.cat(parts, -1))
+    bias = torch.randn(sum(widths), generator=g).to(torch.bfloat16)
+    for bias_ in (None, bias):
+        got = torch.ops.epirl.w8a16_lora_slices(x, codes, scale, a, b, widths, 2.0, bias_)
+        parts, start = [], 0
+        for w, ai, bi in zip(widths, a, b):
+            part_bias = None if bias_ is None else bias_[start:start + w]
+            parts.append(w8a16_lora(x, codes[start:start + w], scale, ai, bi, 2.0, part_bias))
+            start += w
+        assert torch.equal(got, torch.cat(parts, -1))
+    with pytest.raises(ValueError, match="out: want shape"):
+        w8a16_lora(x, codes, scale, out=torch.empty(5, 3, dtype=torch.bfloat16))
     assert torch.equal(torch.ops.epirl.w8a16_lora_slices(x, codes, scale, [], [], widths, 1.0, None),
                        w8a16_lora(x, codes, scale))
     # zero LoRA buffers leave the base result bitwise unchanged (how "no adapter" is served)

@@ -166,15 +166,21 @@ def configure(rank: int, lora_scale: float) -> None:
 def w8a16_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lora_a: list[torch.Tensor],
                       lora_b: list[torch.Tensor], widths: list[int], lora_scale: float,
                       bias: torch.Tensor | None) -> torch.Tensor:
-    """`w8a16_lora` per logical slice of a fused layer, concatenated (no LoRA when the lists are empty)."""
+    """`w8a16_lora` per logical slice of a fused layer, each written into its columns of the layer's output (no
+    concatenation kernel; no LoRA when the lists are empty)."""
     if not lora_a:
         return w8a16_lora(x, codes, scale, bias=bias)
-    outs, start = [], 0
+    if len(widths) == 1:
+        return w8a16_lora(x, codes, scale, lora_a[0], lora_b[0], lora_scale, bias=bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x.new_empty((x2.shape[0], codes.shape[0]))
+    start = 0
     for width, a, b in zip(widths, lora_a, lora_b):
         part_bias = None if bias is None else bias[start:start + width]
-        outs.append(w8a16_lora(x, codes[start:start + width], scale, a, b, lora_scale, bias=part_bias))
+        w8a16_lora(x2, codes[start:start + width], scale, a, b, lora_scale, bias=part_bias,
+                   out=y[:, start:start + width])
         start += width
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return y.reshape(*x.shape[:-1], codes.shape[0])
 
 
 @w8a16_lora_slices.register_fake

@@ -53,9 +53,9 @@ def check_lora_args(K: int, N: int, lora_a, lora_b):
                              f"do not fit K={K}, N={N} (want A [r, K], B [N, r])")
 
 
-def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None, return_xa=False):
+def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None, return_xa=False, out=None):
     """x `[..., K]`, codes `[N, K]` e4m3fn, scale fp32 `[1]`, A `[r, K]`, B `[N, r]` -> `[..., N]` x.dtype
-    (return_xa: and xa `[M, r]`, the rounded LoRA intermediate; None without LoRA)."""
+    (return_xa: and xa `[M, r]`, the rounded LoRA intermediate; None without LoRA; out: written and returned)."""
     N, K = codes.shape
     check_lora_args(K, N, lora_a, lora_b)
     x2 = x.reshape(-1, K)
@@ -63,4 +63,6 @@ def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=N
     y32 = exact_dot_fp32(x2, codes) * scale.float().reshape(())
     y32 = lora_epilogue(y32, x2, lora_a, lora_b, lora_scale, bias, xa)
     y = y32.to(x.dtype).reshape(*x.shape[:-1], N)
+    if out is not None:
+        y = out.copy_(y)
     return (y, xa) if return_xa else y

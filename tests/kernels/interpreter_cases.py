@@ -53,6 +53,18 @@ def case_w8a16_masks_epilogue():
         assert close_bf16(plain, w8a16_lora(x, codes, scale, backend="reference"))
 
 
+def case_out_view_equals_fresh_output():
+    # the matched engine writes each slice of a fused layer into its columns of one output (`out=`, row stride of
+    # the whole layer): the bits of a call with its own output, split-K (5 tokens) and single pass (70)
+    for M in (5, 70):
+        x, codes, scale, a, b, bias = problem(M, 200, 130, 8, seed=14)
+        y = torch.full((M, 200), float("nan"), dtype=torch.bfloat16)
+        got = w8a16_lora(x, codes, scale, a, b, 0.5, bias, backend="triton", out=y[:, 40:170])
+        assert got.data_ptr() == y[:, 40:170].data_ptr()
+        assert torch.equal(y[:, 40:170], w8a16_lora(x, codes, scale, a, b, 0.5, bias, backend="triton"))
+        assert torch.isnan(y[:, :40].float()).all() and torch.isnan(y[:, 170:].float()).all()
+
+
 def case_w8a16_batch_invariant_rows():
     x, codes, scale, a, b, bias = problem(67, 72, 33, 8, seed=1)
     full = w8a16_lora(x, codes, scale, a, b, 1.0, bias, backend="triton")
