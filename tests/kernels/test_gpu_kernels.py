@@ -211,6 +211,42 @@ def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
     assert torch.equal(out, plain)
 
 
+@pytest.mark.parametrize("K,N", [(4096, 6144), (12288, 4096)])
+def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
+    """Even shapes run the K loops without load predicates (`_ws_chunk`'s EVEN_K / EVEN_N, token rows clamped; the
+    scaled GEMM and K2 likewise): the same problem padded into ragged shapes runs the masked loops and must give
+    the same bits - K - 6 columns (zeros in the even one) inside the same chunks, N + 8 weight rows - forward at
+    decode / 64 / 257 / 4096 tokens with LoRA and bias, dX, and the row-major scaled GEMM (W8A8's and g·B's)."""
+    from epirl.kernels.gemm.configs import k_chunking
+    from epirl.kernels.gemm.weight_stationary import whole_k
+    x, codes, scale, a, b, bias = problem(4096, K, N + 8, 64, seed=21)
+    x[:, K - 6:] = 0
+    a[:, K - 6:] = 0
+    assert k_chunking(N, K) == k_chunking(N, K - 6) == k_chunking(N + 8, K)
+    for M in (5, 64, 257, 4096):
+        def fwd(k, n):
+            return w8a16_lora(x[:M, :k].contiguous(), codes[:n, :k], scale, a[:, :k].contiguous(), b[:n], 2.0,
+                              bias[:n])
+        even = fwd(K, N)
+        assert torch.equal(even, fwd(K - 6, N)) and torch.equal(even, fwd(K, N + 8)[:, :N]), (K, N, M)
+    g = torch.randn(4096, N + 8, device=DEV).bfloat16()
+    g[:, N - 6:] = 0
+    assert whole_k(N) == whole_k(N - 6)
+
+    def dx(n_red, k_out):  # dX = g · codes: reduction over N (n_red rows of codes), k_out output columns
+        return weight_stationary_gemm(g[:, :n_red].contiguous(), codes[:n_red, :k_out].t(), torch.bfloat16,
+                                      w_scale=scale, op="dx")
+    dx_even = dx(N, K)
+    assert torch.equal(dx_even, dx(N - 6, K)) and torch.equal(dx_even[:, :K - 8], dx(N, K - 8)[:, :K - 8])
+    for w in (codes[:N], b.t()[:, :K]):  # W8A8's [N, K] rows; g·B's w = Bᵀ, whose rows are contiguous
+        k = w.shape[1]
+        xs = x[:300, :k].contiguous()
+        xs[:, k - 6:] = 0
+        even = scaled_gemm_lora(xs, w, torch.bfloat16, w_scale=scale)
+        assert torch.equal(even, scaled_gemm_lora(xs[:, :k - 6].contiguous(), w[:, :k - 6], torch.bfloat16,
+                                                  w_scale=scale))
+
+
 @pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (K_ODD, N_ODD)])
 def test_split_k_decode_path_equals_single_pass_bitwise(K, N):
     x, codes, scale, a, b, bias = problem(17, K, N, 64, seed=K)
