@@ -224,7 +224,7 @@ def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
     a[:, K - 6:] = 0
     assert k_chunking(N, K) == k_chunking(N, K - 6) == k_chunking(N + 8, K)
     for M in (5, 64, 257, 4096):
-        def fwd(k, n):
+        def fwd(k, n, M=M):
             return w8a16_lora(x[:M, :k].contiguous(), codes[:n, :k], scale, a[:, :k].contiguous(), b[:n], 2.0,
                               bias[:n])
         even = fwd(K, N)

@@ -103,7 +103,7 @@ def case_even_shape_equals_padded_ragged():
     a[:, :, 250:] = 0
     codes[:, 250:] = 0
     for path in ("decode", "prefill"):
-        def run(k, n):
+        def run(k, n, path=path):
             return w8a8_multi_lora(x[:, :k].contiguous(), codes[:n, :k], scale, a[:, :, :k].contiguous(),
                                    b[:, :n].contiguous(), ids, 0.5, backend="triton", path=path)
 
