@@ -156,6 +156,34 @@ def case_tenants_bench_rows_and_table(tmp):
     assert len(lines) == 2 and "(×base)" in text.getvalue() and "fused[shrink-bt16]" in text.getvalue(), text.getvalue()
 
 
+def case_trainer_profile_prints_wall_kernels_and_host(tmp):
+    # profile_trainer_linear on a tiny shape: both sides' forward + backward run (the FP8 side's kernels in the
+    # interpreter), and the summary table has one wall / kernel-sum / host-enqueue row per side (torch.profiler has no
+    # CUDA activity to record on CPU: the steps run without it and the kernel columns read 0 here)
+    import importlib
+
+    import bench_kernels as bench
+    import profile_trainer_linear as prof
+    patched, torch.Generator = torch.Generator, _Generator  # torch.profiler imports dynamo, which needs the class
+    try:
+        importlib.import_module("torch._dynamo")
+    finally:
+        torch.Generator = patched
+    torch.cuda._sleep = lambda cycles: None
+    prof.bench_us = wall_us
+    prof.kernel_us_per_step = lambda step, steps: (step(), ({}, 0))[1]
+    prof.make_layer = lambda K, N: bench.make_layer(K, N, dev="cpu")
+    os.environ["EPIRL_KERNELS"] = "triton"
+    try:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            lines = prof.profile_shape("tiny", 256, 96, 40, steps=1)
+    finally:
+        os.environ.pop("EPIRL_KERNELS")
+    assert [line.split(" | ")[2] for line in lines] == ["fp8", "bf16"], lines
+    assert all(float(line.split(" | ")[5]) > 0 for line in lines), lines  # host enqueue time
+
+
 def main(names):
     import tempfile
     patch_cuda()

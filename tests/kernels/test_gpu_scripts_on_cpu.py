@@ -10,7 +10,8 @@ from conftest import check_interpreter_case, run_interpreter_cases
 pytest.importorskip("triton")
 
 CASES = ["tune_writes_a_bitwise_checked_table", "one_chunk_study_prints_both_tables",
-         "bits_report_finds_every_config_equal", "bench_kernels_forward_table", "tenants_bench_rows_and_table"]
+         "bits_report_finds_every_config_equal", "bench_kernels_forward_table", "tenants_bench_rows_and_table",
+         "trainer_profile_prints_wall_kernels_and_host"]
 
 
 @pytest.fixture(scope="module")
