@@ -40,6 +40,22 @@ def _grouped_tile_ids_of(pid, num_outer, num_inner, GROUP: tl.constexpr):
     return outer, inner
 
 
+@triton.jit
+def _load_tile(ptrs, mask_rows, mask_cols, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
+    """A K-loop tile `[rows, cols]`, zeros outside mask_rows[:, None] & mask_cols[None, :]; a dimension whose EVEN
+    flag says it lies inside the tensor loads without its mask (no predicates: every GEMM loop of epirl.kernels
+    takes its loads through here). Same values either way."""
+    if EVEN_ROWS and EVEN_COLS:
+        tile = tl.load(ptrs)
+    elif EVEN_ROWS:
+        tile = tl.load(ptrs, mask=mask_cols[None, :], other=0.0)
+    elif EVEN_COLS:
+        tile = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=mask_rows[:, None] & mask_cols[None, :], other=0.0)
+    return tile
+
+
 @triton.jit(do_not_specialize=["M"])
 def _scaled_gemm_lora_kernel(
     x_ptr, w_ptr, y_ptr, w_scale_ptr, x_scale_ptr, xa_ptr, b_ptr, bias_ptr,
@@ -66,19 +82,9 @@ def _scaled_gemm_lora_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     tl.assume(K > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     for k0 in range(0, K, BK):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = (k0 + rk) < K
-            x = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
-            else:
-                w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        mask_k = (k0 + rk) < K
+        x = _load_tile(x_ptrs, mask_m, mask_k, True, EVEN_K)  # rows clamped: never out of bounds
+        w = _load_tile(w_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
         if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
         elif FP8_DOT:

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .._dispatch import check_reduction, interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, ws_config, xa_chunking
+from .scaled import _load_tile
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
 from .ws_tma import launch_tma_single, tma_ok
 
@@ -67,19 +68,9 @@ def _ws_chunk(w_ptr, x_ptr, rn, rm, n_rows, m_rows, k_lo, k_hi, K, stride_wn, st
     x_ptrs = x_ptr + rm_in[None, :].to(tl.int64) * stride_xm + (k_lo + rk)[:, None] * stride_xk
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
-        if EVEN_K:
-            x_t = tl.load(x_ptrs)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=in_n[:, None], other=0.0)
-        else:
-            in_k = (k0 + rk) < K
-            x_t = tl.load(x_ptrs, mask=in_k[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
-            else:
-                w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
+        in_k = (k0 + rk) < K
+        w = _load_tile(w_ptrs, in_n, in_k, EVEN_N, EVEN_K)
+        x_t = _load_tile(x_ptrs, in_k, in_k, EVEN_K, True)  # token columns clamped: never out of bounds
         if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
             acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
         else:

@@ -32,7 +32,7 @@ import triton.language as tl
 from .._dispatch import check_reduction, interpreting, pdl_supported  # noqa: F401  (pdl_supported: re-export)
 from ..fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from ..fp8_quant.triton import _abs_nan_to_zero, _saturating_e4m3, quantize_per_token
-from ..gemm.scaled import _grouped_tile_ids
+from ..gemm.scaled import _grouped_tile_ids, _load_tile
 from ..gemm.ws_epilogue import _sum_parts
 from .reference import check_args
 
@@ -258,16 +258,9 @@ def _multi_lora_gemm_kernel(
         # read the last token and are never stored; EVEN_N / EVEN_K: no weight row / K column past the edge
         x_ptrs = x_ptr + tl.minimum(tok, M - 1)[None, :] * stride_xm + rk[:, None]
         for k0 in range(0, K, BK):
-            if EVEN_K:
-                q = tl.load(x_ptrs + k0)
-                if EVEN_N:
-                    w = tl.load(w_ptrs + k0)
-                else:
-                    w = tl.load(w_ptrs + k0, mask=mask_n[:, None], other=0.0)
-            else:
-                mask_k = (k0 + rk) < K
-                q = tl.load(x_ptrs + k0, mask=mask_k[:, None], other=0.0)
-                w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            mask_k = (k0 + rk) < K
+            w = _load_tile(w_ptrs + k0, mask_n, mask_k, EVEN_N, EVEN_K)
+            q = _load_tile(x_ptrs + k0, mask_k, mask_k, EVEN_K, True)  # token columns clamped: never out of bounds
             if DOT_F32:  # Triton's CPU interpreter: fp32 dots (tests only)
                 acc += tl.dot(w.to(tl.float32), q.to(tl.float32))
             else:  # promote every 32-deep wgmma step into the fp32 accumulator (precise accumulation)
