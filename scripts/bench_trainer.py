@@ -60,6 +60,7 @@ def bench_one(shape: str, base: str, args) -> dict:
         loss = training_step(policy, optimizer, ids, args.micro_batch, args.chunk_tokens)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / steps
+    kernel_s = step_kernel_seconds(policy, optimizer, ids, args) if args.kernel_sum else None
     report = policy.memory_report()
     result = {
         "shape": shape, "base": base, "s_per_step": seconds, "tokens_per_s": args.seqs * args.seq_len / seconds,
@@ -67,11 +68,23 @@ def bench_one(shape: str, base: str, args) -> dict:
         "base_weight_gib": report["base_weight_bytes"] / GiB,
         "base_projection_gib": report["base_projection_bytes"] / GiB,
         "base_other_gib": report["base_other_bytes"] / GiB, "lora_gib": report["lora_param_bytes"] / GiB,
-        "loss": loss, "steps_timed": steps,
+        "loss": loss, "steps_timed": steps, "kernel_s_per_step": kernel_s,
+        "gpu_busy": kernel_s / seconds if kernel_s else None,
         "gdn": ("fla" if has_fla() else "torch-fallback") if shape == "qwen3.5-9b" else "-",
     }
     del policy, optimizer
     return result
+
+
+def step_kernel_seconds(policy, optimizer, ids, args) -> float:
+    """The CUDA kernel time of one step (torch.profiler, summed over kernels). Against the unprofiled wall time it
+    says how busy the host keeps the GPU: a step whose kernels sum to much less than its wall time waits on Python,
+    autograd and kernel launches, not on the GPU."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        training_step(policy, optimizer, ids, args.micro_batch, args.chunk_tokens)
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
 
 
 def has_fla() -> bool:
@@ -80,10 +93,11 @@ def has_fla() -> bool:
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{'shape':<11} {'base':<5} {'s/step':>7} {'tok/s':>8} {'peak GiB':>9} {'base GiB':>9} "
-          f"{'(proj)':>7} {'(other)':>8} {'GDN':>15}")
+          f"{'(proj)':>7} {'(other)':>8} {'GDN':>15} {'GPU busy':>9}")
     for r in results:
         print(f"{r['shape']:<11} {r['base']:<5} {r['s_per_step']:7.3f} {r['tokens_per_s']:8.0f} {r['step_peak_gib']:9.2f} "
-              f"{r['base_weight_gib']:9.2f} {r['base_projection_gib']:7.2f} {r['base_other_gib']:8.2f} {r['gdn']:>15}")
+              f"{r['base_weight_gib']:9.2f} {r['base_projection_gib']:7.2f} {r['base_other_gib']:8.2f} {r['gdn']:>15} "
+              f"{format(r['gpu_busy'], '9.0%') if r.get('gpu_busy') else '-':>9}")
     by_key = {(r["shape"], r["base"]): r for r in results}
     for shape in dict.fromkeys(r["shape"] for r in results):
         if (shape, "fp8") in by_key and (shape, "bf16") in by_key:
@@ -105,6 +119,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--no-checkpointing", action="store_true",
                         help="keep all activations (use a smaller --micro-batch: ~60 GB per 8k tokens at 8B)")
+    parser.add_argument("--kernel-sum", action="store_true",
+                        help="profile one more step: its kernel time against the wall time (GPU busy %%)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "

@@ -8,6 +8,9 @@
 #   kernels    GPU kernel tests, then bench_kernels.py at 1/4/16/64 + 4096 tokens (PDL on/off columns)  ~6 min
 #              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS, for the
 #              parts after it too)
+#   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py), bench at 1/16/32 + 4096 tokens       ~5 min
+#   tunebig    tune_w8a16.py: the many-token bucket with the TMA twins of the verified tiles, then the 32-token
+#              bucket, into $OUT/ws_configs.json (the parts after it use that table)                         ~6 min
 #   flush      bench_kernels.py --quick with EPIRL_L2_FLUSH=write (the old timer) for comparison          ~2 min
 #   tune       tune_w8a16.py (LoRA-aware timing) -> $OUT/ws_configs.json + its log                         ~8 min
 #   engine     matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 (gpu_evidence.sh engine; needs vLLM)     ~6 min
@@ -29,7 +32,9 @@
 #   trainerprof profile_trainer_linear.py on the Qwen3-8B shapes at 1024 / 4096 tokens: kernels per step, and
 #              wall vs kernel sum vs host enqueue time (does the host keep the GPU fed?)                  ~3 min
 #   b32        bench_kernels.py at 32 tokens (the matched engine's batch-32 decode), no trainer rows        ~1 min
-#   step       bench_trainer.py on the Qwen3-8B shape, FP8 and bf16 trainer, 2 timed steps               ~4 min
+#   step       bench_trainer.py on the Qwen3-8B shape, FP8 and bf16 trainer, 2 timed steps, + one profiled step
+#              (kernel time / wall time: GPU busy)                                                          ~5 min
+#   hostprof   cProfile of the FP8 trainer linear's host side (q3_o, 1024 tokens): Python, autograd, launches ~1 min
 set -o pipefail
 source scripts/device_env.sh
 t0=$(date +%s)
@@ -48,6 +53,13 @@ for name in "$@"; do
     kernels)  # after `tune` in the same job: tests and bench with the freshly tuned table
               [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
               part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
+    kernelsq) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json EPIRL_WS_TMA=1
+              part kernelsq 330 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
+                -p no:cacheprovider --durations=8 2>&1 | tee $OUT/gpu_tests.log; python3 -P scripts/bench_kernels.py \
+                --tokens 1 16 32 --train-tokens 4096 --json $OUT/bench_kernels.json" ;;
+    tunebig)  part tunebig 420 bash -c "python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 \
+                --out $OUT/ws_configs.json && EPIRL_WS_TMA=1 EPIRL_WS_CONFIGS=$OUT/ws_configs.json python3 -P scripts/tune_w8a16.py \
+                --buckets 32 --out $OUT/ws_configs.json" ;;
     flush)    part flush 200 env EPIRL_L2_FLUSH=write python3 -P scripts/bench_kernels.py --quick --tokens 1 16 \
                 --train-tokens 4096 --json "$OUT/bench_write_flush.json" ;;
     tune)     part tune 600 python3 -P scripts/tune_w8a16.py --out "$OUT/ws_configs.json" ;;
@@ -72,9 +84,12 @@ for name in "$@"; do
     trainerprof) part trainerprof 300 python3 -P scripts/profile_trainer_linear.py --shapes q3_qkv q3_o q3_gate_up \
                 q3_down --tokens 1024 4096 --steps 3 ;;
     b32)      part b32 150 python3 -P scripts/bench_kernels.py --tokens 32 --train-tokens --json "$OUT/bench_b32.json" ;;
-    step)     part step 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --json "$OUT/bench_step.json" ;;
+    step)     part step 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
+                --json "$OUT/bench_step.json" ;;
+    hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
+                --host-profile ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

@@ -59,6 +59,29 @@ def host_enqueue_us(step, params, reps: int = 15) -> float:
     return statistics.median(times) * 1e6
 
 
+def host_profile(name: str, K: int, N: int, M: int, reps: int = 20, top: int = 30) -> None:
+    """cProfile of `reps` FP8 steps enqueued while the GPU sleeps: where the host's time goes (Python, autograd,
+    Triton's launcher), functions by own time."""
+    import cProfile
+    import pstats
+
+    step, params = trainer_steps(K, N, M, *make_layer(K, N))["fp8"]
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: every launch below only queues
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(reps):
+        step()
+        for p in params:
+            p.grad = None
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"\n### host profile: {name} M={M} fp8, {reps} steps (µs per step = tottime / {reps} x 1e6)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def profile_shape(name: str, K: int, N: int, M: int, steps: int) -> list[str]:
     """Prints the kernel table of each side; returns its wall / kernels / host line."""
     lines = []
@@ -86,12 +109,16 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["q3_qkv", "q3_o", "q3_gate_up"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also cProfile the FP8 step's host side (first shape, first token count)")
     args = ap.parse_args()
     by_name = {s[0]: s for s in SHAPES}
     unknown = [s for s in args.shapes if s not in by_name]
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; known: {sorted(by_name)}")
     print(torch.cuda.get_device_name(), torch.__version__)
+    if args.host_profile:
+        host_profile(*by_name[args.shapes[0]], args.tokens[0])
     lines = []
     for s in args.shapes:
         for M in args.tokens:

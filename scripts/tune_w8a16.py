@@ -10,9 +10,10 @@ with split-K, diagnostic only). Every candidate's output is checked bitwise agai
 Each candidate is timed on the call the engine and the trainer make, with a rank-64 LoRA: the forward computes
 its down-projection (fused into split-K or a separate launch, which is what `split` decides at decode), dX gets
 gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
-`--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; a table that selects them
-loads only with EPIRL_WS_ALLOW_TMA=1), and it prints cuBLAS bf16 (+ the same LoRA as separate matmuls) on the same
-shape beside the many-token bucket;
+`--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; of the tiles
+`configs.TMA_TUNER_TILES`, of all with EPIRL_WS_TMA=1; a table that selects them loads only with EPIRL_WS_TMA=1, and
+a twin that gives other bits than the first candidate is excluded), and it prints cuBLAS bf16 (+ the same LoRA as
+separate matmuls) on the same shape beside the many-token bucket;
 `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--no-lora] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
@@ -31,7 +32,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, graph_us, make_layer  # noqa: E402
 
-from epirl.kernels.gemm.configs import k_chunking, load_table  # noqa: E402
+from epirl.kernels.gemm.configs import TMA_TUNER_TILES, k_chunking, load_table, tile_of, tma_opted_in  # noqa: E402
 from epirl.kernels.gemm.weight_stationary import _ws_single_kernel, weight_stationary_gemm  # noqa: E402
 
 
@@ -94,8 +95,10 @@ def one_chunk_us(x, w, scale, c):
 
 
 def with_twins(cands, tma=False):
-    """The pointer-load candidates plus, with tma, their TMA twins (same tiles; `kernels/gemm/ws_tma.py`)."""
-    return cands + ([dict(c, tma=True) for c in cands] if tma else [])
+    """The pointer-load candidates plus, with tma, the TMA twins (same tiles; `kernels/gemm/ws_tma.py`) of those a
+    are worth timing (`configs.TMA_TUNER_TILES`; of every tile with EPIRL_WS_TMA=1)."""
+    twins = [dict(c, tma=True) for c in cands if tile_of(c) in TMA_TUNER_TILES or tma_opted_in()] if tma else []
+    return cands + twins
 
 
 def describe(c):

@@ -21,8 +21,23 @@ from .._dispatch import check_reduction
 
 TABLE_PATH = Path(__file__).with_name("ws_configs.json")
 TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own output, before committing it)
-ALLOW_TMA_ENV = "EPIRL_WS_ALLOW_TMA"  # let a table select the TMA-load kernel (experiments only: ws_tma.py)
+TMA_TABLE_PATH = Path(__file__).with_name("ws_configs_tma.json")  # the tuned table with TMA-load entries
+TMA_ENV = "EPIRL_WS_TMA"  # "1": opt into the TMA-load kernel (ws_tma.py): TMA_TABLE_PATH by default, tma entries allowed
 CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
+# Tiles whose TMA-load twin the tuner offers: 128 x 256 gave the pointer kernel's bits on most shapes (triton 3.6 and
+# 3.7.1, BENCHMARKS.md § Kernels), but not on the 4096 -> 24576 gate_up (2026-12-01), and other tiles were miscompiled
+# outright (wrong tiles, a different count each run). Hence opt-in only, and every table TMA call is checked against
+# the pointer kernel on its first call per key (`ws_tma.checked_tma_single`).
+TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)})
+
+
+def tma_opted_in() -> bool:
+    return os.environ.get(TMA_ENV) == "1"
+
+
+def tile_of(cfg: dict) -> tuple:
+    return tuple(cfg[k] for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
+
 
 # The fixed K chunking: enough chunks that N/128 weight tiles x chunks give ~2 waves of 132 SMs at decode.
 # A function of (N, K) only; chunks are multiples of CHUNK_ALIGN so every BK in the table divides them.
@@ -59,7 +74,7 @@ def xa_chunking(N: int, K: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=4)
 def load_table(path: str | None = None) -> dict:
-    path = path or os.environ.get(TABLE_ENV) or str(TABLE_PATH)
+    path = path or os.environ.get(TABLE_ENV) or str(TMA_TABLE_PATH if tma_opted_in() else TABLE_PATH)
     try:
         with open(path) as f:
             table = json.load(f)
@@ -68,13 +83,13 @@ def load_table(path: str | None = None) -> dict:
     for op in ("fwd", "dx"):
         if "default" not in table.get(op, {}):
             raise RuntimeError(f"W8A16 tile table {path}: missing {op}.default")
-    if os.environ.get(ALLOW_TMA_ENV) != "1":
+    if not tma_opted_in():
         tma = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
                for bound, cfg in row.items() if cfg.get("tma")]
         if tma:
             raise RuntimeError(f"W8A16 tile table {path}: {tma[0]} selects TMA loads, which Triton 3.6/3.7.1 "
-                               f"miscompile for some tiles (kernels/gemm/ws_tma.py); set {ALLOW_TMA_ENV}=1 to "
-                               f"experiment")
+                               f"miscompile for some tiles and shapes (kernels/gemm/ws_tma.py); set {TMA_ENV}=1 to "
+                               f"opt in (each such call is checked against the pointer kernel once)")
     return table
 
 

@@ -30,10 +30,10 @@ import triton
 import triton.language as tl
 
 from .._dispatch import check_reduction, interpreting, pdl_supported
-from .configs import CHUNK_ALIGN, k_chunking, ws_config, xa_chunking
+from .configs import CHUNK_ALIGN, k_chunking, tile_of, ws_config, xa_chunking
 from .scaled import _load_tile
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
-from .ws_tma import launch_tma_single, tma_ok
+from .ws_tma import checked_tma_single, launch_tma_single, tma_ok
 
 PDL_ENV = "EPIRL_WS_PDL"  # "0": launch the split-K reduce kernel plainly, not as a PDL dependent (on by default)
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
@@ -337,15 +337,24 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
     wait_down = down_first  # xa comes from lora_down's PDL launch pair: wait for it before the epilogue
-    if cfg.get("tma") and tma_ok(x, w) and not wait_down:  # experimental (gemm/ws_tma.py); else below
-        launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale, lora_strides, cfg,
-                          flags)
-        return (y, xa) if return_xa else y
-    _ws_single_kernel[(tiles,)](
-        x, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
-        BK=cfg["BK"], WAIT_PDL=wait_down, EVEN_K=even_k(K, k_chunk, n_chunks), EVEN_N=N % cfg["BN"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
-        **({"launch_pdl": True} if wait_down else {}))
+    def pointer(out):
+        _ws_single_kernel[(tiles,)](
+            x, w, out, ws, xa if has_lora else out, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+            xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
+            BK=cfg["BK"], WAIT_PDL=wait_down, EVEN_K=even_k(K, k_chunk, n_chunks), EVEN_N=N % cfg["BN"] == 0,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
+            **({"launch_pdl": True} if wait_down else {}))
+        return out
+
+    def tma(out):
+        return launch_tma_single(x, w, out, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
+                                 lora_strides, cfg, flags)
+
+    if not (cfg.get("tma") and tma_ok(x, w) and not wait_down):
+        pointer(y)
+    elif config is None:  # the table's TMA entry (a verified tile: configs.TMA_VERIFIED_TILES), checked once per key
+        checked_tma_single((op, N, K, tile_of(cfg), has_lora, bias is not None, M.bit_length()), y, tma, pointer)
+    else:  # an explicit config (tuner, bits report, tests): the TMA kernel as it is, so a miscompile shows
+        tma(y)
     return (y, xa) if return_xa else y

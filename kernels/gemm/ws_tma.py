@@ -15,16 +15,20 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
-Status (H200, 2026-12-01, BENCHMARKS.md § Kernels): 1.1-1.4x faster than the pointer kernel at 4096 tokens (it
-holds no per-element address or mask tensors: q3_qkv forward 544 -> 393 µs, 76 -> 46 spilled registers at
-128x256 tiles), but Triton miscompiles some tile configs of it: with triton 3.6 the dX at 128/128/64/8/4 returns
-garbage in ~0.3-0.45 % of its elements, a different count each run; with 3.7.1 also two forward configs. A wrong
-gradient that passes one check is worse than a slow one, so the committed table never selects it
-(`configs.load_table` refuses `tma` entries unless EPIRL_WS_ALLOW_TMA=1, for experiments with
-scripts/tune_w8a16.py --tma and scripts/ws_bits_report.py).
+Status (H200, BENCHMARKS.md § Kernels): 1.03-1.43x faster than the pointer kernel at 4096 tokens (it holds no
+per-element address or mask tensors; q3_qkv forward 598 -> 426 µs at 128x256 tiles), but Triton miscompiles it for
+some tiles and shapes: with triton 3.6 the dX at 128/128/64/8/4 returns garbage in ~0.3-0.45 % of its elements, a
+different count each run; with 3.7.1 also two forward configs; and on 2026-12-01 the 128x256 tiles, correct on every
+other Qwen shape, gave other bits than the pointer kernel on the 4096 -> 24576 gate_up, forward and dX. So it is
+opt-in: EPIRL_WS_TMA=1 selects the tuned table `ws_configs_tma.json` (TMA on the shapes where it gave the pointer
+kernel's bits and was faster), and every such call is checked against the pointer kernel on its first call per
+(op, shape, tile, LoRA, bias, M's power of two) in the process (`checked_tma_single`), falling back with a warning
+when they differ. Without it `configs.load_table` refuses a table with `tma` entries.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import triton
@@ -99,6 +103,36 @@ def _ws_tma_kernel(
     b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
     _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
                  stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
+
+
+# (op, N, K, tile, LoRA, bias, M's power-of-two bucket) -> whether the TMA kernel gave the pointer kernel's bits on
+# that key's first call in this process
+_CHECKED: dict[tuple, bool] = {}
+
+
+def checked_tma_single(key: tuple, y: torch.Tensor, run_tma, run_pointer) -> torch.Tensor:
+    """y from the TMA kernel (`run_tma(out)`) where it gave the pointer kernel's bits (`run_pointer(out)`) on this
+    key's first call, else from the pointer kernel. The first call per key runs both and compares with torch.equal:
+    a miscompiled tile (Triton 3.6/3.7.1 produced wrong tiles for some TMA configs, never the same count twice) warns
+    once and falls back to the pointer kernel for the process; a correct one costs one extra pointer GEMM per key.
+    Inside a CUDA graph capture nothing can be compared: an unchecked key runs the pointer kernel (same bits).
+    A check per key catches a tile that is miscompiled for a shape (what the tuner saw); it cannot promise that a
+    kernel which passed once never races later, which is why TMA is opt-in (EPIRL_WS_TMA=1)."""
+    verdict = _CHECKED.get(key)
+    if verdict is None and y.is_cuda and torch.cuda.is_current_stream_capturing():
+        verdict = False
+    if verdict is not None:
+        (run_tma if verdict else run_pointer)(y)
+        return y
+    run_tma(y)
+    want = run_pointer(torch.empty(y.shape, device=y.device, dtype=y.dtype))
+    _CHECKED[key] = bool(torch.equal(y, want))
+    if not _CHECKED[key]:
+        bad = int((y != want).sum())
+        warnings.warn(f"W8A16 TMA kernel {key}: {bad} of {y.numel()} elements differ from the pointer kernel "
+                      f"(a Triton miscompile of this tile); using the pointer kernel for it from now on")
+        y.copy_(want)
+    return y
 
 
 def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale, lora_strides,

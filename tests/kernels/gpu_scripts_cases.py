@@ -62,8 +62,12 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     out = tmp / "ws.json"
     sys.argv = ["tune_w8a16.py", "--tma", "--out", str(out)]
     text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        tune.main()
+    os.environ["EPIRL_WS_TMA"] = "1"  # twins of these tiny tiles too
+    try:
+        with contextlib.redirect_stdout(text):
+            tune.main()
+    finally:
+        os.environ.pop("EPIRL_WS_TMA")
     table = json.loads(out.read_text())
     row = table["fwd"]["96x512"]
     assert set(row) == {"256", str(tune.BIG)} and "512x96" in table["dx"], table
@@ -178,10 +182,12 @@ def case_trainer_profile_prints_wall_kernels_and_host(tmp):
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
             lines = prof.profile_shape("tiny", 256, 96, 40, steps=1)
+            prof.host_profile("tiny", 256, 96, 40, reps=2, top=5)
     finally:
         os.environ.pop("EPIRL_KERNELS")
     assert [line.split(" | ")[2] for line in lines] == ["fp8", "bf16"], lines
     assert all(float(line.split(" | ")[5]) > 0 for line in lines), lines  # host enqueue time
+    assert "### host profile: tiny M=40 fp8, 2 steps" in text.getvalue() and "tottime" in text.getvalue()
 
 
 def main(names):

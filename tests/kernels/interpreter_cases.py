@@ -159,6 +159,29 @@ def case_tma_single_pass_equals_pointer_kernel():
                                  op="dx")
     assert torch.equal(tma, ptr)
     assert not tma_ok(x[:, 1:], codes[:, 1:])  # unaligned rows: the caller falls back to the pointer kernel
+    # a table selecting TMA (opted in): the call is checked against the pointer kernel once, then kept
+    import epirl.kernels.gemm.configs as configs
+    from epirl.kernels.gemm import ws_tma
+    table = json.loads(json.dumps(configs.load_table()))
+    big = dict(BN=128, BM=256, BK=64, num_warps=8, num_stages=3, split=False)
+    table["fwd"]["default"]["1000000000"] = dict(big, tma=True)
+    path = f"/tmp/ws_tma_case_{os.getpid()}.json"
+    with open(path, "w") as f:
+        json.dump(table, f)
+    os.environ[configs.TABLE_ENV], os.environ[configs.TMA_ENV] = path, "1"
+    configs.load_table.cache_clear()
+    try:
+        x, codes, scale, a, b, bias = problem(300, 512, 136, 8, seed=4)  # 300 tokens: the many-token bucket
+        args = dict(w_scale=scale, xa=lora_down(x, a, chunk_n=136), lora_b=b, lora_scale=0.7, bias=bias)
+        got = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
+        want = weight_stationary_gemm(x, codes, torch.bfloat16, config=big, allow_split=False, **args)
+        assert torch.equal(got, want)
+        assert ws_tma._CHECKED == {("fwd", 136, 512, (128, 256, 64, 8, 3), True, True, 9): True}, ws_tma._CHECKED
+    finally:
+        os.environ.pop(configs.TABLE_ENV)
+        os.environ.pop(configs.TMA_ENV)
+        configs.load_table.cache_clear()
+        os.remove(path)
 
 
 def case_unmasked_loops_equal_masked():

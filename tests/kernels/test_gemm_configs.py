@@ -44,20 +44,62 @@ def test_op_names_stay_functions_after_their_subpackages_load():
         assert callable(getattr(kernels, name)), name
 
 
-def test_a_table_selecting_tma_loads_is_refused_unless_allowed(tmp_path, monkeypatch):
-    """The TMA-load kernel is miscompiled for some tiles by triton 3.6/3.7.1 (kernels/gemm/ws_tma.py): a tuned
-    table that selects it loads only when the user opts in."""
+def test_a_table_selecting_tma_loads_is_refused_unless_opted_in(tmp_path, monkeypatch):
+    """The TMA-load kernel is miscompiled for some tiles and shapes by triton 3.6/3.7.1 (kernels/gemm/ws_tma.py): a
+    table that selects it loads only when the user opts in, and opting in selects the committed TMA table."""
     import json
+
+    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
 
     table = json.loads(json.dumps(load_table()))
     table["dx"]["default"]["1000000000"]["tma"] = True
     path = tmp_path / "ws_tma.json"
     path.write_text(json.dumps(table))
     load_table.cache_clear()
-    monkeypatch.delenv("EPIRL_WS_ALLOW_TMA", raising=False)
-    with pytest.raises(RuntimeError, match=r"dx\.default\.1000000000 selects TMA loads.*EPIRL_WS_ALLOW_TMA"):
-        load_table(str(path))
-    monkeypatch.setenv("EPIRL_WS_ALLOW_TMA", "1")
-    load_table.cache_clear()
-    assert load_table(str(path))["dx"]["default"]["1000000000"]["tma"] is True
-    load_table.cache_clear()
+    monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
+    try:
+        with pytest.raises(RuntimeError, match=r"dx\.default\.1000000000 selects TMA loads.*EPIRL_WS_TMA=1"):
+            load_table(str(path))
+        assert not any(c.get("tma") for op in ("fwd", "dx") for row in load_table()[op].values() for c in row.values())
+        monkeypatch.setenv("EPIRL_WS_TMA", "1")
+        assert load_table(str(path))["dx"]["default"]["1000000000"]["tma"] is True
+        load_table.cache_clear()
+        assert load_table() == json.loads(TMA_TABLE_PATH.read_text())
+        assert any(c.get("tma") for row in load_table()["fwd"].values() for c in row.values())
+    finally:
+        load_table.cache_clear()
+
+
+def test_table_tma_calls_are_checked_against_the_pointer_kernel_once_per_key(monkeypatch):
+    """`checked_tma_single`: a key's first call runs both kernels; equal bits keep TMA for the key, a difference
+    warns, returns the pointer kernel's result and keeps the pointer kernel for the key."""
+    import torch
+
+    from epirl.kernels.gemm import ws_tma
+
+    monkeypatch.setattr(ws_tma, "_CHECKED", {})
+    calls = []
+    want = torch.arange(12.0).reshape(3, 4)
+
+    def pointer(out):
+        calls.append("ptr")
+        return out.copy_(want)
+
+    def good_tma(out):
+        calls.append("tma")
+        return out.copy_(want)
+
+    def bad_tma(out):
+        calls.append("tma")
+        return out.copy_(want).index_fill_(1, torch.tensor([2]), 7.0)
+
+    y = ws_tma.checked_tma_single(("good",), torch.empty(3, 4), good_tma, pointer)
+    assert torch.equal(y, want) and calls == ["tma", "ptr"]
+    ws_tma.checked_tma_single(("good",), torch.empty(3, 4), good_tma, pointer)
+    assert calls == ["tma", "ptr", "tma"]  # checked once: TMA alone from then on
+    calls.clear()
+    with pytest.warns(UserWarning, match=r"3 of 12 elements differ from the pointer kernel"):
+        y = ws_tma.checked_tma_single(("bad",), torch.empty(3, 4), bad_tma, pointer)
+    assert torch.equal(y, want)
+    y = ws_tma.checked_tma_single(("bad",), torch.empty(3, 4), bad_tma, pointer)
+    assert torch.equal(y, want) and calls == ["tma", "ptr", "ptr"]
