@@ -66,7 +66,7 @@ def section_8b(args, model_dir: str, precision: str) -> None:
     try:
         adapter = random_adapter(QWEN3_8B, 64, "cuda")
         sections = [("publish", lambda: _publish(engine, adapter, precision)),
-                    ("tpot", lambda: _tpot(engine, precision) if not args.skip_tpot else None),
+                    ("tpot", lambda: _tpot(engine, precision, adapter) if not args.skip_tpot else None),
                     ("layer", lambda: _layer_bitwise(engine, adapter) if precision == "w8a16" else None),
                     ("shared", lambda: _shared(engine) if precision == "w8a16" else None),
                     ("kv", lambda: _kv_cycles(engine, precision) if precision == "w8a16" or args.kv_all else None)]
@@ -91,7 +91,9 @@ def _publish(engine, adapter, precision):
     row(precision, "publish rank-64 ms (median of 6)", round(publish_ms(engine, adapter), 1))
 
 
-def _tpot(engine, precision):
+def _tpot(engine, precision, adapter):
+    if engine.lora_request(True) is None:  # `--sections tpot` alone: nothing published yet, the rows would run no LoRA
+        engine.publish(adapter, step=0)
     for batch in (1, 32):
         row(precision, f"TPOT b{batch} with adapter ms", round(decode_tpot(engine, batch, True), 3))
     if precision == "w8a8":

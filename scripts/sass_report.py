@@ -37,11 +37,11 @@ DIVISIBLE = {"x_ptr", "w_ptr", "y_ptr", "w_scale_ptr", "xa_ptr", "b_ptr", "bias_
 
 def compile_cubin(tile: str, one_chunk: bool, dx: bool, even: bool = True) -> bytes:
     """The weight-stationary single-pass kernel for sm_90a; even: the K loop without load masks, as every Qwen
-    shape runs it (`_ws_chunk`'s EVEN_K / EVEN_N)."""
+    shape runs it at training sizes (`_ws_chunk`'s EVEN_K / EVEN_N / EVEN_M)."""
     from epirl.kernels.gemm.weight_stationary import _ws_single_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK, BR=16,
-                 GROUP_N=8, WAIT_PDL=False, EVEN_K=even, EVEN_N=even, stride_xk=1, stride_yn=1)
+                 GROUP_N=8, WAIT_PDL=False, EVEN_K=even, EVEN_N=even, EVEN_M=even, stride_xk=1, stride_yn=1)
     const.update({"stride_wn": 1} if dx else {"stride_wk": 1})  # the contiguous dimension of w
     if one_chunk:
         const["N_CHUNKS"] = 1
@@ -144,7 +144,9 @@ def wgmma_cases() -> list[tuple[str, callable]]:
             k_chunk, n_chunks = configs.k_chunking(N, K) if op == "fwd" else ws.whole_k(K)
             one = n_chunks == 1
             for bound, cfg in row.items():
-                even = dict(EVEN_K=ws.even_k(K, k_chunk, n_chunks), EVEN_N=N % cfg["BN"] == 0)
+                # token tiles: full at training sizes; a decode call (split) has fewer tokens than its tile
+                even = dict(EVEN_K=ws.even_k(K, k_chunk, n_chunks), EVEN_N=N % cfg["BN"] == 0,
+                            EVEN_M=not cfg.get("split"))
                 if cfg.get("split") and op == "fwd":
                     const = dict(HAS_BASE=True, HAS_DOWN=False, DOT_F32=False, BRT=64, GROUP_N=8,
                                  LAUNCH_DEPENDENTS=True, WAIT_AT_END=True, stride_xk=1, stride_wk=1, stride_ak=1,

@@ -65,7 +65,7 @@ def _scaled_gemm_lora_kernel(
     HAS_W_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, FP8_DOT: tl.constexpr, DOT_F32: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, EVEN_M: tl.constexpr = False,
 ):
     # grouped program order: GROUP_M row-tiles share each column tile while it is hot in L2
     pid_m, pid_n = _grouped_tile_ids(tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
@@ -75,15 +75,15 @@ def _scaled_gemm_lora_kernel(
     rk = tl.arange(0, BK)
     mask_m = rm < M
     mask_n = rn < N
-    # the K loop's loads without predicates where the shape allows (as `weight_stationary._ws_chunk`: rows past M
-    # read the last row and are never stored; EVEN_N / EVEN_K: no column of w / of K past the edge); same bits
-    x_ptrs = x_ptr + tl.minimum(rm, M - 1)[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
+    # the K loop's loads without predicates where the shape allows (as `weight_stationary._ws_chunk`: EVEN_M /
+    # EVEN_N / EVEN_K, no row of x / column of w / column of K past the edge); same bits
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
     w_ptrs = w_ptr + rk[:, None].to(tl.int64) * stride_wk + rn[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     tl.assume(K > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     for k0 in range(0, K, BK):
         mask_k = (k0 + rk) < K
-        x = _load_tile(x_ptrs, mask_m, mask_k, True, EVEN_K)  # rows clamped: never out of bounds
+        x = _load_tile(x_ptrs, mask_m, mask_k, EVEN_M, EVEN_K)
         w = _load_tile(w_ptrs, mask_k, mask_n, EVEN_K, EVEN_N)
         if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
@@ -142,7 +142,8 @@ def scaled_gemm_lora(x, w, out_dtype=torch.bfloat16, w_scale=None, x_scale=None,
         HAS_W_SCALE=w_scale is not None, HAS_X_SCALE=x_scale is not None, HAS_LORA=R > 0,
         HAS_BIAS=bias is not None, FP8_DOT=(x.dtype == torch.float8_e4m3fn), DOT_F32=interpreting(),
         BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], BR=BR, GROUP_M=cfg.get("GROUP_M", 8),
-        EVEN_K=K % cfg["BK"] == 0, EVEN_N=N % cfg["BN"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EVEN_K=K % cfg["BK"] == 0, EVEN_N=N % cfg["BN"] == 0, EVEN_M=M % cfg["BM"] == 0, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return y
 

@@ -43,16 +43,15 @@ DOWN_FIRST_MAX_M = 64  # the decode buckets: above, xa's launch is not worth hid
 @triton.jit
 def _ws_chunk(w_ptr, x_ptr, rn, rm, n_rows, m_rows, k_lo, k_hi, K, stride_wn, stride_wk, stride_xm, stride_xk,
               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-              EVEN_N: tl.constexpr):
+              EVEN_N: tl.constexpr, EVEN_M: tl.constexpr):
     """fp32 [BN, BM] = w[rn, k_lo:k_hi] · x[rm, k_lo:k_hi]ᵀ, accumulated from zero in k order.
 
-    Token rows past the edge (rm >= m_rows) are read from the last token instead of masked: those loads carry no
-    predicates, and what such a column produces is never stored (each output element depends on its own weight row
-    and token only). Weight rows past n_rows load as zeros unless EVEN_N says there are none (n_rows a multiple of
-    BN; a clamp would break the vector loads of dX's weight tile, whose rows are the contiguous dimension). EVEN_K:
-    the chunk lies inside K (`even_k`), so the K loop has no column mask either. Same k-steps in the same order in
-    every case: the same bits. Without the masks the loop issues 8 % (decode tile) to 23 % (dX training tile)
-    fewer instructions per trip (`scripts/sass_report.py`)."""
+    Loads carry no predicates where the shape allows: EVEN_K, the chunk lies inside K (`even_k`); EVEN_N, n_rows is
+    a multiple of BN; EVEN_M, m_rows a multiple of BM (no token column past the edge). Otherwise the edge loads as
+    zeros (masked). Same k-steps in the same order in every case: the same bits. Without the masks the loop issues
+    8 % (decode tile) to 23 % (dX training tile) fewer instructions per trip (`scripts/sass_report.py`). Token
+    columns past M are masked, not clamped to the last token: clamped, a decode call (1-15 tokens in a 16-token tile)
+    read its one token's row once per column, which cost gate_up 45.6 -> 56.0 µs at one token on the H200."""
     rk = tl.arange(0, BK)
     # Every caller passes a non-empty chunk. Said to the compiler: without it the loop's zero-trip path defines the
     # accumulator outside a wgmma, and ptxas then serializes every wgmma of the kernel (C7515: each waits for the
@@ -62,15 +61,15 @@ def _ws_chunk(w_ptr, x_ptr, rn, rm, n_rows, m_rows, k_lo, k_hi, K, stride_wn, st
     # ptxas serializes them anyway (C7512); `scripts/sass_report.py --wgmma` shows both, per table config.
     if BN * BM < 128 * 256:
         tl.assume(k_hi > k_lo)
-    rm_in = tl.minimum(rm, m_rows - 1)
     in_n = rn < n_rows
+    in_m = rm < m_rows
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :].to(tl.int64) * stride_wk
-    x_ptrs = x_ptr + rm_in[None, :].to(tl.int64) * stride_xm + (k_lo + rk)[:, None] * stride_xk
+    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k_lo + rk)[:, None] * stride_xk
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         in_k = (k0 + rk) < K
         w = _load_tile(w_ptrs, in_n, in_k, EVEN_N, EVEN_K)
-        x_t = _load_tile(x_ptrs, in_k, in_k, EVEN_K, True)  # token columns clamped: never out of bounds
+        x_t = _load_tile(x_ptrs, in_k, in_m, EVEN_K, EVEN_M)
         if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
             acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
         else:
@@ -87,6 +86,7 @@ def _ws_partial_kernel(
     HAS_BASE: tl.constexpr, HAS_DOWN: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
     BK: tl.constexpr, BRT: tl.constexpr, GROUP_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
     WAIT_AT_END: tl.constexpr = False, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+    EVEN_M: tl.constexpr = False,
 ):
     """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS programs of each chunk compute the fp32
     partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk) each: first in their chunk's
@@ -107,15 +107,15 @@ def _ws_partial_kernel(
         if pid >= n_down:
             rn, rm, mask_n, mask_m = _ws_tile_of(pid - n_down, N, M, BN, BM, GROUP_N)
             acc = _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, k_lo, k_lo + K_CHUNK, K, stride_wn, stride_wk,
-                            stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N)
+                            stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N, EVEN_M)
             tl.store(part_ptr + (c * M + rm[None, :].to(tl.int64)) * N + rn[:, None], acc,
                      mask=mask_n[:, None] & mask_m[None, :])
         elif HAS_DOWN:
             _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA_SUBS,
-                          stride_xm, stride_xk, stride_ar, stride_ak, DOT_F32, BM, BK, BRT, EVEN_K)
+                          stride_xm, stride_xk, stride_ar, stride_ak, DOT_F32, BM, BK, BRT, EVEN_K, EVEN_M)
     else:
         _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA_SUBS,
-                      stride_xm, stride_xk, stride_ar, stride_ak, DOT_F32, BM, BK, BRT, EVEN_K)
+                      stride_xm, stride_xk, stride_ar, stride_ak, DOT_F32, BM, BK, BRT, EVEN_K, EVEN_M)
     if WAIT_AT_END:
         tl.extra.cuda.gdc_wait()
 
@@ -123,7 +123,7 @@ def _ws_partial_kernel(
 @triton.jit
 def _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA_SUBS, stride_xm, stride_xk,
                   stride_ar, stride_ak, DOT_F32: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                  BRT: tl.constexpr, EVEN_K: tl.constexpr):
+                  BRT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr):
     """Down program pid of base chunk c: the fp32 partial of xaᵀ = A·xᵀ over sub-chunk pid // m_tiles of the
     chunk (from zero, A as the weight: same k-steps as a base tile) for token tile pid % m_tiles, stored as
     partial c·XA_SUBS + sub (the order in which `_xa_from_parts` adds them)."""
@@ -135,7 +135,7 @@ def _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA
     mask_m = rm < M
     k_sub = k_lo + sub * XA_CHUNK
     acc = _ws_chunk(a_ptr, x_ptr, rr, rm, R, M, k_sub, k_sub + XA_CHUNK, K, stride_ar, stride_ak,
-                    stride_xm, stride_xk, BRT, BM, BK, DOT_F32, EVEN_K, False)
+                    stride_xm, stride_xk, BRT, BM, BK, DOT_F32, EVEN_K, False, EVEN_M)
     tl.store(xa_part_ptr + ((c * XA_SUBS + sub) * M + rm[None, :].to(tl.int64)) * R + rr[:, None], acc,
              mask=mask_r[:, None] & mask_m[None, :])
 
@@ -188,6 +188,7 @@ def _ws_single_kernel(
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
     WAIT_PDL: tl.constexpr = False, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+    EVEN_M: tl.constexpr = False,
 ):
     """One program per output tile: every chunk from zero, added in chunk order, then the epilogue. WAIT_PDL:
     launched as the programmatic dependent of the kernel that writes xa (`lora_down`), so the weights stream
@@ -197,7 +198,7 @@ def _ws_single_kernel(
     tl.assume(N_CHUNKS > 0)
     for c in range(0, N_CHUNKS):
         total += _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, c * K_CHUNK, (c + 1) * K_CHUNK, K,
-                           stride_wn, stride_wk, stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N)
+                           stride_wn, stride_wk, stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N, EVEN_M)
     b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
     if WAIT_PDL:
         tl.extra.cuda.gdc_wait()
@@ -256,6 +257,7 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
         HAS_BASE=n_base > 0, HAS_DOWN=lora_a is not None, DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"],
         BK=cfg["BK"], BRT=_lora_tile_rows(R), GROUP_N=cfg.get("GROUP_N", 8), LAUNCH_DEPENDENTS=launch_dependents,
         WAIT_AT_END=after_down, EVEN_K=even_k(K, k_chunk, n_chunks), EVEN_N=n_base % cfg["BN"] == 0,
+        EVEN_M=M % cfg["BM"] == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if after_down else {}))
     return part, xa_part
@@ -343,6 +345,7 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
             BK=cfg["BK"], WAIT_PDL=wait_down, EVEN_K=even_k(K, k_chunk, n_chunks), EVEN_N=N % cfg["BN"] == 0,
+            EVEN_M=M % cfg["BM"] == 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
             **({"launch_pdl": True} if wait_down else {}))
         return out

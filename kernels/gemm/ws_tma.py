@@ -89,7 +89,10 @@ def _ws_tma_kernel(
         acc = tl.zeros_like(total)
         for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):
             if W_TRANSPOSED:
-                w = w_desc.load([k0, off_n]).T  # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK]
+                # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK], widened before the transpose (exact):
+                # a tl.trans of an 8-bit tile is miscompiled by Triton 3.7.1 / the bundled ptxas 12.9 (public
+                # reports: corrupted fp8 transposes on Hopper), the likely cause of this kernel's wrong dX tiles
+                w = w_desc.load([k0, off_n]).to(tl.bfloat16).T
             else:
                 w = w_desc.load([off_n, k0])
             x = x_desc.load([off_m, k0])
@@ -129,8 +132,10 @@ def checked_tma_single(key: tuple, y: torch.Tensor, run_tma, run_pointer) -> tor
     _CHECKED[key] = bool(torch.equal(y, want))
     if not _CHECKED[key]:
         bad = int((y != want).sum())
+        worst = float((y.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
         warnings.warn(f"W8A16 TMA kernel {key}: {bad} of {y.numel()} elements differ from the pointer kernel "
-                      f"(a Triton miscompile of this tile); using the pointer kernel for it from now on")
+                      f"(max |diff| {worst:.2e} of max |y|: a Triton miscompile of this tile); using the pointer "
+                      f"kernel for it from now on")
         y.copy_(want)
     return y
 

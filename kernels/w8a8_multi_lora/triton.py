@@ -233,7 +233,7 @@ def _multi_lora_gemm_kernel(
     HAS_BASE: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LORA: tl.constexpr,
     SIGMA_PER_ADAPTER: tl.constexpr, HAS_BIAS: tl.constexpr, WAIT_PDL: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
-    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, EVEN_T: tl.constexpr = False,
 ):
     pid_n, pid_t = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BT), GROUP_N)
     rn = pid_n * BN + tl.arange(0, BN)
@@ -254,13 +254,13 @@ def _multi_lora_gemm_kernel(
         acc = tl.zeros((BN, BT), dtype=tl.float32)
         tl.assume(K > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        # no load predicates where the shape allows (`gemm.weight_stationary._ws_chunk`): columns of tokens past M
-        # read the last token and are never stored; EVEN_N / EVEN_K: no weight row / K column past the edge
-        x_ptrs = x_ptr + tl.minimum(tok, M - 1)[None, :] * stride_xm + rk[:, None]
+        # no load predicates where the shape allows (`gemm.weight_stationary._ws_chunk`): EVEN_T / EVEN_N / EVEN_K,
+        # no token column / weight row / K column past the edge
+        x_ptrs = x_ptr + tok[None, :] * stride_xm + rk[:, None]
         for k0 in range(0, K, BK):
             mask_k = (k0 + rk) < K
             w = _load_tile(w_ptrs + k0, mask_n, mask_k, EVEN_N, EVEN_K)
-            q = _load_tile(x_ptrs + k0, mask_k, mask_k, EVEN_K, True)  # token columns clamped: never out of bounds
+            q = _load_tile(x_ptrs + k0, mask_k, mask_t, EVEN_K, EVEN_T)
             if DOT_F32:  # Triton's CPU interpreter: fp32 dots (tests only)
                 acc += tl.dot(w.to(tl.float32), q.to(tl.float32))
             else:  # promote every 32-deep wgmma step into the fp32 accumulator (precise accumulation)
@@ -428,7 +428,7 @@ def multi_lora_gemm(x, codes, w_scale, y, token_lora, part, slices: Slices | Non
         HAS_BASE=has_base, HAS_ORDER=order is not None, HAS_LORA=has_lora,
         SIGMA_PER_ADAPTER=per_adapter, HAS_BIAS=bias is not None, WAIT_PDL=wait_pdl, DOT_F32=interpreting(),
         BN=cfg["BN"], BT=cfg["BT"], BK=cfg["BK"], BR=BR, GROUP_N=cfg.get("GROUP_N", 8),
-        EVEN_K=K % cfg["BK"] == 0, EVEN_N=N % cfg["BN"] == 0, num_warps=cfg["num_warps"],
+        EVEN_K=K % cfg["BK"] == 0, EVEN_N=N % cfg["BN"] == 0, EVEN_T=M % cfg["BT"] == 0, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch)
     return y
 

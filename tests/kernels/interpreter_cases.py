@@ -186,7 +186,7 @@ def case_tma_single_pass_equals_pointer_kernel():
 
 def case_unmasked_loops_equal_masked():
     # The K loops drop their load masks where the shape allows (`_ws_chunk`: EVEN_K when the chunks tile K, EVEN_N
-    # when N is a multiple of BN; token rows past M are read from the last token instead of masked). Each even shape
+    # when N is a multiple of BN, EVEN_M when M is a multiple of BM; a partial token tile is masked). Each even shape
     # must give the bits of the masked loops, run here on the same problem padded into ragged shapes: K = 500 inside
     # the same two 256-deep chunks (zero columns 500..511), and N = 128 -> 130 (two more weight rows). Forward split-K
     # (5 tokens) and single pass (70), with LoRA, and dX, whose weight rows are the contiguous dimension.
@@ -209,6 +209,16 @@ def case_unmasked_loops_equal_masked():
             if k == 512:
                 even_512 = even
         assert torch.equal(even_512, even), M  # K = 512 (no column masks) == K = 500 (masked)
+    # EVEN_M: full token tiles (64 tokens: 2 x 32, 4 x 16) load without row masks; the same rows in a call with a
+    # partial tile (70 / 5 tokens above) have the same bits
+    args = dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=0.7, bias=bias)
+    full = weight_stationary_gemm(x[:64], codes, torch.bfloat16, config=single, **args)
+    assert torch.equal(full, weight_stationary_gemm(x, codes, torch.bfloat16, config=single, **args)[:64])
+    full = weight_stationary_gemm(x[:16], codes, torch.bfloat16, config=split, **args)
+    assert torch.equal(full[:5], weight_stationary_gemm(x[:5], codes, torch.bfloat16, config=split, **args))
+    w_rows = codes[:, :256]
+    full = scaled_gemm_lora(x[:64, :256].contiguous(), w_rows, torch.bfloat16, w_scale=scale)  # 64-row tiles
+    assert torch.equal(full, scaled_gemm_lora(x[:, :256].contiguous(), w_rows, torch.bfloat16, w_scale=scale)[:64])
     # dX: codes [256, 512] read transposed; reduction over the 256 rows (one chunk: EVEN_K), 512 output columns
     # (EVEN_N); ragged: 500 output columns (masked weight rows), and a 250-deep reduction zero-padded to 256
     _, codes_t, scale_t, *_ = problem(1, 512, 256, 8, seed=13)

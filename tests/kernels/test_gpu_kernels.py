@@ -213,7 +213,7 @@ def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
 
 @pytest.mark.parametrize("K,N", [(4096, 6144), (12288, 4096)])
 def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
-    """Even shapes run the K loops without load predicates (`_ws_chunk`'s EVEN_K / EVEN_N, token rows clamped; the
+    """Even shapes run the K loops without load predicates (`_ws_chunk`'s EVEN_K / EVEN_N / EVEN_M; the
     scaled GEMM and K2 likewise): the same problem padded into ragged shapes runs the masked loops and must give
     the same bits - K - 6 columns (zeros in the even one) inside the same chunks, N + 8 weight rows - forward at
     decode / 64 / 257 / 4096 tokens with LoRA and bias, dX, and the row-major scaled GEMM (W8A8's and g·B's)."""
@@ -355,3 +355,50 @@ def test_training_step_allocates_no_dequantized_weight():
     fp8_step()  # compile first
     assert _peak_step_bytes(fp8_step) < kn2 // 2
     assert _peak_step_bytes(dequant_step) >= kn2  # the measurement can see such a buffer
+
+
+@pytest.mark.parametrize("K,N", [(4096, 6144), (4096, 24576)])
+def test_opt_in_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
+    """EPIRL_WS_TMA=1 (the committed TMA table, kernels/gemm/ws_tma.py) gives the default table's bits, forward with
+    LoRA + bias and dX at 4096 tokens. Also with a table that forces the 128x256 TMA tile onto the shape: on the
+    gate_up shape that tile gave other bits than the pointer kernel in the 2026-12-01 tuning run, and the first-call
+    check must then warn and return the pointer kernel's result (printed: whether it fired)."""
+    import json
+    import warnings
+
+    from epirl.kernels.gemm import ws_tma
+    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+
+    x, codes, scale, a, b, bias = problem(4096, K, N, 64, seed=N)
+    gy = torch.randn(4096, N, device=DEV).bfloat16()
+
+    def both():
+        fwd = w8a16_lora(x, codes, scale, a, b, 2.0, bias)
+        dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, op="dx")
+        return fwd, dx
+
+    monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
+    load_table.cache_clear()
+    want = both()
+    forced = json.loads(TMA_TABLE_PATH.read_text())
+    tile = dict(BN=128, BM=256, BK=64, num_warps=8, num_stages=4, split=False, tma=True)
+    forced["fwd"][f"{N}x{K}"]["1000000000"] = tile
+    forced["dx"][f"{K}x{N}"]["1000000000"] = tile
+    (tmp_path / "forced.json").write_text(json.dumps(forced))
+    monkeypatch.setenv("EPIRL_WS_TMA", "1")
+    try:
+        for table in (None, str(tmp_path / "forced.json")):
+            if table:
+                monkeypatch.setenv("EPIRL_WS_CONFIGS", table)
+            load_table.cache_clear()
+            monkeypatch.setattr(ws_tma, "_CHECKED", {})
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = both()
+                again = both()  # after the check: the kept kernel alone
+            print(f"\n[tma] {N}x{K} table={'forced 128x256' if table else 'committed'}: checked {ws_tma._CHECKED}, "
+                  f"warnings {[str(w.message)[:120] for w in caught]}")
+            for g_, a_, w_ in zip(got, again, want):
+                assert torch.equal(g_, w_) and torch.equal(a_, w_), (N, K, table)
+    finally:
+        load_table.cache_clear()
