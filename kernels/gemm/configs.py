@@ -22,7 +22,7 @@ from .._dispatch import check_reduction
 TABLE_PATH = Path(__file__).with_name("ws_configs.json")
 TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own output, before committing it)
 TMA_TABLE_PATH = Path(__file__).with_name("ws_configs_tma.json")  # the tuned table with TMA-load entries
-TMA_ENV = "EPIRL_WS_TMA"  # "1": opt into the TMA-load kernel (ws_tma.py): TMA_TABLE_PATH by default, tma entries allowed
+TMA_ENV = "EPIRL_WS_TMA"  # "1": opt into the TMA-load kernel (ws_tma.py): TMA_TABLE_PATH, tma entries allowed
 CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
 # Tiles whose TMA-load twin the tuner offers: 128 x 256 gave the pointer kernel's bits on most shapes (triton 3.6 and
 # 3.7.1, BENCHMARKS.md § Kernels), but not on the 4096 -> 24576 gate_up (2026-12-01), and other tiles were miscompiled

@@ -73,8 +73,8 @@ def test_down_first_decode_chain_compiles_for_sm90():
 @pytest.mark.parametrize("dx", [False, True], ids=["fwd", "dx"])
 def test_even_shapes_run_the_k_loop_without_load_masks(dx):
     """Every Qwen projection tiles evenly, and its K loop then loads without predicates (`_ws_chunk`: EVEN_K /
-    EVEN_N / EVEN_M, a full token tile): at the 128 x 256 training tile that loop must stay >= 5 % shorter than the masked
-    one (measured with triton 3.9: 216 vs 234 instructions per trip forward, 246 vs 272 dX), with no more spills."""
+    EVEN_N / EVEN_M, a full token tile): at the 128 x 256 training tile that loop must stay >= 5 % shorter than the
+    masked one (measured with triton 3.9: 216 vs 234 instructions per trip forward, 246 vs 272 dX), with no more spills."""
     import sass_report
     even, masked = (sass_report.report(sass_report.compile_cubin("128/256/64/8/3", dx, dx, even=e))
                     for e in (True, False))

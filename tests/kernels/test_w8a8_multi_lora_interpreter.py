@@ -94,8 +94,8 @@ def case_decode_mixed_equals_groups_bitwise():
 
 def case_even_shape_equals_padded_ragged():
     """K2's loop loads without predicates on even shapes (K a multiple of BK, N of BN, M of the token tile; a
-    partial token tile is masked): the bits of the masked loop, which runs on the same problem padded into ragged shapes (K = 256 vs
-    250 with zero columns, N = 128 vs 130), decode (20 tokens) and prefill tiles."""
+    partial token tile is masked): the bits of the masked loop, which runs on the same problem padded into ragged
+    shapes (K = 256 vs 250 with zero columns, N = 128 vs 130), decode (20 tokens) and prefill tiles."""
     from epirl.kernels import w8a8_multi_lora
 
     x, codes, scale, a, b, ids = problem(20, 256, 130, seed=12)
