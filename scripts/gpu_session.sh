@@ -11,6 +11,8 @@
 #   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py), bench at 1/16/32 + 4096 tokens       ~5 min
 #   tunebig    tune_w8a16.py: the many-token bucket with the TMA twins of the verified tiles, then the 32-token
 #              bucket, into $OUT/ws_configs.json (the parts after it use that table)                         ~6 min
+#   bitsgu     ws_bits_report.py on the 4096 -> 24576 gate_up (every tile, pointer and TMA, twice at 4096 tokens): how
+#              and how repeatably its TMA twins differ from the pointer kernel                                ~4 min
 #   flush      bench_kernels.py --quick with EPIRL_L2_FLUSH=write (the old timer) for comparison          ~2 min
 #   tune       tune_w8a16.py (LoRA-aware timing) -> $OUT/ws_configs.json + its log                         ~8 min
 #   engine     matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 (gpu_evidence.sh engine; needs vLLM)     ~6 min
@@ -60,6 +62,8 @@ for name in "$@"; do
     tunebig)  part tunebig 420 bash -c "python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 \
                 --out $OUT/ws_configs.json && EPIRL_WS_TMA=1 EPIRL_WS_CONFIGS=$OUT/ws_configs.json python3 -P scripts/tune_w8a16.py \
                 --buckets 32 --out $OUT/ws_configs.json" ;;
+    bitsgu)   part bitsgu 300 bash -c "python3 -P scripts/ws_bits_report.py --shape 4096 24576 --tokens 257 4096; \
+                python3 -P scripts/ws_bits_report.py --shape 4096 24576 --tokens 4096" ;;
     flush)    part flush 200 env EPIRL_L2_FLUSH=write python3 -P scripts/bench_kernels.py --quick --tokens 1 16 \
                 --train-tokens 4096 --json "$OUT/bench_write_flush.json" ;;
     tune)     part tune 600 python3 -P scripts/tune_w8a16.py --out "$OUT/ws_configs.json" ;;
@@ -89,7 +93,7 @@ for name in "$@"; do
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
