@@ -95,8 +95,8 @@ def one_chunk_us(x, w, scale, c):
 
 
 def with_twins(cands, tma=False):
-    """The pointer-load candidates plus, with tma, the TMA twins (same tiles; `kernels/gemm/ws_tma.py`) of those a
-    are worth timing (`configs.TMA_TUNER_TILES`; of every tile with EPIRL_WS_TMA=1)."""
+    """The pointer-load candidates plus, with tma, the TMA twins (same tiles; `kernels/gemm/ws_tma.py`) of the tiles
+    worth timing (`configs.TMA_TUNER_TILES`; of every tile with EPIRL_WS_TMA=1)."""
     twins = [dict(c, tma=True) for c in cands if tile_of(c) in TMA_TUNER_TILES or tma_opted_in()] if tma else []
     return cands + twins
 

@@ -93,6 +93,9 @@ def test_table_tma_calls_are_checked_against_the_pointer_kernel_once_per_key(mon
         calls.append("tma")
         return out.copy_(want).index_fill_(1, torch.tensor([2]), 7.0)
 
+    nan = torch.full((2, 2), float("nan"))  # bitwise compare: NaN outputs at the same places are the same bits
+    ws_tma.checked_tma_single(("nan",), torch.empty(2, 2), lambda out: out.copy_(nan), lambda out: out.copy_(nan))
+    assert ws_tma._CHECKED[("nan",)] is True
     y = ws_tma.checked_tma_single(("good",), torch.empty(3, 4), good_tma, pointer)
     assert torch.equal(y, want) and calls == ["tma", "ptr"]
     ws_tma.checked_tma_single(("good",), torch.empty(3, 4), good_tma, pointer)
