@@ -15,7 +15,7 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
-Status (H200, BENCHMARKS.md § Kernels): 1.03-1.43x faster than the pointer kernel at 4096 tokens (it holds no
+Status (H200, BENCHMARKS.md § Kernels): 1.03-1.42x faster than the pointer kernel at 4096 tokens (it holds no
 per-element address or mask tensors; q3_qkv forward 598 -> 426 µs at 128x256 tiles), but Triton miscompiles it for
 some tiles and shapes: with triton 3.6 the dX at 128/128/64/8/4 returns garbage in ~0.3-0.45 % of its elements, a
 different count each run; with 3.7.1 also two forward configs; and on 2026-12-01 the 128x256 tiles, correct on every
