@@ -52,10 +52,12 @@ part() {  # name, limit in s, command...: runs it, logs to $OUT/<name>.log, prin
 
 for name in "$@"; do
   case "$name" in
-    kernels)  # after `tune` in the same job: tests and bench with the freshly tuned table
+    kernels)  # after `tune` in the same job: tests and bench with the freshly tuned table (opted into TMA if it has any)
               [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
+              grep -qs '"tma"' "$OUT/ws_configs.json" && export EPIRL_WS_TMA=1
               part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
-    kernelsq) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json EPIRL_WS_TMA=1
+    kernelsq) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
+              grep -qs '"tma"' "$OUT/ws_configs.json" && export EPIRL_WS_TMA=1
               part kernelsq 330 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
                 -p no:cacheprovider --durations=8 2>&1 | tee $OUT/gpu_tests.log; python3 -P scripts/bench_kernels.py \
                 --tokens 1 16 32 --train-tokens 4096 --json $OUT/bench_kernels.json" ;;
