@@ -9,7 +9,7 @@
 #              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS, for the
 #              parts after it too)
 #   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py), bench at 1/16/32 + 4096 tokens       ~5 min
-#   tunebig    tune_w8a16.py: the many-token bucket with the TMA twins of the verified tiles, then the 32-token
+#   tunebig    tune_w8a16.py: the many-token bucket with the TMA twins of the 128x256 tiles, then the 32-token
 #              bucket, into $OUT/ws_configs.json (the parts after it use that table)                         ~6 min
 #   bitsgu     ws_bits_report.py on the 4096 -> 24576 gate_up (every tile, pointer and TMA, twice at 4096 tokens): how
 #              and how repeatably its TMA twins differ from the pointer kernel                                ~4 min

@@ -378,6 +378,7 @@ def test_opt_in_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_p
         return fwd, dx
 
     monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
+    monkeypatch.delenv("EPIRL_WS_CONFIGS", raising=False)  # the committed tables, whatever the session set
     load_table.cache_clear()
     want = both()
     forced = json.loads(TMA_TABLE_PATH.read_text())
