@@ -143,6 +143,11 @@ class TrainerConfig(Section):
     """Linear LR warmup (optimizer steps), then constant."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient clipping by global L2 norm."""
+    w8a16_tma: bool = False
+    """Opt into the TMA-load tiles of the W8A16 GEMM (the FP8 trainer's and the matched engine's; same as
+    EPIRL_WS_TMA=1): Qwen3-8B step 1.13x a bf16 trainer's instead of 1.31x on the H200. Triton 3.6/3.7.1 miscompile
+    that kernel for some tiles and shapes, so each shape's first TMA call is checked bitwise against the pointer
+    kernel and falls back with a warning on a difference (kernels/README.md)."""
 
 
 class LoRAConfig(Section):
@@ -366,6 +371,10 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
         raise ConfigError("trainer.base=shared with trainer.device=cpu: the engine's weights live on the GPU; "
                           "use trainer.device=auto (or trainer.base=fp8)")
     cfg.model.dtype = concrete_dtype(cfg.model.dtype, device.type)
+    if cfg.trainer.w8a16_tma:  # before any W8A16 kernel runs, in the engine or the trainer
+        from epirl.kernels.gemm.configs import opt_into_tma
+
+        opt_into_tma()
     return device
 
 

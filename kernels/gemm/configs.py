@@ -35,6 +35,12 @@ def tma_opted_in() -> bool:
     return os.environ.get(TMA_ENV) == "1"
 
 
+def opt_into_tma() -> None:
+    """EPIRL_WS_TMA=1 for this process (`trainer.w8a16_tma`): the next table load allows TMA entries."""
+    os.environ[TMA_ENV] = "1"
+    load_table.cache_clear()
+
+
 def tile_of(cfg: dict) -> tuple:
     return tuple(cfg[k] for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
 
