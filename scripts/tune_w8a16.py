@@ -54,11 +54,13 @@ FWD_BUCKETS = {
                 cfg(64, 32, 128, 4, 4, True)]),
     256: ([256], [cfg(64, 64, 128, 4, 4, False), cfg(128, 64, 128, 4, 3, False), cfg(128, 128, 64, 8, 4, False),
                   cfg(64, 128, 128, 4, 3, False)]),
-    # 16 warps (four warpgroups, <= 128 registers each, no spill inside the K loop: `sass_report.py`): twice the
-    # warps to hide the widening's latency behind, at half the accumulator per thread
+    # (16-warp tiles, 256/128/64/16/3 and 128/256/64/16/3, never won on the H200 on 2026-12-01: capped at 128
+    # registers a thread, they spill 72-78; BENCHMARKS.md § Kernels, eighth session)
     BIG: ([4096], [cfg(128, 128, 64, 8, 4, False), cfg(128, 256, 64, 8, 3, False), cfg(128, 256, 64, 8, 4, False),
                    cfg(256, 128, 64, 8, 3, False), cfg(128, 128, 128, 8, 3, False), cfg(128, 256, 128, 8, 2, False),
-                   cfg(256, 128, 64, 16, 3, False), cfg(128, 256, 64, 16, 3, False)]),
+                   # BK 32: a third less spilled (304 vs 472 B of stack at sm_90a, triton 3.9) for 27 % more loop
+                   # instructions per k (137 per 32-deep trip vs 216 per 64)
+                   cfg(128, 256, 32, 8, 4, False)]),
 }
 DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
 EXTRA_SHAPES = [("q3_kv_slice", 4096, 1024)]  # the engine calls k and v of the fused qkv per slice

@@ -28,7 +28,7 @@ CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
 # 3.7.1, BENCHMARKS.md § Kernels), but not on the 4096 -> 24576 gate_up (2026-12-01), and other tiles were miscompiled
 # outright (wrong tiles, a different count each run). Hence opt-in only, and every table TMA call is checked against
 # the pointer kernel on its first call per key (`ws_tma.checked_tma_single`).
-TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)})
+TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4)})
 
 
 def tma_opted_in() -> bool:
