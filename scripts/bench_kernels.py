@@ -96,11 +96,41 @@ def trainer_steps(K, N, M, w16, codes, scale, a, b):
     return {"fp8": (fp8_step, [x, fp8.lora_A, fp8.lora_B]), "bf16": (bf16_step, [x, a16, b16])}
 
 
+def kernel_us_per_step(step, steps: int) -> tuple[dict[str, float], float]:
+    """(CUDA kernel name -> µs per step, kernel launches per step), over `steps` profiled steps after two
+    warm-ups (torch.profiler)."""
+    from collections import defaultdict
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    launches = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name[:70]] += event.device_time / steps
+            launches += 1
+    return dict(per_kernel), launches / steps
+
+
 def trainer_row(name, K, N, M, w16, codes, scale, a, b):
+    """One forward + backward per side: wall time (do_bench; on small shapes it measures the host's launches, not the
+    GPU), the kernel sum (torch.profiler: what the GPU spends), and memory."""
     row = dict(shape=name, K=K, N=N, M=M)
     for tag, (step, params) in trainer_steps(K, N, M, w16, codes, scale, a, b).items():
         step()
         row[f"{tag}_us"] = bench_us(step, grad_to_none=params)
+
+        def step_and_clear(step=step, params=params):
+            step()
+            for p in params:
+                p.grad = None
+
+        row[f"{tag}_kernel_us"] = sum(kernel_us_per_step(step_and_clear, 3)[0].values())
         for p in params:
             p.grad = None
         torch.cuda.synchronize()
@@ -171,11 +201,13 @@ def print_tables(fwd, train):
               f"| {r['w8a16_lora_us'] / r['floor_us']:.2f} | {r['w8a16_us']:.1f} "
               f"| {100 * (r['w8a16_lora_us'] / r['w8a16_us'] - 1):.0f} | {r['w8a8_lora_us']:.1f} "
               f"| {r['bf16_lora_us']:.1f} | {r['scaled_mm_lora_us']:.1f} | {pdl_on_off(r)} |")
-    print("\n| shape | tokens | Fp8LoRALinear fwd+bwd µs | bf16 Linear+LoRA µs | fp8/bf16 | fp8 TFLOP/s "
-          "| weight+step peak MiB fp8 (weight) | bf16 (weight) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| shape | tokens | Fp8LoRALinear fwd+bwd µs | bf16 Linear+LoRA µs | fp8/bf16 | kernel sum µs fp8 / bf16 "
+          "| kernel fp8/bf16 | fp8 TFLOP/s | weight+step peak MiB fp8 (weight) | bf16 (weight) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in train:
+        kernel_ratio = r["fp8_kernel_us"] / r["bf16_kernel_us"] if r["bf16_kernel_us"] else float("nan")
         print(f"| {r['shape']} | {r['M']} | {r['fp8_us']:.0f} | {r['bf16_us']:.0f} | {r['fp8_us'] / r['bf16_us']:.2f} "
+              f"| {r['fp8_kernel_us']:.0f} / {r['bf16_kernel_us']:.0f} | {kernel_ratio:.2f} "
               f"| {r['fp8_tflops']:.0f} | {r['fp8_peak_mib']:.0f} ({r['fp8_weight_mib']:.0f}) "
               f"| {r['bf16_peak_mib']:.0f} ({r['bf16_weight_mib']:.0f}) |")
 

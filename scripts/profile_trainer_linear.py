@@ -17,31 +17,11 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import SHAPES, bench_us, make_layer, trainer_steps  # noqa: E402
-
-
-def kernel_us_per_step(step, steps: int) -> tuple[dict[str, float], float]:
-    """(CUDA kernel name -> µs per step, kernel launches per step), over `steps` profiled steps after two
-    warm-ups."""
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = defaultdict(float)
-    launches = 0
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name[:70]] += event.device_time / steps
-            launches += 1
-    return dict(per_kernel), launches / steps
+from bench_kernels import SHAPES, bench_us, kernel_us_per_step, make_layer, trainer_steps  # noqa: E402
 
 
 def host_enqueue_us(step, params, reps: int = 15) -> float:

@@ -127,6 +127,29 @@ def case_bench_kernels_forward_table(tmp):
     assert len(lines) == 2 and all(" / " in line.split("|")[-2] for line in lines), text.getvalue()
 
 
+def case_bench_kernels_trainer_row_and_table(tmp):
+    # a trainer row (both sides' forward + backward, the FP8 side's kernels in the interpreter) and its table line:
+    # wall, kernel sum (torch.profiler has no CUDA activity on CPU: patched to the step's own run, 0 µs) and memory
+    import bench_kernels as bench
+    bench.bench_us = wall_us
+    bench.kernel_us_per_step = lambda step, steps: (step(), ({"k": 1.0}, 1))[1]
+    for name in ("memory_allocated", "max_memory_allocated"):
+        setattr(torch.cuda, name, lambda *a: 0)
+    torch.cuda.reset_peak_memory_stats = lambda *a: None
+    os.environ["EPIRL_KERNELS"] = "triton"
+    try:
+        w16, codes, scale, a, b = bench.make_layer(256, 96, dev="cpu")
+        row = bench.trainer_row("tiny", 256, 96, 40, w16, codes, scale, a, b)
+    finally:
+        os.environ.pop("EPIRL_KERNELS")
+    assert row["fp8_kernel_us"] == row["bf16_kernel_us"] == 1.0 and row["fp8_us"] > 0, row
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        bench.print_tables([], [row])
+    line = next(line for line in text.getvalue().splitlines() if line.startswith("| tiny | 40 |"))
+    assert line.split(" | ")[5:7] == ["1 / 1", "1.00"], line
+
+
 def case_tenants_bench_rows_and_table(tmp):
     # bench_serving_tenants on a tiny two-projection layer (q/k/v slices and one plain), 40 tokens over 1 and 4
     # adapters: every variant runs (epirl's kernels in the interpreter, the vendor GEMM on CPU), matches the
