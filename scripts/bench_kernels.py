@@ -96,17 +96,22 @@ def trainer_steps(K, N, M, w16, codes, scale, a, b):
     return {"fp8": (fp8_step, [x, fp8.lora_A, fp8.lora_B]), "bf16": (bf16_step, [x, a16, b16])}
 
 
-def kernel_us_per_step(step, steps: int) -> tuple[dict[str, float], float]:
+def kernel_us_per_step(step, steps: int, params=()) -> tuple[dict[str, float], float]:
     """(CUDA kernel name -> µs per step, kernel launches per step), over `steps` profiled steps after two
-    warm-ups (torch.profiler)."""
+    warm-ups (torch.profiler); the grads of `params` are cleared after each step (as do_bench's grad_to_none)."""
     from collections import defaultdict
 
-    for _ in range(2):
+    def step_and_clear():
         step()
+        for p in params:
+            p.grad = None
+
+    for _ in range(2):
+        step_and_clear()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            step()
+            step_and_clear()
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = defaultdict(float)
     launches = 0
@@ -124,13 +129,7 @@ def trainer_row(name, K, N, M, w16, codes, scale, a, b):
     for tag, (step, params) in trainer_steps(K, N, M, w16, codes, scale, a, b).items():
         step()
         row[f"{tag}_us"] = bench_us(step, grad_to_none=params)
-
-        def step_and_clear(step=step, params=params):
-            step()
-            for p in params:
-                p.grad = None
-
-        row[f"{tag}_kernel_us"] = sum(kernel_us_per_step(step_and_clear, 3)[0].values())
+        row[f"{tag}_kernel_us"] = sum(kernel_us_per_step(step, 3, params)[0].values())
         for p in params:
             p.grad = None
         torch.cuda.synchronize()

@@ -66,12 +66,7 @@ def profile_shape(name: str, K: int, N: int, M: int, steps: int) -> list[str]:
     """Prints the kernel table of each side; returns its wall / kernels / host line."""
     lines = []
     for tag, (step, params) in trainer_steps(K, N, M, *make_layer(K, N)).items():
-        def step_and_clear(step=step, params=params):
-            step()
-            for p in params:
-                p.grad = None
-
-        kernels, launches = kernel_us_per_step(step_and_clear, steps)
+        kernels, launches = kernel_us_per_step(step, steps, params)
         total = sum(kernels.values())
         wall = bench_us(step, grad_to_none=params)
         host = host_enqueue_us(step, params)

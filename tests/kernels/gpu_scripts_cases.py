@@ -132,7 +132,7 @@ def case_bench_kernels_trainer_row_and_table(tmp):
     # wall, kernel sum (torch.profiler has no CUDA activity on CPU: patched to the step's own run, 0 µs) and memory
     import bench_kernels as bench
     bench.bench_us = wall_us
-    bench.kernel_us_per_step = lambda step, steps: (step(), ({"k": 1.0}, 1))[1]
+    bench.kernel_us_per_step = lambda step, steps, params=(): (step(), ({"k": 1.0}, 1))[1]
     for name in ("memory_allocated", "max_memory_allocated"):
         setattr(torch.cuda, name, lambda *a: 0)
     torch.cuda.reset_peak_memory_stats = lambda *a: None
@@ -198,7 +198,7 @@ def case_trainer_profile_prints_wall_kernels_and_host(tmp):
         torch.Generator = patched
     torch.cuda._sleep = lambda cycles: None
     prof.bench_us = wall_us
-    prof.kernel_us_per_step = lambda step, steps: (step(), ({}, 0))[1]
+    prof.kernel_us_per_step = lambda step, steps, params=(): (step(), ({}, 0))[1]
     prof.make_layer = lambda K, N: bench.make_layer(K, N, dev="cpu")
     os.environ["EPIRL_KERNELS"] = "triton"
     try:
