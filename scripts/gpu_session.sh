@@ -36,6 +36,11 @@
 #   b32        bench_kernels.py at 32 tokens (the matched engine's batch-32 decode), no trainer rows        ~1 min
 #   step       bench_trainer.py on the Qwen3-8B shape, FP8 and bf16 trainer, 2 timed steps, + one profiled step
 #              (kernel time / wall time: GPU busy)                                                          ~5 min
+#   tmaprobe   tma_chunk_probe.py: the TMA kernel's one-chunk calls (every dX, the gate_up forward) in the chunk loop
+#              as it was vs the flat K loop, bitwise against the pointer kernel, NaN-poisoned, twice      ~2 min
+#   stepgu     `step` with the opt-in TMA table plus TMA on the gate_up rows (the one-chunk calls the flat loop
+#              serves; each still checked against the pointer kernel on its first call)                ~5 min
+#   enginetpot matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 with the same adapter, nothing else (needs vLLM) ~4 min
 #   hostprof   cProfile of the FP8 trainer linear's host side (q3_o, 1024 tokens): Python, autograd, launches ~1 min
 set -o pipefail
 source scripts/device_env.sh
@@ -92,10 +97,23 @@ for name in "$@"; do
     b32)      part b32 150 python3 -P scripts/bench_kernels.py --tokens 32 --train-tokens --json "$OUT/bench_b32.json" ;;
     step)     part step 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
                 --json "$OUT/bench_step.json" ;;
+    tmaprobe) part tmaprobe 200 python3 -P scripts/tma_chunk_probe.py --tokens 4096 ;;
+    stepgu)   python3 -P - "$OUT/ws_configs_gu.json" <<'PY'
+import json, sys
+table = json.load(open("kernels/gemm/ws_configs_tma.json"))
+for op, shape in (("fwd", "24576x4096"), ("dx", "4096x24576")):
+    table[op][shape]["1000000000"]["tma"] = True
+json.dump(table, open(sys.argv[1], "w"), indent=1)
+PY
+              part stepgu 400 env EPIRL_WS_TMA=1 EPIRL_WS_CONFIGS="$OUT/ws_configs_gu.json" python3 -P \
+                scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum --json "$OUT/bench_stepgu.json" ;;
+    enginetpot) part enginetpot 480 bash -c "timeout 230 python3 -P scripts/gpu_engine.py --tag main --precisions w8a16 \
+                --sections tpot --skip-smollm2; timeout 230 python3 -P scripts/gpu_engine.py --tag w8a8 --precisions w8a8 \
+                --sections tpot --skip-smollm2" ;;
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe stepgu enginetpot)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

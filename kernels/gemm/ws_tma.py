@@ -70,34 +70,48 @@ def _tile_dot(w, x, acc, DOT_F32: tl.constexpr):
     return tl.dot(w.to(tl.bfloat16), x.T, acc)
 
 
+@triton.jit
+def _tma_k_steps(w_desc, x_desc, acc, off_n, off_m, k_lo, k_hi, W_TRANSPOSED: tl.constexpr, DOT_F32: tl.constexpr,
+                 BK: tl.constexpr):
+    """acc + the k-steps of K columns [k_lo, k_hi) of this tile, BK per loop trip."""
+    for k0 in range(k_lo, k_hi, BK):
+        if W_TRANSPOSED:
+            # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK], widened before the transpose (exact): a
+            # tl.trans of an 8-bit tile is miscompiled by Triton 3.7.1 / the bundled ptxas 12.9 (public reports:
+            # corrupted fp8 transposes on Hopper)
+            w = w_desc.load([k0, off_n]).to(tl.bfloat16).T
+        else:
+            w = w_desc.load([off_n, k0])
+        x = x_desc.load([off_m, k0])
+        acc = _tile_dot(w, x, acc, DOT_F32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _ws_tma_kernel(
     x_desc, w_desc, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
     stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
-    W_TRANSPOSED: tl.constexpr,
+    W_TRANSPOSED: tl.constexpr, ONE_CHUNK: tl.constexpr,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order."""
+    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order.
+    ONE_CHUNK (N_CHUNKS == 1: every dX, the gate_up forward): one flat K loop instead of the chunk loop around
+    it, the same adds (total = 0 + acc). The nested form with an outer trip count of one is what Triton 3.6
+    miscompiled with TMA loads (garbage in some tiles, a different count each run; see `ONE_CHUNK_NESTED`)."""
     pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     off_n = pid_n * BN
     off_m = pid_m * BM
     total = tl.zeros((BN, BM), dtype=tl.float32)
     tl.assume(K_CHUNK > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     tl.assume(N_CHUNKS > 0)
-    for c in range(0, N_CHUNKS):
-        acc = tl.zeros_like(total)
-        for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):
-            if W_TRANSPOSED:
-                # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK], widened before the transpose (exact):
-                # a tl.trans of an 8-bit tile is miscompiled by Triton 3.7.1 / the bundled ptxas 12.9 (public
-                # reports: corrupted fp8 transposes on Hopper), the likely cause of this kernel's wrong dX tiles
-                w = w_desc.load([k0, off_n]).to(tl.bfloat16).T
-            else:
-                w = w_desc.load([off_n, k0])
-            x = x_desc.load([off_m, k0])
-            acc = _tile_dot(w, x, acc, DOT_F32)
-        total += acc
+    if ONE_CHUNK:
+        total += _tma_k_steps(w_desc, x_desc, tl.zeros_like(total), off_n, off_m, 0, K_CHUNK, W_TRANSPOSED,
+                              DOT_F32, BK)
+    else:
+        for c in range(0, N_CHUNKS):
+            total += _tma_k_steps(w_desc, x_desc, tl.zeros_like(total), off_n, off_m, c * K_CHUNK,
+                                  (c + 1) * K_CHUNK, W_TRANSPOSED, DOT_F32, BK)
     rn = off_n + tl.arange(0, BN)
     rm = off_m + tl.arange(0, BM)
     mask_n = rn < N
@@ -107,6 +121,10 @@ def _ws_tma_kernel(
     _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
                  stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
 
+
+# config key (diagnostics only, scripts/tma_chunk_probe.py): a one-chunk call keeps the chunk loop around its K loop,
+# the form Triton 3.6 miscompiled, to show the difference
+ONE_CHUNK_NESTED = "one_chunk_nested"
 
 # (op, N, K, tile, LoRA, bias, M's power-of-two bucket) -> whether the TMA kernel gave the pointer kernel's bits on
 # that key's first call in this process
@@ -158,6 +176,6 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
     _ws_tma_kernel[(tiles,)](
         x_desc, w_desc, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
-        W_TRANSPOSED=transposed, BK=BK,
+        W_TRANSPOSED=transposed, ONE_CHUNK=n_chunks == 1 and not cfg.get(ONE_CHUNK_NESTED, False), BK=BK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

@@ -1,0 +1,98 @@
+"""Does the TMA kernel's miscompile follow the one-chunk K loop? (GPU; issue 12, 2026-12-02)
+
+The TMA-load W8A16 kernel gave garbage in some tiles (a different count each run) on exactly the calls whose
+fixed K chunking has one chunk: every dX and the 4096 -> 24576 gate_up forward (`k_chunking` gives the other Qwen
+forwards 2-8 chunks). This probe runs each tile config, TMA loads, against the pointer kernel with the same chunking
+(bitwise), output NaN-poisoned first (a NaN left is an element never written), twice per variant:
+  - natural: the shape's own chunking; a one-chunk call in the flat K loop (`ONE_CHUNK`) and in the chunk loop
+    around it (`one_chunk_nested`, the kernel as it was);
+  - forced one chunk on a many-chunk forward (q3_qkv): chunk loop vs flat loop, so the chunk count is the only change.
+Usage: python scripts/tma_chunk_probe.py [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+import triton
+
+from epirl.kernels import quantize_weight_fp8
+from epirl.kernels.gemm import weight_stationary as ws_mod
+from epirl.kernels.gemm.ws_tma import ONE_CHUNK_NESTED
+
+TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 4)]
+SHAPES = {"q3_gate_up": (4096, 24576), "q3_qkv": (4096, 6144)}
+
+
+@contextlib.contextmanager
+def one_chunk_forward():
+    """The forward's K chunking forced to one chunk (the module's `k_chunking` is what the call reads)."""
+    natural = ws_mod.k_chunking
+    ws_mod.k_chunking = lambda N, K: (K, 1)
+    try:
+        yield
+    finally:
+        ws_mod.k_chunking = natural
+
+
+def config(tile, **extra):
+    bn, bm, bk, warps, stages = tile
+    return dict(BN=bn, BM=bm, BK=bk, num_warps=warps, num_stages=stages, split=False, **extra)
+
+
+def compare(run, tile, nested: bool) -> str:
+    """'differing (never written)' of two TMA runs against the pointer kernel, e.g. '0 (0) / 0 (0)'."""
+    want = run(config(tile), None)
+    cells = []
+    for _ in range(2):
+        out = torch.full_like(want, float("nan"))
+        got = run(config(tile, tma=True, **({ONE_CHUNK_NESTED: True} if nested else {})), out)
+        torch.cuda.synchronize()
+        differ = got.view(torch.int16) != want.view(torch.int16)
+        cells.append(f"{int(differ.sum())} ({int(got.isnan().sum())})")
+    return " / ".join(cells)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M = args.tokens
+    print(f"triton {triton.__version__}, {torch.cuda.get_device_name()}, M={M}; cells: elements differing from the "
+          f"pointer kernel (never written), run 1 / run 2")
+    print("| shape | op | tile | chunks | chunk loop around K loop (as it was) | flat K loop (ONE_CHUNK) |")
+    print("|---|---|---|---|---|---|")
+    for name, (K, N) in SHAPES.items():
+        codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g, device="cuda") * 0.02)
+        x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+        gy = torch.randn(M, N, generator=g, device="cuda").bfloat16()
+        xa = (torch.randn(M, 64, generator=g, device="cuda") * 0.1).bfloat16()
+        b = (torch.randn(N, 64, generator=g, device="cuda") * 0.05).bfloat16()
+
+        def fwd(c, out):
+            return ws_mod.weight_stationary_gemm(x, codes, torch.bfloat16, w_scale=scale, xa=xa, lora_b=b,
+                                                 lora_scale=2.0, config=c, allow_split=False, out=out)
+
+        def dx(c, out):
+            return ws_mod.weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, config=c, op="dx",
+                                                 out=out)
+        n_chunks = ws_mod.k_chunking(N, K)[1]
+        for tile in TILES:
+            label = "/".join(map(str, tile))
+            if n_chunks == 1:
+                print(f"| {name} | fwd | {label} | 1 | {compare(fwd, tile, True)} | {compare(fwd, tile, False)} |",
+                      flush=True)
+            else:
+                print(f"| {name} | fwd | {label} | {n_chunks} | {compare(fwd, tile, False)} | - |", flush=True)
+                with one_chunk_forward():
+                    print(f"| {name} | fwd | {label} | 1 (forced) | {compare(fwd, tile, True)} | "
+                          f"{compare(fwd, tile, False)} |", flush=True)
+            print(f"| {name} | dx | {label} | 1 | {compare(dx, tile, True)} | {compare(dx, tile, False)} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
