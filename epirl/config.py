@@ -143,11 +143,12 @@ class TrainerConfig(Section):
     """Linear LR warmup (optimizer steps), then constant."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient clipping by global L2 norm."""
-    w8a16_tma: bool = False
-    """Opt into the TMA-load tiles of the W8A16 GEMM (the FP8 trainer's and the matched engine's; same as
-    EPIRL_WS_TMA=1): Qwen3-8B step 1.13x a bf16 trainer's instead of 1.31x on the H200. Triton 3.6/3.7.1 miscompile
-    that kernel for some tiles and shapes, so each shape's first TMA call is checked bitwise against the pointer
-    kernel and falls back with a warning on a difference (kernels/README.md)."""
+    w8a16_tma: bool | None = None
+    """The TMA-load tiles of the W8A16 GEMM (the FP8 trainer's and the matched engine's): on by default
+    (None: as EPIRL_WS_TMA says, on unless it is 0); false turns them off for the process. Qwen3-8B step 1.12x a
+    bf16 trainer's with them, 1.31x without, on the H200. Same bits as the pointer kernel: Triton 3.6 miscompiles
+    the TMA kernel for some tiles, so each table TMA call is checked bitwise against the pointer kernel on its
+    first call per shape and every 1024 calls, and falls back with a warning on a difference (kernels/README.md)."""
 
 
 class LoRAConfig(Section):
@@ -371,10 +372,10 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
         raise ConfigError("trainer.base=shared with trainer.device=cpu: the engine's weights live on the GPU; "
                           "use trainer.device=auto (or trainer.base=fp8)")
     cfg.model.dtype = concrete_dtype(cfg.model.dtype, device.type)
-    if cfg.trainer.w8a16_tma:  # before any W8A16 kernel runs, in the engine or the trainer
-        from epirl.kernels.gemm.configs import opt_into_tma
+    if cfg.trainer.w8a16_tma is not None:  # before any W8A16 kernel runs, in the engine or the trainer
+        from epirl.kernels.gemm.configs import set_tma
 
-        opt_into_tma()
+        set_tma(cfg.trainer.w8a16_tma)
     return device
 
 

@@ -36,10 +36,10 @@
 #   b32        bench_kernels.py at 32 tokens (the matched engine's batch-32 decode), no trainer rows        ~1 min
 #   step       bench_trainer.py on the Qwen3-8B shape, FP8 and bf16 trainer, 2 timed steps, + one profiled step
 #              (kernel time / wall time: GPU busy)                                                          ~5 min
-#   tmaprobe   tma_chunk_probe.py: the TMA kernel's one-chunk calls (every dX, the gate_up forward) in the chunk loop
-#              as it was vs the flat K loop, bitwise against the pointer kernel, NaN-poisoned, twice      ~2 min
-#   stepgu     `step` with the opt-in TMA table plus TMA on the gate_up rows (the one-chunk calls the flat loop
-#              serves; each still checked against the pointer kernel on its first call)                ~5 min
+#   tmaprobe   tma_chunk_probe.py: TMA vs pointer kernel, bitwise, NaN-poisoned, twice, per tile: gate_up (one
+#              4096-deep chunk), q3_qkv with its 4 chunks and forced to one, dX                          ~1 min
+#   stepgu     `step` with the TMA table plus TMA on the fused gate_up rows (each checked against the pointer
+#              kernel on its first call: there it warns and falls back)                                   ~2 min
 #   enginetpot matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 with the same adapter, nothing else (needs vLLM) ~4 min
 #   hostprof   cProfile of the FP8 trainer linear's host side (q3_o, 1024 tokens): Python, autograd, launches ~1 min
 set -o pipefail
@@ -57,17 +57,15 @@ part() {  # name, limit in s, command...: runs it, logs to $OUT/<name>.log, prin
 
 for name in "$@"; do
   case "$name" in
-    kernels)  # after `tune` in the same job: tests and bench with the freshly tuned table (opted into TMA if it has any)
+    kernels)  # after `tune` in the same job: tests and bench with the freshly tuned table
               [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
-              grep -qs '"tma"' "$OUT/ws_configs.json" && export EPIRL_WS_TMA=1
               part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
     kernelsq) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
-              grep -qs '"tma"' "$OUT/ws_configs.json" && export EPIRL_WS_TMA=1
               part kernelsq 330 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
                 -p no:cacheprovider --durations=8 2>&1 | tee $OUT/gpu_tests.log; python3 -P scripts/bench_kernels.py \
                 --tokens 1 16 32 --train-tokens 4096 --json $OUT/bench_kernels.json" ;;
     tunebig)  part tunebig 420 bash -c "python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 \
-                --out $OUT/ws_configs.json && EPIRL_WS_TMA=1 EPIRL_WS_CONFIGS=$OUT/ws_configs.json python3 -P scripts/tune_w8a16.py \
+                --out $OUT/ws_configs.json && EPIRL_WS_CONFIGS=$OUT/ws_configs.json python3 -P scripts/tune_w8a16.py \
                 --buckets 32 --out $OUT/ws_configs.json" ;;
     bitsgu)   part bitsgu 300 bash -c "python3 -P scripts/ws_bits_report.py --shape 4096 24576 --tokens 257 4096; \
                 python3 -P scripts/ws_bits_report.py --shape 4096 24576 --tokens 4096" ;;
@@ -105,7 +103,7 @@ for op, shape in (("fwd", "24576x4096"), ("dx", "4096x24576")):
     table[op][shape]["1000000000"]["tma"] = True
 json.dump(table, open(sys.argv[1], "w"), indent=1)
 PY
-              part stepgu 400 env EPIRL_WS_TMA=1 EPIRL_WS_CONFIGS="$OUT/ws_configs_gu.json" python3 -P \
+              part stepgu 400 env EPIRL_WS_CONFIGS="$OUT/ws_configs_gu.json" python3 -P \
                 scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum --json "$OUT/bench_stepgu.json" ;;
     enginetpot) part enginetpot 480 bash -c "timeout 230 python3 -P scripts/gpu_engine.py --tag main --precisions w8a16 \
                 --sections tpot --skip-smollm2; timeout 230 python3 -P scripts/gpu_engine.py --tag w8a8 --precisions w8a8 \

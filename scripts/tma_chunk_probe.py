@@ -1,12 +1,11 @@
-"""Does the TMA kernel's miscompile follow the one-chunk K loop? (GPU; issue 12, 2026-12-02)
+"""Does the TMA kernel's miscompile follow the chunk depth? (GPU; issue 12, 2026-12-02)
 
-The TMA-load W8A16 kernel gave garbage in some tiles (a different count each run) on exactly the calls whose
-fixed K chunking has one chunk: every dX and the 4096 -> 24576 gate_up forward (`k_chunking` gives the other Qwen
-forwards 2-8 chunks). This probe runs each tile config, TMA loads, against the pointer kernel with the same chunking
-(bitwise), output NaN-poisoned first (a NaN left is an element never written), twice per variant:
-  - natural: the shape's own chunking; a one-chunk call in the flat K loop (`ONE_CHUNK`) and in the chunk loop
-    around it (`one_chunk_nested`, the kernel as it was);
-  - forced one chunk on a many-chunk forward (q3_qkv): chunk loop vs flat loop, so the chunk count is the only change.
+The TMA-load W8A16 kernel gave wrong values in some tiles (a different count each run) on the 4096 -> 24576 gate_up
+forward, the one Qwen forward whose fixed K chunking has a single 4096-deep chunk (`k_chunking` gives the others 2-8
+chunks of 512-2048). This probe runs each tile config with TMA loads against the pointer kernel with the same
+chunking, bitwise, output NaN-poisoned first (a NaN left is an element never written), twice: on q3_gate_up (one
+chunk) and on q3_qkv with its own 4 chunks and forced to one chunk, so the chunk depth is the only change; and dX
+(always one chunk) on both.
 Usage: python scripts/tma_chunk_probe.py [--tokens 4096]
 """
 
@@ -20,7 +19,6 @@ import triton
 
 from epirl.kernels import quantize_weight_fp8
 from epirl.kernels.gemm import weight_stationary as ws_mod
-from epirl.kernels.gemm.ws_tma import ONE_CHUNK_NESTED
 
 TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 4)]
 SHAPES = {"q3_gate_up": (4096, 24576), "q3_qkv": (4096, 6144)}
@@ -42,13 +40,13 @@ def config(tile, **extra):
     return dict(BN=bn, BM=bm, BK=bk, num_warps=warps, num_stages=stages, split=False, **extra)
 
 
-def compare(run, tile, nested: bool) -> str:
+def compare(run, tile) -> str:
     """'differing (never written)' of two TMA runs against the pointer kernel, e.g. '0 (0) / 0 (0)'."""
     want = run(config(tile), None)
     cells = []
     for _ in range(2):
         out = torch.full_like(want, float("nan"))
-        got = run(config(tile, tma=True, **({ONE_CHUNK_NESTED: True} if nested else {})), out)
+        got = run(config(tile, tma=True), out)
         torch.cuda.synchronize()
         differ = got.view(torch.int16) != want.view(torch.int16)
         cells.append(f"{int(differ.sum())} ({int(got.isnan().sum())})")
@@ -63,8 +61,8 @@ def main():
     M = args.tokens
     print(f"triton {triton.__version__}, {torch.cuda.get_device_name()}, M={M}; cells: elements differing from the "
           f"pointer kernel (never written), run 1 / run 2")
-    print("| shape | op | tile | chunks | chunk loop around K loop (as it was) | flat K loop (ONE_CHUNK) |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | op | tile | chunks | TMA vs pointer: differing (never written), run 1 / run 2 |")
+    print("|---|---|---|---|---|")
     for name, (K, N) in SHAPES.items():
         codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g, device="cuda") * 0.02)
         x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
@@ -80,18 +78,16 @@ def main():
             return ws_mod.weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, config=c, op="dx",
                                                  out=out)
         n_chunks = ws_mod.k_chunking(N, K)[1]
+
+        def row(op, run, chunks):
+            print(f"| {name} | {op} | {label} | {chunks} | {compare(run, tile)} |", flush=True)
         for tile in TILES:
             label = "/".join(map(str, tile))
-            if n_chunks == 1:
-                print(f"| {name} | fwd | {label} | 1 | {compare(fwd, tile, True)} | {compare(fwd, tile, False)} |",
-                      flush=True)
-            else:
-                print(f"| {name} | fwd | {label} | {n_chunks} | {compare(fwd, tile, False)} | - |", flush=True)
+            row("fwd", fwd, n_chunks)
+            if n_chunks > 1:
                 with one_chunk_forward():
-                    print(f"| {name} | fwd | {label} | 1 (forced) | {compare(fwd, tile, True)} | "
-                          f"{compare(fwd, tile, False)} |", flush=True)
-            print(f"| {name} | dx | {label} | 1 | {compare(dx, tile, True)} | {compare(dx, tile, False)} |",
-                  flush=True)
+                    row("fwd", fwd, "1 (forced)")
+            row("dx", dx, 1)
 
 
 if __name__ == "__main__":

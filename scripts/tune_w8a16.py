@@ -12,11 +12,11 @@ Each candidate is timed on the call the engine and the trainer make, with a rank
 its down-projection (fused into split-K or a separate launch, which is what `split` decides at decode), dX gets
 gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 `--tma` adds TMA-load twins of the candidates (buckets >= 256; `kernels/gemm/ws_tma.py`; of the tiles
-`configs.TMA_TUNER_TILES`, of all with EPIRL_WS_TMA=1; a table that selects them loads only with EPIRL_WS_TMA=1, and
-a twin that gives other bits than the first candidate is excluded), and it prints cuBLAS bf16 (+ the same LoRA as
+`configs.TMA_TUNER_TILES`, of all with `--tma-all`; a twin that gives other bits than the first candidate is
+excluded; a table that selects them is refused with EPIRL_WS_TMA=0), and it prints cuBLAS bf16 (+ the same LoRA as
 separate matmuls) on the same shape beside the many-token bucket;
 `--shapes`/`--buckets` tune a subset and merge it into the table.
-Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma] [--no-lora] [--shapes q3_qkv ...] [--buckets 256 ...]
+Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--no-lora] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, graph_us, make_layer  # noqa: E402
 
-from epirl.kernels.gemm.configs import TMA_TUNER_TILES, k_chunking, load_table, tile_of, tma_opted_in  # noqa: E402
+from epirl.kernels.gemm.configs import TMA_TUNER_TILES, k_chunking, load_table, tile_of  # noqa: E402
 from epirl.kernels.gemm.weight_stationary import _ws_single_kernel, weight_stationary_gemm  # noqa: E402
 
 
@@ -99,8 +99,8 @@ def one_chunk_us(x, w, scale, c):
 
 def with_twins(cands, tma=False):
     """The pointer-load candidates plus, with tma, the TMA twins (same tiles; `kernels/gemm/ws_tma.py`) of the tiles
-    worth timing (`configs.TMA_TUNER_TILES`; of every tile with EPIRL_WS_TMA=1)."""
-    twins = [dict(c, tma=True) for c in cands if tile_of(c) in TMA_TUNER_TILES or tma_opted_in()] if tma else []
+    worth timing (`configs.TMA_TUNER_TILES`; of every tile with tma="all")."""
+    twins = [dict(c, tma=True) for c in cands if tile_of(c) in TMA_TUNER_TILES or tma == "all"] if tma else []
     return cands + twins
 
 
@@ -222,9 +222,10 @@ def main():
     ap.add_argument("--shapes", nargs="*", help="shape names (default: all)")
     ap.add_argument("--buckets", nargs="*", type=int, help="bucket bounds to tune (default: all; 1000000000 = many)")
     ap.add_argument("--tma", action="store_true", help="also TMA-load candidates for buckets >= 256")
+    ap.add_argument("--tma-all", action="store_true", help="with --tma: twins of every tile, not only TMA_TUNER_TILES")
     ap.add_argument("--no-lora", action="store_true", help="time the base GEMM alone (no rank-64 LoRA)")
     args = ap.parse_args()
-    table = json.loads(json.dumps(load_table()))  # start from the committed defaults
+    table = json.loads(json.dumps(load_table()))  # start from the table in effect (the TMA one unless EPIRL_WS_TMA=0)
     log = []
     t0 = time.time()
     print("| shape | op | bucket | tokens | best µs | BN/BM/BK/warps/stages | worst µs | cuBLAS bf16 µs (many) "
@@ -232,7 +233,8 @@ def main():
     shapes = (SHAPES + EXTRA_SHAPES)[:2] if args.quick else SHAPES + EXTRA_SHAPES
     shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     for name, K, N in shapes:
-        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, args.tma, not args.no_lora).items():
+        tma = "all" if args.tma and args.tma_all else args.tma
+        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora).items():
             table[op].setdefault(key, {}).update(row)
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned

@@ -243,20 +243,21 @@ def test_one_list_of_engine_precisions_and_one_auto_dtype_rule():
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
 
 
-def test_w8a16_tma_opts_the_process_into_the_tma_table(monkeypatch):
-    """`trainer.w8a16_tma=true` is EPIRL_WS_TMA=1 for the process, set where the runtime is resolved (before the engine
-    or the trainer runs a W8A16 kernel): the next table load is the committed TMA table."""
+def test_w8a16_tma_sets_the_process_table(monkeypatch):
+    """`trainer.w8a16_tma` is EPIRL_WS_TMA for the process, set where the runtime is resolved (before the engine or
+    the trainer runs a W8A16 kernel); unset, the environment decides (TMA on unless EPIRL_WS_TMA=0)."""
     from epirl.config import resolve_runtime
-    from epirl.kernels.gemm.configs import TMA_TABLE_PATH, load_table
+    from epirl.kernels.gemm.configs import TABLE_PATH, TMA_TABLE_PATH, load_table
 
     monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
     monkeypatch.delenv("EPIRL_WS_CONFIGS", raising=False)
     resolve_runtime(load_config(None, ["trainer.device=cpu"]))
     assert "EPIRL_WS_TMA" not in os.environ
     try:
-        resolve_runtime(load_config(None, ["trainer.device=cpu", "trainer.w8a16_tma=true"]))
-        assert os.environ["EPIRL_WS_TMA"] == "1"
-        assert load_table() == json.loads(TMA_TABLE_PATH.read_text())
+        for value, env, table in (("false", "0", TABLE_PATH), ("true", "1", TMA_TABLE_PATH)):
+            resolve_runtime(load_config(None, ["trainer.device=cpu", f"trainer.w8a16_tma={value}"]))
+            assert os.environ["EPIRL_WS_TMA"] == env
+            assert load_table() == json.loads(table.read_text())
     finally:
         monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
         load_table.cache_clear()

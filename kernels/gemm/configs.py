@@ -22,22 +22,25 @@ from .._dispatch import check_reduction
 TABLE_PATH = Path(__file__).with_name("ws_configs.json")
 TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own output, before committing it)
 TMA_TABLE_PATH = Path(__file__).with_name("ws_configs_tma.json")  # the tuned table with TMA-load entries
-TMA_ENV = "EPIRL_WS_TMA"  # "1": opt into the TMA-load kernel (ws_tma.py): TMA_TABLE_PATH, tma entries allowed
+TMA_ENV = "EPIRL_WS_TMA"  # "0": no TMA-load kernel (ws_tma.py): the pointer-only TABLE_PATH, tma entries refused
 CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
-# Tiles whose TMA-load twin the tuner offers: 128 x 256 gave the pointer kernel's bits on most shapes (triton 3.6 and
-# 3.7.1, BENCHMARKS.md § Kernels), but not on the 4096 -> 24576 gate_up (2026-12-01), and other tiles were miscompiled
-# outright (wrong tiles, a different count each run). Hence opt-in only, and every table TMA call is checked against
-# the pointer kernel on its first call per key (`ws_tma.checked_tma_single`).
+# Tiles whose TMA-load twin the tuner offers. Triton 3.6 miscompiles the TMA kernel for some (tile, chunk depth)
+# pairs: wrong values in 0.1-30 % of the outputs, a different count each run, yet every run of such a pair is wrong
+# and no run of a pair outside them ever differed (2026-12-01/02, BENCHMARKS.md § Kernels): 128 x 256 over 512-2048
+# deep chunks and every dX is exact, over the gate_up forward's one 4096-deep chunk it is not, 64 x 128 never is.
+# The tuner keeps a twin only where it gave the pointer kernel's bits (twice), and every table TMA call is checked
+# against the pointer kernel on its first call per key and again every `ws_tma.RECHECK_EVERY` calls.
 TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4)})
 
 
-def tma_opted_in() -> bool:
-    return os.environ.get(TMA_ENV) == "1"
+def tma_enabled() -> bool:
+    """The TMA table and its kernel, unless EPIRL_WS_TMA=0 (or `trainer.w8a16_tma=false`)."""
+    return os.environ.get(TMA_ENV, "1") != "0"
 
 
-def opt_into_tma() -> None:
-    """EPIRL_WS_TMA=1 for this process (`trainer.w8a16_tma`): the next table load allows TMA entries."""
-    os.environ[TMA_ENV] = "1"
+def set_tma(enabled: bool) -> None:
+    """EPIRL_WS_TMA for this process (`trainer.w8a16_tma`): the next table load follows it."""
+    os.environ[TMA_ENV] = "1" if enabled else "0"
     load_table.cache_clear()
 
 
@@ -80,7 +83,7 @@ def xa_chunking(N: int, K: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=4)
 def load_table(path: str | None = None) -> dict:
-    path = path or os.environ.get(TABLE_ENV) or str(TMA_TABLE_PATH if tma_opted_in() else TABLE_PATH)
+    path = path or os.environ.get(TABLE_ENV) or str(TMA_TABLE_PATH if tma_enabled() else TABLE_PATH)
     try:
         with open(path) as f:
             table = json.load(f)
@@ -89,13 +92,12 @@ def load_table(path: str | None = None) -> dict:
     for op in ("fwd", "dx"):
         if "default" not in table.get(op, {}):
             raise RuntimeError(f"W8A16 tile table {path}: missing {op}.default")
-    if not tma_opted_in():
+    if not tma_enabled():
         tma = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
                for bound, cfg in row.items() if cfg.get("tma")]
         if tma:
-            raise RuntimeError(f"W8A16 tile table {path}: {tma[0]} selects TMA loads, which Triton 3.6/3.7.1 "
-                               f"miscompile for some tiles and shapes (kernels/gemm/ws_tma.py); set {TMA_ENV}=1 to "
-                               f"opt in (each such call is checked against the pointer kernel once)")
+            raise RuntimeError(f"W8A16 tile table {path}: {tma[0]} selects TMA loads, which {TMA_ENV}=0 turned "
+                               f"off; unset it (or set {TMA_ENV}=1) to allow them, or use a pointer-only table")
     return table
 
 

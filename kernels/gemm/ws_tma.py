@@ -15,15 +15,17 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
-Status (H200, BENCHMARKS.md § Kernels): 1.03-1.42x faster than the pointer kernel at 4096 tokens (it holds no
-per-element address or mask tensors; q3_qkv forward 598 -> 426 µs at 128x256 tiles), but Triton miscompiles it for
-some tiles and shapes: with triton 3.6 the dX at 128/128/64/8/4 returns garbage in ~0.3-0.45 % of its elements, a
-different count each run; with 3.7.1 also two forward configs; and on 2026-12-01 the 128x256 tiles, correct on every
-other Qwen shape, gave other bits than the pointer kernel on the 4096 -> 24576 gate_up, forward and dX. So it is
-opt-in: EPIRL_WS_TMA=1 selects the tuned table `ws_configs_tma.json` (TMA on the shapes where it gave the pointer
-kernel's bits and was faster), and every such call is checked against the pointer kernel on its first call per
-(op, shape, tile, LoRA, bias, M's power of two) in the process (`checked_tma_single`), falling back with a warning
-when they differ. Without it `configs.load_table` refuses a table with `tma` entries.
+Status (H200, triton 3.6, BENCHMARKS.md § Kernels): 1.03-1.42x faster than the pointer kernel at 4096 tokens (it
+holds no per-element address or mask tensors; q3_qkv forward 598 -> 426 µs at 128x256 tiles; Qwen3-8B trainer step
+1.12x a bf16 trainer's instead of 1.31x), but Triton miscompiles it for some (tile, chunk depth) pairs: the 128x256
+tiles are exact over the 512-2048-deep forward chunks and on every dX, wrong on the gate_up forward's one 4096-deep
+chunk (q3_qkv forced to one chunk: wrong too, scripts/tma_chunk_probe.py); 64x128 tiles are wrong everywhere;
+128x128 on some dX. A wrong pair is wrong in every run (0.1-30 % of the outputs, a different count each run), and
+no run of any other pair has ever differed. So the kernel is the default where the tuner found it exact
+(`ws_configs_tma.json`; EPIRL_WS_TMA=0 turns it off and loads the pointer-only `ws_configs.json`), and every table TMA
+call is verified at run time on the user's own Triton and GPU: bitwise against the pointer kernel on its first call
+per (op, shape, tile, LoRA, bias, M's power of two), and again every RECHECK_EVERY calls (`checked_tma_single`); a
+difference warns and moves that key to the pointer kernel for the process.
 """
 
 from __future__ import annotations
@@ -70,48 +72,34 @@ def _tile_dot(w, x, acc, DOT_F32: tl.constexpr):
     return tl.dot(w.to(tl.bfloat16), x.T, acc)
 
 
-@triton.jit
-def _tma_k_steps(w_desc, x_desc, acc, off_n, off_m, k_lo, k_hi, W_TRANSPOSED: tl.constexpr, DOT_F32: tl.constexpr,
-                 BK: tl.constexpr):
-    """acc + the k-steps of K columns [k_lo, k_hi) of this tile, BK per loop trip."""
-    for k0 in range(k_lo, k_hi, BK):
-        if W_TRANSPOSED:
-            # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK], widened before the transpose (exact): a
-            # tl.trans of an 8-bit tile is miscompiled by Triton 3.7.1 / the bundled ptxas 12.9 (public reports:
-            # corrupted fp8 transposes on Hopper)
-            w = w_desc.load([k0, off_n]).to(tl.bfloat16).T
-        else:
-            w = w_desc.load([off_n, k0])
-        x = x_desc.load([off_m, k0])
-        acc = _tile_dot(w, x, acc, DOT_F32)
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
 def _ws_tma_kernel(
     x_desc, w_desc, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
     stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
-    W_TRANSPOSED: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    W_TRANSPOSED: tl.constexpr,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order.
-    ONE_CHUNK (N_CHUNKS == 1: every dX, the gate_up forward): one flat K loop instead of the chunk loop around
-    it, the same adds (total = 0 + acc). The nested form with an outer trip count of one is what Triton 3.6
-    miscompiled with TMA loads (garbage in some tiles, a different count each run; see `ONE_CHUNK_NESTED`)."""
+    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order."""
     pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     off_n = pid_n * BN
     off_m = pid_m * BM
     total = tl.zeros((BN, BM), dtype=tl.float32)
     tl.assume(K_CHUNK > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     tl.assume(N_CHUNKS > 0)
-    if ONE_CHUNK:
-        total += _tma_k_steps(w_desc, x_desc, tl.zeros_like(total), off_n, off_m, 0, K_CHUNK, W_TRANSPOSED,
-                              DOT_F32, BK)
-    else:
-        for c in range(0, N_CHUNKS):
-            total += _tma_k_steps(w_desc, x_desc, tl.zeros_like(total), off_n, off_m, c * K_CHUNK,
-                                  (c + 1) * K_CHUNK, W_TRANSPOSED, DOT_F32, BK)
+    for c in range(0, N_CHUNKS):
+        acc = tl.zeros_like(total)
+        for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):
+            if W_TRANSPOSED:
+                # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK], widened before the transpose (exact):
+                # a tl.trans of an 8-bit tile is miscompiled by Triton 3.7.1 / the bundled ptxas 12.9 (public
+                # reports: corrupted fp8 transposes on Hopper), the likely cause of this kernel's wrong dX tiles
+                w = w_desc.load([k0, off_n]).to(tl.bfloat16).T
+            else:
+                w = w_desc.load([off_n, k0])
+            x = x_desc.load([off_m, k0])
+            acc = _tile_dot(w, x, acc, DOT_F32)
+        total += acc
     rn = off_n + tl.arange(0, BN)
     rm = off_m + tl.arange(0, BM)
     mask_n = rn < N
@@ -122,41 +110,47 @@ def _ws_tma_kernel(
                  stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
 
 
-# config key (diagnostics only, scripts/tma_chunk_probe.py): a one-chunk call keeps the chunk loop around its K loop,
-# the form Triton 3.6 miscompiled, to show the difference
-ONE_CHUNK_NESTED = "one_chunk_nested"
-
 # (op, N, K, tile, LoRA, bias, M's power-of-two bucket) -> whether the TMA kernel gave the pointer kernel's bits on
-# that key's first call in this process
+# every check of that key in this process, and how many calls the key has had
 _CHECKED: dict[tuple, bool] = {}
+_CALLS: dict[tuple, int] = {}
+# A verified key is compared with the pointer kernel again every this many calls: a kernel that races rarely (none
+# has been seen to) is caught in a long run, for one more GEMM (the pointer kernel, ~1.4x the TMA one) and a host
+# sync per this many calls (~0.1 %).
+RECHECK_EVERY = 1024
 
 
 def checked_tma_single(key: tuple, y: torch.Tensor, run_tma, run_pointer) -> torch.Tensor:
-    """y from the TMA kernel (`run_tma(out)`) where it gave the pointer kernel's bits (`run_pointer(out)`) on this
-    key's first call, else from the pointer kernel. The first call per key runs the pointer kernel once and the TMA
-    kernel twice and compares their bits: a miscompiled tile (Triton 3.6/3.7.1 produced wrong tiles for some TMA configs, never the same count twice) warns
-    once and falls back to the pointer kernel for the process; a correct one costs two extra GEMMs per key.
-    Inside a CUDA graph capture nothing can be compared: an unchecked key runs the pointer kernel (same bits).
-    A check per key catches a tile that is miscompiled for a shape (what the tuner saw); it cannot promise that a
-    kernel which passed once never races later, which is why TMA is opt-in (EPIRL_WS_TMA=1)."""
+    """y from the TMA kernel (`run_tma(out)`) while it gives the pointer kernel's bits (`run_pointer(out)`), else from
+    the pointer kernel. A key's first call runs the pointer kernel once and the TMA kernel twice (the miscompiles
+    seen were races: a different count each run) and compares their bits; every RECHECK_EVERY-th call runs the
+    pointer kernel beside it again. A difference warns, returns the pointer kernel's result and keeps the pointer
+    kernel for the key (outputs of the calls since the last check cannot be recalled: the warning says so). Inside
+    a CUDA graph capture nothing is compared: an unchecked key runs the pointer kernel (same bits) and a verified
+    one the TMA kernel, its calls uncounted."""
     verdict = _CHECKED.get(key)
-    if verdict is None and y.is_cuda and torch.cuda.is_current_stream_capturing():
-        verdict = False
-    if verdict is not None:
+    capturing = y.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or verdict is False:
         (run_tma if verdict else run_pointer)(y)
         return y
+    calls = _CALLS[key] = _CALLS.get(key, 0) + 1
+    if verdict and calls % RECHECK_EVERY:
+        return run_tma(y)
     want = run_pointer(torch.empty(y.shape, device=y.device, dtype=y.dtype))
-    again = run_tma(torch.empty(y.shape, device=y.device, dtype=y.dtype))  # twice: the miscompiles seen were races
-    run_tma(y)
+    runs = [run_tma(y)] if verdict else [run_tma(torch.empty(y.shape, device=y.device, dtype=y.dtype)), run_tma(y)]
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[y.element_size()]  # bitwise: NaN == NaN, -0 != +0
-    differ = (y.view(bits) != want.view(bits)) | (again.view(bits) != want.view(bits))
+    differ = torch.zeros(y.shape, device=y.device, dtype=torch.bool)
+    for got in runs:
+        differ |= got.view(bits) != want.view(bits)
     _CHECKED[key] = not bool(differ.any())
     if not _CHECKED[key]:
         bad = int(differ.sum())
         worst = float((y.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
-        warnings.warn(f"W8A16 TMA kernel {key}: {bad} of {y.numel()} elements differ from the pointer kernel "
+        since = ("on its first call" if verdict is None
+                 else f"at call {calls}, after passing at call {calls - RECHECK_EVERY or 1}")
+        warnings.warn(f"W8A16 TMA kernel {key}: {bad} of {y.numel()} elements differ from the pointer kernel {since} "
                       f"(max |diff| {worst:.2e} of max |y|: a Triton miscompile of this tile); using the pointer "
-                      f"kernel for it from now on")
+                      f"kernel for it from now on (EPIRL_WS_TMA=0 turns the TMA kernel off)")
         y.copy_(want)
     return y
 
@@ -176,6 +170,6 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
     _ws_tma_kernel[(tiles,)](
         x_desc, w_desc, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
         y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
-        W_TRANSPOSED=transposed, ONE_CHUNK=n_chunks == 1 and not cfg.get(ONE_CHUNK_NESTED, False), BK=BK,
+        W_TRANSPOSED=transposed, BK=BK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

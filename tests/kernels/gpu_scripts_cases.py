@@ -60,14 +60,10 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     tune.DX_BUCKETS = {tune.BIG: ([40], small)}
     tune.SHAPES, tune.EXTRA_SHAPES = [("tiny", 512, 96)], []
     out = tmp / "ws.json"
-    sys.argv = ["tune_w8a16.py", "--tma", "--out", str(out)]
+    sys.argv = ["tune_w8a16.py", "--tma", "--tma-all", "--out", str(out)]  # twins of these tiny tiles too
     text = io.StringIO()
-    os.environ["EPIRL_WS_TMA"] = "1"  # twins of these tiny tiles too
-    try:
-        with contextlib.redirect_stdout(text):
-            tune.main()
-    finally:
-        os.environ.pop("EPIRL_WS_TMA")
+    with contextlib.redirect_stdout(text):
+        tune.main()
     table = json.loads(out.read_text())
     row = table["fwd"]["96x512"]
     assert set(row) == {"256", str(tune.BIG)} and "512x96" in table["dx"], table

@@ -44,41 +44,45 @@ def test_op_names_stay_functions_after_their_subpackages_load():
         assert callable(getattr(kernels, name)), name
 
 
-def test_a_table_selecting_tma_loads_is_refused_unless_opted_in(tmp_path, monkeypatch):
-    """The TMA-load kernel is miscompiled for some tiles and shapes by triton 3.6/3.7.1 (kernels/gemm/ws_tma.py): a
-    table that selects it loads only when the user opts in, and opting in selects the committed TMA table."""
+def test_tma_loads_are_on_by_default_and_off_with_the_env_switch(tmp_path, monkeypatch):
+    """The TMA-load kernel (kernels/gemm/ws_tma.py) is on unless EPIRL_WS_TMA=0: on, the committed TMA table loads
+    and any table may select it; off, the pointer-only table loads and a table that selects TMA is refused."""
     import json
 
-    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+    from epirl.kernels.gemm.configs import TABLE_PATH, TMA_TABLE_PATH
 
-    table = json.loads(json.dumps(load_table()))
+    table = json.loads(TABLE_PATH.read_text())
     table["dx"]["default"]["1000000000"]["tma"] = True
     path = tmp_path / "ws_tma.json"
     path.write_text(json.dumps(table))
     load_table.cache_clear()
-    monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
+    monkeypatch.setenv("EPIRL_WS_TMA", "0")
     try:
-        with pytest.raises(RuntimeError, match=r"dx\.default\.1000000000 selects TMA loads.*EPIRL_WS_TMA=1"):
+        with pytest.raises(RuntimeError, match=r"dx\.default\.1000000000 selects TMA loads, which EPIRL_WS_TMA=0"):
             load_table(str(path))
         assert not any(c.get("tma") for op in ("fwd", "dx") for row in load_table()[op].values() for c in row.values())
-        monkeypatch.setenv("EPIRL_WS_TMA", "1")
-        assert load_table(str(path))["dx"]["default"]["1000000000"]["tma"] is True
-        load_table.cache_clear()
-        assert load_table() == json.loads(TMA_TABLE_PATH.read_text())
-        assert any(c.get("tma") for row in load_table()["fwd"].values() for c in row.values())
+        for on in ("1", None):  # on by default
+            load_table.cache_clear()
+            monkeypatch.setenv("EPIRL_WS_TMA", on) if on else monkeypatch.delenv("EPIRL_WS_TMA")
+            assert load_table(str(path))["dx"]["default"]["1000000000"]["tma"] is True
+            load_table.cache_clear()
+            assert load_table() == json.loads(TMA_TABLE_PATH.read_text())
+            assert any(c.get("tma") for row in load_table()["fwd"].values() for c in row.values())
     finally:
         load_table.cache_clear()
 
 
-def test_table_tma_calls_are_checked_against_the_pointer_kernel_once_per_key(monkeypatch):
+def test_table_tma_calls_are_checked_against_the_pointer_kernel_per_key(monkeypatch):
     """`checked_tma_single`: a key's first call runs the pointer kernel and the TMA kernel twice; equal bits keep TMA
     for the key, a difference in either run warns, returns the pointer kernel's result and keeps the pointer kernel
-    for the key."""
+    for the key. A verified key is compared again every RECHECK_EVERY calls, and moves to the pointer kernel the
+    first time it differs."""
     import torch
 
     from epirl.kernels.gemm import ws_tma
 
     monkeypatch.setattr(ws_tma, "_CHECKED", {})
+    monkeypatch.setattr(ws_tma, "_CALLS", {})
     calls = []
     want = torch.arange(12.0).reshape(3, 4)
 
@@ -112,3 +116,18 @@ def test_table_tma_calls_are_checked_against_the_pointer_kernel_once_per_key(mon
         ws_tma.checked_tma_single(("flaky",), torch.empty(3, 4),
                                   lambda out: (bad_tma if next(flaky) else good_tma)(out), pointer)
     assert ws_tma._CHECKED[("flaky",)] is False
+
+    monkeypatch.setattr(ws_tma, "RECHECK_EVERY", 3)
+    calls.clear()
+    late = iter([False] * 5 + [True] * 5)  # right on the first check and the first recheck, then wrong
+    run_late = lambda out: (bad_tma if next(late) else good_tma)(out)  # noqa: E731
+    for _ in range(5):
+        y = ws_tma.checked_tma_single(("late",), torch.empty(3, 4), run_late, pointer)
+    assert calls == ["ptr", "tma", "tma", "tma", "ptr", "tma", "tma", "tma"]  # calls 1 and 3 checked
+    assert ws_tma._CHECKED[("late",)] is True
+    with pytest.warns(UserWarning, match=r"differ from the pointer kernel at call 6, after passing at call 3"):
+        y = ws_tma.checked_tma_single(("late",), torch.empty(3, 4), run_late, pointer)
+    assert torch.equal(y, want) and ws_tma._CHECKED[("late",)] is False
+    calls.clear()
+    ws_tma.checked_tma_single(("late",), torch.empty(3, 4), run_late, pointer)
+    assert calls == ["ptr"]
