@@ -98,6 +98,9 @@ def test_table_tma_calls_are_checked_against_the_pointer_kernel_per_key(monkeypa
         calls.append("tma")
         return out.copy_(want).index_fill_(1, torch.tensor([2]), 7.0)
 
+    zeros = lambda out: out.zero_()  # noqa: E731
+    ws_tma.checked_tma_single(("zeros",), torch.empty(2, 2), zeros, zeros)
+    assert ("zeros",) not in ws_tma._CHECKED  # an all-zero output verifies nothing: the next call is checked again
     nan = torch.full((2, 2), float("nan"))  # bitwise compare: NaN outputs at the same places are the same bits
     ws_tma.checked_tma_single(("nan",), torch.empty(2, 2), lambda out: out.copy_(nan), lambda out: out.copy_(nan))
     assert ws_tma._CHECKED[("nan",)] is True
