@@ -27,7 +27,8 @@ CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
 # Tiles whose TMA-load twin the tuner offers. Triton 3.6 miscompiles the TMA kernel for some (tile, chunk depth)
 # pairs: wrong values in 0.1-30 % of the outputs, a different count each run, yet every run of such a pair is wrong
 # and no run of a pair outside them ever differed (2026-12-01/02, BENCHMARKS.md § Kernels): 128 x 256 over 512-2048
-# deep chunks and every dX is exact, over the gate_up forward's one 4096-deep chunk it is not, 64 x 128 never is.
+# deep chunks and every dX is exact, over the gate_up forward's one 4096-deep chunk it is not; 64 x 128 is exact only
+# over 1024-deep chunks.
 # The tuner keeps a twin only where it gave the pointer kernel's bits (twice), and every table TMA call is checked
 # against the pointer kernel on its first call per key and again every `ws_tma.RECHECK_EVERY` calls. 128/128/64/8/4
 # joined on 2026-12-02: exact on the gate_up forward's 4096-deep chunk, where no 128 x 256 twin is (not yet timed).

@@ -19,7 +19,7 @@ Status (H200, triton 3.6, BENCHMARKS.md § Kernels): 1.03-1.42x faster than the 
 holds no per-element address or mask tensors; q3_qkv forward 598 -> 426 µs at 128x256 tiles; Qwen3-8B trainer step
 1.12x a bf16 trainer's instead of 1.31x), but Triton miscompiles it for some (tile, chunk depth) pairs: the 128x256
 tiles are exact over the 512-2048-deep forward chunks and on every dX, wrong on the gate_up forward's one 4096-deep
-chunk (q3_qkv forced to one chunk: wrong too, scripts/tma_chunk_probe.py); 64x128 tiles are wrong everywhere;
+chunk (q3_qkv forced to one chunk: wrong too, scripts/tma_chunk_probe.py); 64x128 is wrong on every one-chunk call;
 128x128 on some dX. A wrong pair is wrong in every run (0.1-30 % of the outputs, a different count each run), and
 no run of any other pair has ever differed. So the kernel is the default where the tuner found it exact
 (`ws_configs_tma.json`; EPIRL_WS_TMA=0 turns it off and loads the pointer-only `ws_configs.json`), and every table TMA
