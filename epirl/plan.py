@@ -57,6 +57,17 @@ def memory_line(cfg: EpirlConfig, device: torch.device) -> str:
     return f"{trainer}; {engine}"
 
 
+def _w8a16_tiles(cfg: EpirlConfig, device: torch.device) -> str:
+    """Which tiles the W8A16 GEMM runs (on CUDA, where the FP8 trainer or the matched engine calls it): TMA loads,
+    each verified against the pointer kernel at run time, unless turned off (kernels/README.md)."""
+    if device.type != "cuda" or (cfg.trainer.base == "bf16" and cfg.engine.precision != "w8a16"):
+        return ""
+    from epirl.kernels.gemm.configs import tma_enabled
+
+    return (", W8A16 GEMM with TMA-load tiles (each checked against the pointer kernel)" if tma_enabled()
+            else ", W8A16 GEMM with pointer-load tiles (TMA off: EPIRL_WS_TMA=0)")
+
+
 def plan_lines(cfg: EpirlConfig, device: torch.device, problems: int, threads: str | None,
                run_dir: Path) -> list[tuple[str, str]]:
     """(label, text) rows of the plan."""
@@ -74,7 +85,8 @@ def plan_lines(cfg: EpirlConfig, device: torch.device, problems: int, threads: s
                    f"{cfg.engine.max_num_seqs} sequences"),
         ("trainer", f"{cfg.trainer.base} base on {device.type}, LoRA r{cfg.lora.rank} α{cfg.lora.alpha:g} on "
                     f"{len(cfg.lora.targets)} projections, lr {cfg.trainer.lr:g}, micro-batch "
-                    f"{cfg.trainer.micro_batch_size}" + (f", {threads}" if threads else "")),
+                    f"{cfg.trainer.micro_batch_size}" + (f", {threads}" if threads else "")
+                    + _w8a16_tiles(cfg, device)),
         ("rl", f"{rl.steps} steps × {rl.prompts_per_step} prompts × {rl.samples_per_prompt} samples, ≤ "
                f"{rl.max_tokens} tokens, correction {rl.correction}, data {cfg.data.source} "
                f"({problems} prompts)"),

@@ -261,3 +261,18 @@ def test_w8a16_tma_sets_the_process_table(monkeypatch):
     finally:
         monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
         load_table.cache_clear()
+
+
+def test_plan_says_which_w8a16_tiles_run(monkeypatch):
+    """The plan's trainer row names the W8A16 GEMM's tiles where that kernel runs (CUDA, an FP8 base or the matched
+    engine), and nothing where it does not."""
+    from epirl.plan import _w8a16_tiles
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
+    fp8 = load_config(None, ["trainer.base=fp8"])
+    assert "TMA-load tiles" in _w8a16_tiles(fp8, cuda)
+    assert "TMA-load tiles" in _w8a16_tiles(load_config(None, ["engine.precision=w8a16"]), cuda)
+    assert _w8a16_tiles(fp8, cpu) == "" and _w8a16_tiles(load_config(None, []), cuda) == ""
+    monkeypatch.setenv("EPIRL_WS_TMA", "0")
+    assert "pointer-load tiles" in _w8a16_tiles(fp8, cuda)
