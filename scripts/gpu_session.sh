@@ -38,6 +38,10 @@
 #              (kernel time / wall time: GPU busy)                                                          ~5 min
 #   tmaprobe   tma_chunk_probe.py: TMA vs pointer kernel, bitwise, NaN-poisoned, twice, per tile: gate_up (one
 #              4096-deep chunk), q3_qkv with its 4 chunks and forced to one, dX                          ~1 min
+#   tmavar     `tmaprobe` with TMA kernel variants beside it (TMA_VARIANTS, default x: only x through a descriptor;
+#              sync: a barrier per k-step), bits and µs, on the trainer's shapes too                         ~3 min
+#   tunex      tune_w8a16.py --tma on the many-token bucket only, into $OUT/ws_configs.json (its TMA twins with
+#              the codes through descriptors timed, not chosen; the parts after it use that table)          ~3 min
 #   stepgu     `step` with the TMA table plus TMA on the fused gate_up rows (each checked against the pointer
 #              kernel on its first call: there it warns and falls back)                                   ~2 min
 #   enginetpot matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 with the same adapter, nothing else (needs vLLM) ~4 min
@@ -96,6 +100,8 @@ for name in "$@"; do
     step)     part step 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
                 --json "$OUT/bench_step.json" ;;
     tmaprobe) part tmaprobe 200 python3 -P scripts/tma_chunk_probe.py --tokens 4096 ;;
+    tmavar)   part tmavar 330 python3 -P scripts/tma_chunk_probe.py --tokens 4096 --variants ${TMA_VARIANTS:-x} ;;
+    tunex)    part tunex 420 python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 --out $OUT/ws_configs.json ;;
     stepgu)   python3 -P - "$OUT/ws_configs_gu.json" <<'PY'
 import json, sys
 table = json.load(open("kernels/gemm/ws_configs_tma.json"))
@@ -111,7 +117,7 @@ PY
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe stepgu enginetpot)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

@@ -357,7 +357,8 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     if not (cfg.get("tma") and tma_ok(x, w) and not wait_down):
         pointer(y)
     elif config is None:  # a table TMA entry (on unless EPIRL_WS_TMA=0), checked per key (ws_tma.checked_tma_single)
-        checked_tma_single((op, N, K, tile_of(cfg), has_lora, bias is not None, M.bit_length()), y, tma, pointer)
+        checked_tma_single((op, N, K, tile_of(cfg), cfg["tma"], has_lora, bias is not None, M.bit_length()), y, tma,
+                           pointer)
     else:  # an explicit config (tuner, bits report, tests): the TMA kernel as it is, so a miscompile shows
         tma(y)
     return (y, xa) if return_xa else y

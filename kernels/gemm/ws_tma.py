@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .scaled import _grouped_tile_ids
+from .scaled import _grouped_tile_ids, _load_tile
 from .ws_epilogue import _load_xa, _lora_b_tile, _ws_epilogue
 
 
@@ -74,23 +74,35 @@ def _tile_dot(w, x, acc, DOT_F32: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _ws_tma_kernel(
-    x_desc, w_desc, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
-    stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
+    x_desc, w_desc, w_ptr, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
+    stride_wn, stride_wk, stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
     W_TRANSPOSED: tl.constexpr,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
+    W_TMA: tl.constexpr = True, SYNC_K: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+    EVEN_N: tl.constexpr = False,
 ):
-    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order."""
+    """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order.
+    W_TMA=False: only x through its descriptor; the codes by pointers (cp.async, `_load_tile`, as the pointer kernel
+    loads them; EVEN_K / EVEN_N: without masks). SYNC_K: a CTA barrier every k-step, so that no warp runs more than
+    one k-step ahead of another (a diagnostic: scripts/tma_chunk_probe.py --variants sync)."""
     pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     off_n = pid_n * BN
     off_m = pid_m * BM
+    rn = off_n + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    in_n = rn < N
     total = tl.zeros((BN, BM), dtype=tl.float32)
     tl.assume(K_CHUNK > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     tl.assume(N_CHUNKS > 0)
     for c in range(0, N_CHUNKS):
         acc = tl.zeros_like(total)
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (c * K_CHUNK + rk)[None, :].to(tl.int64) * stride_wk
         for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):
-            if W_TRANSPOSED:
+            if not W_TMA:
+                w = _load_tile(w_ptrs, in_n, (k0 + rk) < K, EVEN_N, EVEN_K)
+                w_ptrs += BK * stride_wk
+            elif W_TRANSPOSED:
                 # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK], widened before the transpose (exact):
                 # a tl.trans of an 8-bit tile is miscompiled by Triton 3.7.1 / the bundled ptxas 12.9 (public
                 # reports: corrupted fp8 transposes on Hopper), the likely cause of this kernel's wrong dX tiles
@@ -98,11 +110,12 @@ def _ws_tma_kernel(
             else:
                 w = w_desc.load([off_n, k0])
             x = x_desc.load([off_m, k0])
+            if SYNC_K:
+                tl.debug_barrier()
             acc = _tile_dot(w, x, acc, DOT_F32)
         total += acc
-    rn = off_n + tl.arange(0, BN)
     rm = off_m + tl.arange(0, BM)
-    mask_n = rn < N
+    mask_n = in_n
     mask_m = rm < M
     xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, M, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
     b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
@@ -167,14 +180,19 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
 
     BN, BM, BK = cfg["BN"], cfg["BM"], cfg["BK"]
     transposed = w.stride(1) != 1
-    w_desc = (TensorDescriptor.from_tensor(w.t(), [BK, BN]) if transposed
-              else TensorDescriptor.from_tensor(w, [BN, BK]))
+    w_tma = cfg["tma"] is True  # "x": the codes by pointers
     x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
+    w_desc = x_desc  # (unused without W_TMA)
+    if w_tma:
+        w_desc = (TensorDescriptor.from_tensor(w.t(), [BK, BN]) if transposed
+                  else TensorDescriptor.from_tensor(w, [BN, BK]))
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     has_lora = flags["HAS_LORA"]
     _ws_tma_kernel[(tiles,)](
-        x_desc, w_desc, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
-        y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
-        W_TRANSPOSED=transposed, BK=BK,
+        x_desc, w_desc, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
+        w.stride(0), w.stride(1), y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0,
+        xa.stride(1) if has_lora else 0, *lora_strides,
+        W_TRANSPOSED=transposed, BK=BK, W_TMA=w_tma, SYNC_K=bool(cfg.get("sync", False)),
+        EVEN_K=k_chunk * n_chunks == K, EVEN_N=N % BN == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

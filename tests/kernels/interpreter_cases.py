@@ -148,16 +148,19 @@ def case_tma_single_pass_equals_pointer_kernel():
     for args in (dict(w_scale=scale), dict(w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7, bias=bias)):
         ptr = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
         assert tma_ok(x, codes)
-        tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=True), allow_split=False,
-                                     **args)
-        assert torch.equal(tma, ptr)
+        # "x": only x through a descriptor; sync: a CTA barrier per k-step; same bits
+        for extra in (dict(tma=True), dict(tma="x"), dict(tma=True, sync=True)):
+            tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, **extra), allow_split=False,
+                                         **args)
+            assert torch.equal(tma, ptr), extra
     g = torch.randn(21, 88).bfloat16()
     cfg_dx = dict(BN=64, BM=16, BK=32, num_warps=4, num_stages=2, split=False)
     ptr = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=cfg_dx, op="dx")
     assert tma_ok(g, codes.t())
-    tma = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=dict(cfg_dx, tma=True),
-                                 op="dx")
-    assert torch.equal(tma, ptr)
+    for mode in (True, "x"):
+        tma = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=dict(cfg_dx, tma=mode),
+                                     op="dx")
+        assert torch.equal(tma, ptr), mode
     assert not tma_ok(x[:, 1:], codes[:, 1:])  # unaligned rows: the caller falls back to the pointer kernel
     # a one-chunk forward (the gate_up case: one K loop over the whole ragged K), same bits
     import epirl.kernels.gemm.configs as configs
@@ -165,9 +168,10 @@ def case_tma_single_pass_equals_pointer_kernel():
     try:
         assert configs.k_chunking(88, 592) == (768, 1)
         ptr = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
-        tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=True), allow_split=False,
-                                     **args)
-        assert torch.equal(tma, ptr)
+        for mode in (True, "x"):
+            tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=mode), allow_split=False,
+                                         **args)
+            assert torch.equal(tma, ptr), mode
     finally:
         configs.TARGET_PROGRAMS = saved
     # a table selecting TMA: the call is checked against the pointer kernel on its first call, then kept
@@ -188,7 +192,7 @@ def case_tma_single_pass_equals_pointer_kernel():
         got = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
         want = weight_stationary_gemm(x, codes, torch.bfloat16, config=big, allow_split=False, **args)
         assert torch.equal(got, want)
-        assert ws_tma._CHECKED == {("fwd", 136, 512, (128, 256, 64, 8, 3), True, True, 9): True}, ws_tma._CHECKED
+        assert ws_tma._CHECKED == {("fwd", 136, 512, (128, 256, 64, 8, 3), True, True, True, 9): True}, ws_tma._CHECKED
     finally:
         os.environ.pop(configs.TABLE_ENV)
         os.environ.pop(configs.TMA_ENV)

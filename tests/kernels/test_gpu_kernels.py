@@ -1,5 +1,8 @@
 """GPU tests (H200): Triton kernels vs the references, bit-exact quantization, batch invariance, memory."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -357,12 +360,20 @@ def test_training_step_allocates_no_dequantized_weight():
     assert _peak_step_bytes(dequant_step) >= kn2  # the measurement can see such a buffer
 
 
-@pytest.mark.parametrize("K,N", [(4096, 6144), (4096, 24576)])
+# every Qwen3-8B / Qwen3.5-9B projection (K, N) of the committed TMA table (q3_gate / gdn share 4096x12288; kv: the
+# engine's per-slice k / v of the fused qkv)
+TMA_TABLE_SHAPES = [(4096, 6144), (4096, 24576), (4096, 4096), (12288, 4096), (4096, 10240), (4096, 12288),
+                    (4096, 1024)]
+FORCED_TMA_SHAPES = [(4096, 6144), (4096, 24576)]
+
+
+@pytest.mark.parametrize("K,N", TMA_TABLE_SHAPES)
 def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
     """The committed TMA table (the default, kernels/gemm/ws_tma.py) gives the pointer-only table's bits
-    (EPIRL_WS_TMA=0), forward with LoRA + bias and dX at 4096 tokens. Also with a table that forces the 128x256 TMA
-    tile onto the shape: on the gate_up forward (one 4096-deep chunk) Triton 3.6 miscompiles that tile, and the
-    first-call check must then warn and return the pointer kernel's result (printed: whether it fired)."""
+    (EPIRL_WS_TMA=0), forward with LoRA + bias and dX at 4096 tokens, on every shape with TMA entries. Also (q3_qkv,
+    gate_up) with a table that forces the 128x256/64 TMA tile onto the shape: on the gate_up forward (one 4096-deep
+    chunk) Triton 3.6 miscompiles that tile, and the first-call check must then warn and return the pointer kernel's
+    result (printed: whether it fired)."""
     import json
     import warnings
 
@@ -377,20 +388,21 @@ def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
         dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, op="dx")
         return fwd, dx
 
+    # the TMA table under test: a tuner's output given as EPIRL_WS_CONFIGS (before it is committed), else the committed
+    tma_table = os.environ.get("EPIRL_WS_CONFIGS") or str(TMA_TABLE_PATH)
     monkeypatch.setenv("EPIRL_WS_TMA", "0")
-    monkeypatch.delenv("EPIRL_WS_CONFIGS", raising=False)  # the committed tables, whatever the session set
+    monkeypatch.delenv("EPIRL_WS_CONFIGS", raising=False)  # the committed pointer-only table
     load_table.cache_clear()
     want = both()
-    forced = json.loads(TMA_TABLE_PATH.read_text())
+    forced = json.loads(Path(tma_table).read_text())
     tile = dict(BN=128, BM=256, BK=64, num_warps=8, num_stages=4, split=False, tma=True)
     forced["fwd"][f"{N}x{K}"]["1000000000"] = tile
     forced["dx"][f"{K}x{N}"]["1000000000"] = tile
     (tmp_path / "forced.json").write_text(json.dumps(forced))
     monkeypatch.setenv("EPIRL_WS_TMA", "1")
     try:
-        for table in (None, str(tmp_path / "forced.json")):
-            if table:
-                monkeypatch.setenv("EPIRL_WS_CONFIGS", table)
+        for table in (None, str(tmp_path / "forced.json")) if (K, N) in FORCED_TMA_SHAPES else (None,):
+            monkeypatch.setenv("EPIRL_WS_CONFIGS", table or tma_table)
             load_table.cache_clear()
             monkeypatch.setattr(ws_tma, "_CHECKED", {})
             monkeypatch.setattr(ws_tma, "_CALLS", {})
