@@ -40,8 +40,8 @@
 #              4096-deep chunk), q3_qkv with its 4 chunks and forced to one, dX                          ~1 min
 #   tmavar     `tmaprobe` with TMA kernel variants beside it (TMA_VARIANTS, default x: only x through a descriptor;
 #              sync: a barrier per k-step), bits and µs, on the trainer's shapes too                         ~3 min
-#   tunex      tune_w8a16.py --tma on the many-token bucket only, into $OUT/ws_configs.json (its TMA twins with
-#              the codes through descriptors timed, not chosen; the parts after it use that table)          ~3 min
+#   tunex      tune_w8a16.py --tma on the many-token bucket only, into $OUT/ws_configs.json (both TMA twins of
+#              each TMA tile; the parts after it use that table)                                              ~3 min
 #   stepgu     `step` with the TMA table plus TMA on the fused gate_up rows (each checked against the pointer
 #              kernel on its first call: there it warns and falls back)                                   ~2 min
 #   enginetpot matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 with the same adapter, nothing else (needs vLLM) ~4 min

@@ -16,8 +16,7 @@ gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 `configs.TMA_TUNER_TILES`, of all with `--tma-all`; a twin that gives other bits than the first candidate is
 excluded; a table that selects them is refused with EPIRL_WS_TMA=0), and it prints cuBLAS bf16 (+ the same LoRA as
 separate matmuls) on the same shape beside the many-token bucket;
-`--shapes`/`--buckets` tune a subset and merge it into the table. Twins that load the codes through a descriptor
-(tma=True) are timed and printed but chosen only with `--allow-tma-w`: on Triton 3.6 their stage buffers race.
+`--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--no-lora] [--shapes q3_qkv ...] [--buckets 256 ...]
 """
 
@@ -177,7 +176,7 @@ def cublas_us(op, x, codes, scale, lora=None):
     return graph_us(lambda: base() + s * (xa() @ b_t))
 
 
-def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, allow_tma_w=False):
+def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True):
     _, codes, scale, a, b = make_layer(K, N)
     if not with_lora:
         a = b = None
@@ -198,10 +197,7 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, allow_tm
                     totals.setdefault(id(c), [0.0, c, 0])[0] += us
                     totals[id(c)][2] += 1
             timed = [(us, c) for us, c, n in totals.values() if n == len(tokens)]
-            # the codes through a descriptor race on Triton 3.6 (a lagging warp still reads the stage buffer that
-            # the next TMA load overwrites: BENCHMARKS.md § Kernels, tenth session): timed, not chosen unless asked
-            eligible = [t for t in timed if allow_tma_w or t[1].get("tma") is not True]
-            best_us, best = min(eligible, key=lambda t: t[0])
+            best_us, best = min(timed, key=lambda t: t[0])
             row[str(bound)] = best
             ref = f" | {cublas_us(op, x, codes, scale, lora):.1f}" if bound == BIG else " | –"
             if tma and bound >= 256:  # best of each kernel kind: what TMA loads bought
@@ -233,8 +229,6 @@ def main():
     ap.add_argument("--tma", action="store_true", help="also TMA-load candidates for buckets >= 256")
     ap.add_argument("--tma-all", action="store_true", help="with --tma: twins of every tile, not only TMA_TUNER_TILES")
     ap.add_argument("--no-lora", action="store_true", help="time the base GEMM alone (no rank-64 LoRA)")
-    ap.add_argument("--allow-tma-w", action="store_true",
-                    help="let the table pick twins that load the codes through a descriptor (racy on Triton 3.6)")
     args = ap.parse_args()
     table = json.loads(json.dumps(load_table()))  # start from the table in effect (the TMA one unless EPIRL_WS_TMA=0)
     log = []
@@ -245,8 +239,7 @@ def main():
     shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     for name, K, N in shapes:
         tma = "all" if args.tma and args.tma_all else args.tma
-        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora,
-                                         args.allow_tma_w).items():
+        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora).items():
             table[op].setdefault(key, {}).update(row)
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned

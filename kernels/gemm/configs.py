@@ -24,14 +24,13 @@ TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own out
 TMA_TABLE_PATH = Path(__file__).with_name("ws_configs_tma.json")  # the tuned table with TMA-load entries
 TMA_ENV = "EPIRL_WS_TMA"  # "0": no TMA-load kernel (ws_tma.py): the pointer-only TABLE_PATH, tma entries refused
 CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
-# Tiles whose TMA-load twin the tuner offers. Triton 3.6 miscompiles the TMA kernel for some (tile, chunk depth)
-# pairs: wrong values in 0.1-30 % of the outputs, a different count each run, yet every run of such a pair is wrong
-# and no run of a pair outside them ever differed (2026-12-01/02, BENCHMARKS.md § Kernels): 128 x 256 over 512-2048
-# deep chunks and every dX is exact, over the gate_up forward's one 4096-deep chunk it is not; 64 x 128 is exact only
-# over 1024-deep chunks.
-# The tuner keeps a twin only where it gave the pointer kernel's bits (twice), and every table TMA call is checked
-# against the pointer kernel on its first call per key and again every `ws_tma.RECHECK_EVERY` calls. 128/128/64/8/4
-# joined on 2026-12-02: exact on the gate_up forward's 4096-deep chunk, where no 128 x 256 twin is (not yet timed).
+# a config's "tma": absent / false (pointer loads), true (x and the codes through descriptors), "x" (x alone)
+TMA_VARIANTS = (False, True, "x")
+# Tiles whose TMA-load twins (x and the codes through descriptors, and x alone: `ws_tma.py`) the tuner offers.
+# Triton 3.6 miscompiles both twins for some compiles: wrong values in 0.1-84 % of the outputs (BENCHMARKS.md
+# § Kernels, 2026-12-01/02; the cases are listed in ws_tma.py). The tuner keeps a twin only where it gave the pointer
+# kernel's bits (twice), and every table TMA call is checked against the pointer kernel on its first call per key and
+# again every `ws_tma.RECHECK_EVERY` calls.
 TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4)})
 
 
@@ -94,6 +93,10 @@ def load_table(path: str | None = None) -> dict:
     for op in ("fwd", "dx"):
         if "default" not in table.get(op, {}):
             raise RuntimeError(f"W8A16 tile table {path}: missing {op}.default")
+    bad = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
+           for bound, cfg in row.items() if cfg.get("tma", False) not in TMA_VARIANTS]
+    if bad:
+        raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}.tma must be one of true, false, \"x\"")
     if not tma_enabled():
         tma = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
                for bound, cfg in row.items() if cfg.get("tma")]

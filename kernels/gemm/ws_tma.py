@@ -15,17 +15,24 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
+Two variants (the table's `"tma"`): True, x and the codes through descriptors; "x", x alone (the codes by pointers,
+cp.async, as the pointer kernel loads them).
+
 Status (H200, triton 3.6, BENCHMARKS.md § Kernels): 1.03-1.42x faster than the pointer kernel at 4096 tokens (it
-holds no per-element address or mask tensors; q3_qkv forward 598 -> 426 µs at 128x256 tiles; Qwen3-8B trainer step
-1.12x a bf16 trainer's instead of 1.31x), but Triton miscompiles it for some (tile, chunk depth) pairs: the 128x256
-tiles are exact over the 512-2048-deep forward chunks and on every dX, wrong on the gate_up forward's one 4096-deep
-chunk (q3_qkv forced to one chunk: wrong too, scripts/tma_chunk_probe.py); 64x128 is wrong on every one-chunk call;
-128x128 on some dX. A wrong pair is wrong in every run (0.1-30 % of the outputs, a different count each run), and
-no run of any other pair has ever differed. So the kernel is the default where the tuner found it exact
-(`ws_configs_tma.json`; EPIRL_WS_TMA=0 turns it off and loads the pointer-only `ws_configs.json`), and every table TMA
-call is verified at run time on the user's own Triton and GPU: bitwise against the pointer kernel on its first call
-per (op, shape, tile, LoRA, bias, M's power of two), and again every RECHECK_EVERY calls (`checked_tma_single`); a
-difference warns and moves that key to the pointer kernel for the process.
+holds no per-element address or mask tensors; q3_qkv forward 590 -> 409 µs at 128x256 tiles; Qwen3-8B trainer step
+1.12-1.14x a bf16 trainer's instead of 1.31x), but Triton 3.6 miscompiles both variants for some compiles, and no
+rule found so far says which (scripts/tma_chunk_probe.py):
+- True: wrong on one-chunk forwards (gate_up's 4096-deep chunk; q3_qkv forced to one chunk) at 128x256x64, on every
+  one-chunk 64x128 call; flaky at 4 stages (a q35 forward wrong in one tuner run, exact in the next). A CTA barrier
+  every k-step (SYNC_K) removes every wrong value, which points to a race on the codes' stage buffers (a lagging
+  warp still copying a stage into registers when the next TMA load overwrites it), but it costs 1.1-10x the time.
+- "x": exact on every forward of the probe, those above included, yet wrong on dX at 128x256x64 (every run) and on
+  the gate_up forward at 128x256x64 / 4 stages once compiled with a bias (84 % of the outputs).
+So the kernel is the default where the tuner found it exact (`ws_configs_tma.json`; EPIRL_WS_TMA=0 turns it off and
+loads the pointer-only `ws_configs.json`), and every table TMA call is verified at run time on the user's own Triton
+and GPU: bitwise against the pointer kernel on its first call per (op, shape, tile, variant, LoRA, bias, M's power of
+two), and again every RECHECK_EVERY calls (`checked_tma_single`); a difference warns and moves that key to the
+pointer kernel for the process.
 """
 
 from __future__ import annotations
