@@ -8,7 +8,7 @@
 #   kernels    GPU kernel tests, then bench_kernels.py at 1/4/16/64 + 4096 tokens (PDL on/off columns)  ~6 min
 #              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS, for the
 #              parts after it too)
-#   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py), bench at 1/16/32 + 4096 tokens       ~5 min
+#   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py), bench at 1/16/32 + 4096 tokens       ~7 min
 #   tunebig    tune_w8a16.py: the many-token bucket with the TMA twins of the 128x256 tiles, then the 32-token
 #              bucket, into $OUT/ws_configs.json (the parts after it use that table)                         ~6 min
 #   bitsgu     ws_bits_report.py on the 4096 -> 24576 gate_up (every tile, pointer and TMA, twice at 4096 tokens): how
@@ -40,8 +40,9 @@
 #              4096-deep chunk), q3_qkv with its 4 chunks and forced to one, dX                          ~1 min
 #   tmavar     `tmaprobe` with TMA kernel variants beside it (TMA_VARIANTS, default x: only x through a descriptor;
 #              sync: a barrier per k-step), bits and µs, on the trainer's shapes too                         ~3 min
-#   tunex      tune_w8a16.py --tma on the many-token bucket only, into $OUT/ws_configs.json (both TMA twins of
-#              each TMA tile; the parts after it use that table)                                              ~3 min
+#   tunex      tune_w8a16.py --tma --flatten on the many-token bucket only, into $OUT/ws_configs.json (both TMA
+#              twins of each TMA tile, and the chunked forwards' flattened-loop twins; the parts after it use
+#              that table)                                                                                     ~5 min
 #   stepgu     `step` with the TMA table plus TMA on the fused gate_up rows (each checked against the pointer
 #              kernel on its first call: there it warns and falls back)                                   ~2 min
 #   enginetpot matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 with the same adapter, nothing else (needs vLLM) ~4 min
@@ -65,7 +66,7 @@ for name in "$@"; do
               [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
               part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
     kernelsq) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
-              part kernelsq 330 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
+              part kernelsq 480 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
                 -p no:cacheprovider --durations=8 2>&1 | tee $OUT/gpu_tests.log; python3 -P scripts/bench_kernels.py \
                 --tokens 1 16 32 --train-tokens 4096 --json $OUT/bench_kernels.json" ;;
     tunebig)  part tunebig 420 bash -c "python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 \
@@ -101,7 +102,8 @@ for name in "$@"; do
                 --json "$OUT/bench_step.json" ;;
     tmaprobe) part tmaprobe 200 python3 -P scripts/tma_chunk_probe.py --tokens 4096 ;;
     tmavar)   part tmavar 330 python3 -P scripts/tma_chunk_probe.py --tokens 4096 --variants ${TMA_VARIANTS:-x} ;;
-    tunex)    part tunex 420 python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 --out $OUT/ws_configs.json ;;
+    tunex)    part tunex 540 python3 -P scripts/tune_w8a16.py --tma --flatten --buckets 1000000000 \
+                --out $OUT/ws_configs.json ;;
     stepgu)   python3 -P - "$OUT/ws_configs_gu.json" <<'PY'
 import json, sys
 table = json.load(open("kernels/gemm/ws_configs_tma.json"))

@@ -16,8 +16,11 @@ gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 `configs.TMA_TUNER_TILES`, of all with `--tma-all`; a twin that gives other bits than the first candidate is
 excluded; a table that selects them is refused with EPIRL_WS_TMA=0), and it prints cuBLAS bf16 (+ the same LoRA as
 separate matmuls) on the same shape beside the many-token bucket;
-`--shapes`/`--buckets` tune a subset and merge it into the table.
-Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--no-lora] [--shapes q3_qkv ...] [--buckets 256 ...]
+`--flatten` adds, on the chunked forwards' many-token bucket, the twins with the chunk loop flattened into one
+pipelined loop (`_ws_single_kernel`'s FLATTEN; same bits). `--shapes`/`--buckets` tune a subset and merge it into
+the table.
+Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--flatten] [--no-lora]
+       [--shapes q3_qkv ...] [--buckets 256 ...]
 """
 
 from __future__ import annotations
@@ -107,10 +110,16 @@ def with_twins(cands, tma=False):
     return cands + twins
 
 
+def with_flattened(cands):
+    """cands plus the flattened-chunk-loop twin (`_ws_single_kernel`'s FLATTEN: one pipelined loop over every chunk,
+    same bits) of each one of the tiles worth timing (`configs.TMA_TUNER_TILES`), pointer or TMA."""
+    return cands + [dict(c, flatten=True) for c in cands if tile_of(c) in TMA_TUNER_TILES]
+
+
 def describe(c):
     tma = {True: " tma", "x": " tma-x"}.get(c.get("tma"), "")
     tile = "/".join(str(c[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
-    return tile + (" split" if c["split"] else "") + tma
+    return tile + (" split" if c["split"] else "") + tma + (" flat" if c.get("flatten") else "")
 
 
 def compiled_kernels() -> dict:
@@ -176,7 +185,7 @@ def cublas_us(op, x, codes, scale, lora=None):
     return graph_us(lambda: base() + s * (xa() @ b_t))
 
 
-def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True):
+def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=False):
     _, codes, scale, a, b = make_layer(K, N)
     if not with_lora:
         a = b = None
@@ -188,6 +197,8 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True):
             if bounds and bound not in bounds:
                 continue
             cands = with_twins(cands, tma) if bound >= 256 else cands
+            if flatten and op == "fwd" and bound == BIG and k_chunking(n_out, k_red)[1] > 1:
+                cands = with_flattened(cands)
             totals: dict[int, list] = {}
             for M in tokens:
                 x = torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16)
@@ -201,8 +212,9 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True):
             row[str(bound)] = best
             ref = f" | {cublas_us(op, x, codes, scale, lora):.1f}" if bound == BIG else " | –"
             if tma and bound >= 256:  # best of each kernel kind: what TMA loads bought
-                kinds = {kind: [t for t in timed if t[1].get("tma", False) == mode]
-                         for kind, mode in (("ptr", False), ("tma", True), ("tma-x", "x"))}
+                kinds = {kind + (" flat" if flat else ""): [t for t in timed if t[1].get("tma", False) == mode
+                                                            and t[1].get("flatten", False) == flat]
+                         for kind, mode in (("ptr", False), ("tma", True), ("tma-x", "x")) for flat in (False, True)}
                 ref += " | " + ", ".join(f"{k} {min(v, key=lambda t: t[0])[0]:.1f}" for k, v in kinds.items() if v)
             print(f"| {name} | {op} | ≤{bound} | {tokens} | {best_us:.1f} | {describe(best)} | "
                   f"{max(t[0] for t in timed):.1f}{ref} |", flush=True)
@@ -229,6 +241,8 @@ def main():
     ap.add_argument("--tma", action="store_true", help="also TMA-load candidates for buckets >= 256")
     ap.add_argument("--tma-all", action="store_true", help="with --tma: twins of every tile, not only TMA_TUNER_TILES")
     ap.add_argument("--no-lora", action="store_true", help="time the base GEMM alone (no rank-64 LoRA)")
+    ap.add_argument("--flatten", action="store_true",
+                    help="also the flattened chunk loop twins of the chunked forwards' many-token candidates")
     args = ap.parse_args()
     table = json.loads(json.dumps(load_table()))  # start from the table in effect (the TMA one unless EPIRL_WS_TMA=0)
     log = []
@@ -239,7 +253,8 @@ def main():
     shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     for name, K, N in shapes:
         tma = "all" if args.tma and args.tma_all else args.tma
-        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora).items():
+        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora,
+                                         args.flatten).items():
             table[op].setdefault(key, {}).update(row)
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned

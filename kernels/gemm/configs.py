@@ -94,9 +94,11 @@ def load_table(path: str | None = None) -> dict:
         if "default" not in table.get(op, {}):
             raise RuntimeError(f"W8A16 tile table {path}: missing {op}.default")
     bad = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
-           for bound, cfg in row.items() if cfg.get("tma", False) not in TMA_VARIANTS]
+           for bound, cfg in row.items() if cfg.get("tma", False) not in TMA_VARIANTS
+           or not isinstance(cfg.get("flatten", False), bool)]
     if bad:
-        raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}.tma must be one of true, false, \"x\"")
+        raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}: tma must be one of true, false, \"x\" and flatten "
+                           f"true or false")
     if not tma_enabled():
         tma = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
                for bound, cfg in row.items() if cfg.get("tma")]

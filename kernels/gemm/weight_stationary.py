@@ -188,15 +188,18 @@ def _ws_single_kernel(
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
     WAIT_PDL: tl.constexpr = False, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
-    EVEN_M: tl.constexpr = False,
+    EVEN_M: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     """One program per output tile: every chunk from zero, added in chunk order, then the epilogue. WAIT_PDL:
     launched as the programmatic dependent of the kernel that writes xa (`lora_down`), so the weights stream
-    while the down-projection runs; it waits for xa only before its epilogue."""
+    while the down-projection runs; it waits for xa only before its epilogue. FLATTEN: the chunk loop and each
+    chunk's K loop are one software-pipelined loop (Triton's loop flattening), so the loads of chunk c + 1 are in
+    flight while chunk c ends instead of the pipeline draining and refilling at every chunk; same operations in
+    the same order."""
     rn, rm, mask_n, mask_m = _ws_tile(N, M, BN, BM, GROUP_N)
     total = tl.zeros((BN, BM), dtype=tl.float32)
     tl.assume(N_CHUNKS > 0)
-    for c in range(0, N_CHUNKS):
+    for c in tl.range(0, N_CHUNKS, flatten=FLATTEN):
         total += _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, c * K_CHUNK, (c + 1) * K_CHUNK, K,
                            stride_wn, stride_wk, stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N, EVEN_M)
     b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
@@ -345,7 +348,7 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
             BK=cfg["BK"], WAIT_PDL=wait_down, EVEN_K=even_k(K, k_chunk, n_chunks), EVEN_N=N % cfg["BN"] == 0,
-            EVEN_M=M % cfg["BM"] == 0,
+            EVEN_M=M % cfg["BM"] == 0, FLATTEN=bool(cfg.get("flatten", False)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags,
             **({"launch_pdl": True} if wait_down else {}))
         return out
@@ -357,8 +360,8 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     if not (cfg.get("tma") and tma_ok(x, w) and not wait_down):
         pointer(y)
     elif config is None:  # a table TMA entry (on unless EPIRL_WS_TMA=0), checked per key (ws_tma.checked_tma_single)
-        checked_tma_single((op, N, K, tile_of(cfg), cfg["tma"], has_lora, bias is not None, M.bit_length()), y, tma,
-                           pointer)
+        key = (op, N, K, tile_of(cfg), cfg["tma"], bool(cfg.get("flatten")), has_lora, bias is not None, M.bit_length())
+        checked_tma_single(key, y, tma, pointer)
     else:  # an explicit config (tuner, bits report, tests): the TMA kernel as it is, so a miscompile shows
         tma(y)
     return (y, xa) if return_xa else y

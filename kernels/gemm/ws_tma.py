@@ -87,12 +87,13 @@ def _ws_tma_kernel(
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
     W_TMA: tl.constexpr = True, SYNC_K: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-    EVEN_N: tl.constexpr = False,
+    EVEN_N: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order.
     W_TMA=False: only x through its descriptor; the codes by pointers (cp.async, `_load_tile`, as the pointer kernel
     loads them; EVEN_K / EVEN_N: without masks). SYNC_K: a CTA barrier every k-step, so that no warp runs more than
-    one k-step ahead of another (a diagnostic: scripts/tma_chunk_probe.py --variants sync)."""
+    one k-step ahead of another (a diagnostic: scripts/tma_chunk_probe.py --variants sync). FLATTEN: one pipelined
+    loop over every chunk's k-steps (`_ws_single_kernel`'s FLATTEN)."""
     pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     off_n = pid_n * BN
     off_m = pid_m * BM
@@ -102,10 +103,14 @@ def _ws_tma_kernel(
     total = tl.zeros((BN, BM), dtype=tl.float32)
     tl.assume(K_CHUNK > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     tl.assume(N_CHUNKS > 0)
-    for c in range(0, N_CHUNKS):
+    for c in tl.range(0, N_CHUNKS, flatten=FLATTEN):
         acc = tl.zeros_like(total)
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (c * K_CHUNK + rk)[None, :].to(tl.int64) * stride_wk
-        for k0 in range(c * K_CHUNK, (c + 1) * K_CHUNK, BK):
+        k_lo = c * K_CHUNK
+        k_hi = k_lo + K_CHUNK
+        if FLATTEN:  # what lets Triton flatten the loop nest: no chunk's loop is empty
+            tl.assume(k_hi > k_lo)
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :].to(tl.int64) * stride_wk
+        for k0 in range(k_lo, k_hi, BK):
             if not W_TMA:
                 w = _load_tile(w_ptrs, in_n, (k0 + rk) < K, EVEN_N, EVEN_K)
                 w_ptrs += BK * stride_wk
@@ -187,7 +192,7 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
 
     BN, BM, BK = cfg["BN"], cfg["BM"], cfg["BK"]
     transposed = w.stride(1) != 1
-    w_tma = cfg["tma"] is True  # "x": the codes by pointers
+    w_tma = cfg.get("tma", True) is True  # "x": the codes by pointers
     x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
     w_desc = x_desc  # (unused without W_TMA)
     if w_tma:
@@ -200,6 +205,6 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
         w.stride(0), w.stride(1), y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0,
         xa.stride(1) if has_lora else 0, *lora_strides,
         W_TRANSPOSED=transposed, BK=BK, W_TMA=w_tma, SYNC_K=bool(cfg.get("sync", False)),
-        EVEN_K=k_chunk * n_chunks == K, EVEN_N=N % BN == 0,
+        EVEN_K=k_chunk * n_chunks == K, EVEN_N=N % BN == 0, FLATTEN=bool(cfg.get("flatten", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

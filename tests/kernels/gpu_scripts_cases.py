@@ -60,7 +60,8 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     tune.DX_BUCKETS = {tune.BIG: ([40], small)}
     tune.SHAPES, tune.EXTRA_SHAPES = [("tiny", 512, 96)], []
     out = tmp / "ws.json"
-    sys.argv = ["tune_w8a16.py", "--tma", "--tma-all", "--out", str(out)]  # twins of these tiny tiles too
+    tune.TMA_TUNER_TILES = frozenset({(64, 32, 64, 4, 2)})  # the tile whose flattened twins are timed
+    sys.argv = ["tune_w8a16.py", "--tma", "--tma-all", "--flatten", "--out", str(out)]  # twins of these tiny tiles too
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         tune.main()
@@ -68,8 +69,11 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     row = table["fwd"]["96x512"]
     assert set(row) == {"256", str(tune.BIG)} and "512x96" in table["dx"], table
     log = json.loads((tmp / "ws_log.json").read_text())["log"]
-    # 3 (op, bucket) x 4 candidates (2 tiles x pointer/TMA)
-    assert len([e for e in log if "us" in e and "config" in e]) == 3 * 4, log
+    # 3 (op, bucket) x 6 candidates (2 tiles x pointer / TMA / TMA with only x through a descriptor), and on the
+    # chunked forward's many-token bucket (K = 512: 2 chunks) the flattened twins of the 64/32 tile's 3
+    timed = [e["config"] for e in log if "us" in e and "config" in e]
+    assert len(timed) == 3 * 6 + 3 and sum(c.get("flatten", False) for c in timed) == 3, log
+    assert sum(c.get("tma") is True for c in timed) == sum(c.get("tma") == "x" for c in timed) == 3 * 2 + 1, log
     assert "BITS DIFFER" not in text.getvalue() and "| tiny | dx |" in text.getvalue(), text.getvalue()
 
 

@@ -82,6 +82,21 @@ def case_split_k_equals_single_pass():
     assert close_bf16(single, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
+def case_flattened_chunk_loop_equals_nested():
+    # FLATTEN (one pipelined loop over every chunk's k-steps) runs the same adds in the same order: same bits, for the
+    # pointer kernel and both TMA variants, over 2 chunks with a ragged last one
+    import epirl.kernels.gemm.configs as configs
+    x, codes, scale, a, b, bias = problem(21, 330, 150, 8, seed=6)
+    assert configs.k_chunking(150, 330) == (256, 2)
+    args = dict(w_scale=scale, xa=lora_down(x, a, chunk_n=150), lora_b=b, lora_scale=0.7, bias=bias)
+    cfg = dict(BN=64, BM=16, BK=64, num_warps=4, num_stages=2, split=False)
+    want = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
+    for tma in (False, True, "x"):
+        got = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=tma, flatten=True),
+                                     allow_split=False, **args)
+        assert torch.equal(got, want), tma
+
+
 def case_nan_poisoned_out_fully_written():
     for M in (3, 70):
         x, codes, scale, a, b, bias = problem(M, 100, 90, 8, seed=M)
@@ -192,7 +207,8 @@ def case_tma_single_pass_equals_pointer_kernel():
         got = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
         want = weight_stationary_gemm(x, codes, torch.bfloat16, config=big, allow_split=False, **args)
         assert torch.equal(got, want)
-        assert ws_tma._CHECKED == {("fwd", 136, 512, (128, 256, 64, 8, 3), True, True, True, 9): True}, ws_tma._CHECKED
+        key = ("fwd", 136, 512, (128, 256, 64, 8, 3), True, False, True, True, 9)  # full TMA, not flattened, LoRA, bias
+        assert ws_tma._CHECKED == {key: True}, ws_tma._CHECKED
     finally:
         os.environ.pop(configs.TABLE_ENV)
         os.environ.pop(configs.TMA_ENV)

@@ -71,7 +71,7 @@ def test_tma_loads_are_on_by_default_and_off_with_the_env_switch(tmp_path, monke
         table["dx"]["default"]["1000000000"]["tma"] = "w"  # neither variant: one line naming the entry
         path.write_text(json.dumps(table))
         load_table.cache_clear()
-        with pytest.raises(RuntimeError, match=r"ws_tma\.json: dx\.default\.1000000000\.tma must be one of"):
+        with pytest.raises(RuntimeError, match=r"ws_tma\.json: dx\.default\.1000000000: tma must be one of"):
             load_table(str(path))
     finally:
         load_table.cache_clear()
