@@ -30,8 +30,8 @@ rule found so far says which (scripts/tma_chunk_probe.py):
   the gate_up forward at 128x256x64 / 4 stages once compiled with a bias (84 % of the outputs).
 So the kernel is the default where the tuner found it exact (`ws_configs_tma.json`; EPIRL_WS_TMA=0 turns it off and
 loads the pointer-only `ws_configs.json`), and every table TMA call is verified at run time on the user's own Triton
-and GPU: bitwise against the pointer kernel on its first call per (op, shape, tile, variant, LoRA, bias, M's power of
-two), and again every RECHECK_EVERY calls (`checked_tma_single`); a difference warns and moves that key to the
+and GPU: bitwise against the pointer kernel on its first call per (op, shape, tile, variant, flattening, LoRA, bias,
+M's power of two), and again every RECHECK_EVERY calls (`checked_tma_single`); a difference warns and moves that key to the
 pointer kernel for the process.
 """
 
