@@ -39,7 +39,7 @@
 #   tmaprobe   tma_chunk_probe.py: TMA vs pointer kernel, bitwise, NaN-poisoned, twice, per tile: gate_up (one
 #              4096-deep chunk), q3_qkv with its 4 chunks and forced to one, dX                          ~1 min
 #   tmavar     `tmaprobe` with TMA kernel variants beside it (TMA_VARIANTS, default x: only x through a descriptor;
-#              sync: a barrier per k-step), bits and µs, on the trainer's shapes too                         ~3 min
+#              sync: a barrier per k-step; flat / xflat: flattened chunk loop), bits and µs, trainer shapes too ~3 min
 #   tunex      tune_w8a16.py --tma --flatten on the many-token bucket only, into $OUT/ws_configs.json (both TMA
 #              twins of each TMA tile, and the chunked forwards' flattened-loop twins; the parts after it use
 #              that table)                                                                                     ~5 min
