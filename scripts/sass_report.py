@@ -9,6 +9,11 @@ Per tile (BN weight rows / BM tokens / BK / warps / stages): registers, stack by
 innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.async), BAR, the e4m3 → bf16
 widening (F2FP, F2F, PRMT) and LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
 
+    python scripts/sass_report.py --tma full|x [--flatten] [--dx] [--tiles ...]
+
+the TMA-load kernel's loops (instructions, HGMMA, spill instructions per body, innermost first): what the flattened
+chunk loop (FLATTEN) does to it.
+
     python scripts/sass_report.py --wgmma
 
 compiles every wgmma kernel of epirl.kernels in the configs the committed tables select and says, per kernel,
@@ -49,11 +54,28 @@ def compile_cubin(tile: str, one_chunk: bool, dx: bool, even: bool = True) -> by
     return _compile(fn, const, ptr_types, warps, stages, DIVISIBLE).asm["cubin"]
 
 
+def compile_tma_cubin(tile: str, variant=True, flatten: bool = False, dx: bool = False) -> bytes:
+    """`ws_tma._ws_tma_kernel` for sm_90a with LoRA, chunked, unmasked: variant True (x and the codes through
+    descriptors) or "x" (x alone, the codes by pointers); flatten: the one-loop chunk nest (FLATTEN)."""
+    from epirl.kernels.gemm.ws_tma import _ws_tma_kernel as fn
+    BN, BM, BK, warps, stages = map(int, tile.split("/"))
+    const = dict(W_TRANSPOSED=dx, HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK,
+                 BR=64, GROUP_N=8, W_TMA=variant is True, SYNC_K=False, EVEN_K=True, EVEN_N=True, FLATTEN=flatten,
+                 stride_yn=1)
+    const.update({"stride_wn": 1} if dx else {"stride_wk": 1})
+    x_block = f"tensordesc<bf16[{BM}, {BK}]>"
+    w_block = f"tensordesc<fp8e4nv[{BK}, {BN}]>" if dx else f"tensordesc<fp8e4nv[{BN}, {BK}]>"
+    types = {"x_desc": x_block, "w_desc": w_block if variant is True else x_block,  # (unused without W_TMA)
+             "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
+    return _compile(fn, const, types, warps, stages, DIVISIBLE).asm["cubin"]
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def report(cubin: bytes) -> dict:
+def _sass(cubin: bytes) -> tuple[str, list, list]:
+    """(resource usage text, [(address, instruction)], [(loop start, loop end)] of every backward branch)."""
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -65,13 +87,31 @@ def report(cubin: bytes) -> dict:
            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*)", line) for line in sass.splitlines()) if m]
     loops = [(int(m.group(1), 16), a) for a, t in ops
              for m in [re.search(r"BRA.*?0x([0-9a-f]+)", t)] if m and int(m.group(1), 16) < a]
+    return usage, ops, loops
+
+
+def _opname(text: str) -> str:
+    words = text.split(";")[0].split()
+    return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+
+
+def loop_report(cubin: bytes, min_instructions: int = 32) -> list[dict]:
+    """Every loop of at least min_instructions (the TMA kernels also hold a few-instruction mbarrier wait loop, which
+    `report`'s innermost-loop rule would pick), outermost last: instructions, HGMMA and spill (LDL + STL) counts of
+    its body as compiled (a predicated or branched-over block counts whether it runs per trip or not)."""
+    _, ops, loops = _sass(cubin)
+    rows = []
+    for lo, hi in sorted(loops, key=lambda lh: lh[1] - lh[0]):
+        body = Counter(_opname(t) for a, t in ops if lo <= a <= hi)
+        if sum(body.values()) >= min_instructions:
+            rows.append(dict(instructions=sum(body.values()), HGMMA=body["HGMMA"], spill=body["LDL"] + body["STL"]))
+    return rows
+
+
+def report(cubin: bytes) -> dict:
+    usage, ops, loops = _sass(cubin)
     lo, hi = min(loops, key=lambda lh: lh[1] - lh[0]) if loops else (0, -1)
-
-    def opname(text: str) -> str:
-        words = text.split(";")[0].split()
-        return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
-
-    body = Counter(opname(t) for a, t in ops if lo <= a <= hi)
+    body = Counter(_opname(t) for a, t in ops if lo <= a <= hi)
     return dict(regs=int(re.search(r"REG:(\d+)", usage).group(1)), stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
                 loop=sum(body.values()), **{k: body.get(k, 0) for k in KEYS})
 
@@ -108,6 +148,8 @@ def _compile(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisibl
     for n in fn.arg_names:
         if n in const:
             sig[n] = "constexpr"
+        elif n in ptr_types:
+            sig[n] = ptr_types[n]
         elif n.endswith("_ptr") or n.endswith("_tab"):
             sig[n] = ptr_types.get(n, "*bf16")
         else:
@@ -204,7 +246,19 @@ def main():
     ap.add_argument("--dx", action="store_true", help="dX operand strides (codes read transposed)")
     ap.add_argument("--masked", action="store_true", help="the K loop with its load masks (ragged shapes)")
     ap.add_argument("--wgmma", action="store_true", help="every wgmma kernel: serialized by ptxas (C7515)?")
+    ap.add_argument("--tma", choices=["full", "x"], help="the TMA-load kernel (ws_tma.py), chunked: its loops")
+    ap.add_argument("--flatten", action="store_true", help="with --tma: the flattened chunk loop (FLATTEN)")
     args = ap.parse_args()
+    if args.tma:
+        print(f"triton {triton.__version__}, sm_90a, TMA kernel ({args.tma}), {'dX' if args.dx else 'forward'}, "
+              f"{'flattened' if args.flatten else 'nested'} chunk loop\n\n| BN/BM/BK/warps/stages | regs | stack B | "
+              f"loops, innermost first: instructions / HGMMA / LDL+STL |\n|---|---|---|---|")
+        for tile in args.tiles:
+            cubin = compile_tma_cubin(tile, True if args.tma == "full" else "x", args.flatten, args.dx)
+            r = report(cubin)
+            loops = ", ".join(f"{d['instructions']} / {d['HGMMA']} / {d['spill']}" for d in loop_report(cubin))
+            print(f"| {tile} | {r['regs']} | {r['stack']} | {loops} |", flush=True)
+        return
     if args.wgmma:
         print(f"triton {triton.__version__}, sm_90a\n\n| kernel, config | wgmma serialized | regs | spill B | LDL+STL in the K loop |\n|---|---|---|---|---|")
         wgmma_report()

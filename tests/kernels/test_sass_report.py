@@ -26,6 +26,19 @@ def test_kernel_compiles_for_sm90_with_wgmma_in_the_k_loop(dx):
     assert r["LDL"] == 0 and r["STL"] == 0, f"spill traffic inside the K loop: {r}"
 
 
+@pytest.mark.parametrize("variant", [True, "x"])
+def test_tma_kernel_flattens_its_chunk_loop_nest(variant):
+    """The TMA-load kernel compiles for sm_90a in both variants with wgmma in its loops, and FLATTEN fuses the chunk
+    loop with the K loop (one loop fewer, its body now holding the chunk's end), without spills at 128x128."""
+    import sass_report
+    if not _have_tools():
+        pytest.skip("this triton ships no ptxas/cuobjdump")
+    nested, flat = (sass_report.loop_report(sass_report.compile_tma_cubin("128/128/64/8/4", variant, flatten=f))
+                    for f in (False, True))
+    assert nested and all(d["HGMMA"] >= 1 and d["spill"] == 0 for d in nested + flat), (nested, flat)
+    assert len(flat) == len(nested) - 1 and flat[0]["instructions"] > nested[0]["instructions"], (nested, flat)
+
+
 def _ptx(fn, const: dict, ptr_types: dict, warps: int, stages: int) -> str:
     from conftest import ptx_for
 
