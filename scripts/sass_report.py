@@ -140,8 +140,8 @@ def ptxas_notes(ptx: str) -> dict:
 
 
 def _compile(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisible=()):
-    """A Triton kernel compiled for sm_90a; pointers default to bf16, other runtime arguments to i32 (fp32 for the
-    LoRA scales); `divisible` names the arguments Triton would see as multiples of 16 on the device."""
+    """A Triton kernel compiled for sm_90a; `ptr_types` types the arguments it names (pointers, tensor descriptors),
+    other pointers default to bf16, other runtime arguments to i32 (fp32 for the LoRA scales); `divisible` names the arguments Triton would see as multiples of 16 on the device."""
     # constexpr parameters with defaults left out of `const` take their defaults, as a launch would
     const = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const)
     sig = {}
@@ -151,7 +151,7 @@ def _compile(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisibl
         elif n in ptr_types:
             sig[n] = ptr_types[n]
         elif n.endswith("_ptr") or n.endswith("_tab"):
-            sig[n] = ptr_types.get(n, "*bf16")
+            sig[n] = "*bf16"
         else:
             sig[n] = "fp32" if n in ("lora_scale", "sigma_const") else "i32"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible if sig.get(n, "constexpr") != "constexpr"}

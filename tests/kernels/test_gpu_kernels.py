@@ -394,14 +394,17 @@ def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
     monkeypatch.delenv("EPIRL_WS_CONFIGS", raising=False)  # the committed pointer-only table
     load_table.cache_clear()
     want = both()
-    forced = json.loads(Path(tma_table).read_text())
-    tile = dict(BN=128, BM=256, BK=64, num_warps=8, num_stages=4, split=False, tma=True)
-    forced["fwd"][f"{N}x{K}"]["1000000000"] = tile
-    forced["dx"][f"{K}x{N}"]["1000000000"] = tile
-    (tmp_path / "forced.json").write_text(json.dumps(forced))
+    tables = [None]
+    if (K, N) in FORCED_TMA_SHAPES:
+        forced = json.loads(Path(tma_table).read_text())
+        tile = dict(BN=128, BM=256, BK=64, num_warps=8, num_stages=4, split=False, tma=True)
+        forced["fwd"][f"{N}x{K}"]["1000000000"] = tile
+        forced["dx"][f"{K}x{N}"]["1000000000"] = tile
+        (tmp_path / "forced.json").write_text(json.dumps(forced))
+        tables.append(str(tmp_path / "forced.json"))
     monkeypatch.setenv("EPIRL_WS_TMA", "1")
     try:
-        for table in (None, str(tmp_path / "forced.json")) if (K, N) in FORCED_TMA_SHAPES else (None,):
+        for table in tables:
             monkeypatch.setenv("EPIRL_WS_CONFIGS", table or tma_table)
             load_table.cache_clear()
             monkeypatch.setattr(ws_tma, "_CHECKED", {})
