@@ -46,6 +46,9 @@
 #   stepgu     `step` with the TMA table plus TMA on the fused gate_up rows (each checked against the pointer
 #              kernel on its first call: there it warns and falls back)                                   ~2 min
 #   enginetpot matched W8A16 vs W8A8 engine TPOT at batch 1 / 32 with the same adapter, nothing else (needs vLLM) ~4 min
+#   widen      the e4m3 -> bf16 widening (kernels/gemm/widen.py): its GPU tests (PTX vs conversion, bitwise: every
+#              code, whole GEMMs), then `kernelsq`'s bench with EPIRL_WIDEN=cvt (the conversion instructions) for
+#              the A/B against `kernelsq` (the default, PTX)                                              ~4 min
 #   hostprof   cProfile of the FP8 trainer linear's host side (q3_o, 1024 tokens): Python, autograd, launches ~1 min
 set -o pipefail
 source scripts/device_env.sh
@@ -113,13 +116,16 @@ json.dump(table, open(sys.argv[1], "w"), indent=1)
 PY
               part stepgu 400 env EPIRL_WS_CONFIGS="$OUT/ws_configs_gu.json" python3 -P \
                 scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum --json "$OUT/bench_stepgu.json" ;;
-    enginetpot) part enginetpot 480 bash -c "timeout 230 python3 -P scripts/gpu_engine.py --tag main --precisions w8a16 \
+    enginetpot) part enginetpot 480 bash -c "[ -f ~/vllm-env.sh ] && source ~/vllm-env.sh; timeout 230 python3 -P scripts/gpu_engine.py --tag main --precisions w8a16 \
                 --sections tpot --skip-smollm2; timeout 230 python3 -P scripts/gpu_engine.py --tag w8a8 --precisions w8a8 \
                 --sections tpot --skip-smollm2" ;;
+    widen)    part widen 420 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_widen.py -p no:cacheprovider; \
+                EPIRL_WIDEN=cvt python3 -P scripts/bench_kernels.py --tokens 1 16 32 --train-tokens 4096 \
+                --json $OUT/bench_kernels_cvt.json" ;;
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

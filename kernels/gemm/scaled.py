@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .._dispatch import check_reduction, interpreting
 from ..w8a16_lora.reference import check_lora_args
+from .widen import widen_e4m3
 
 # Pinned config of `scaled_gemm_lora` (W8A8 batch invariance): BM 64 keeps Hopper on wgmma for every M;
 # BN 64 gives >= 64 programs for the 4096-wide Qwen projections at 1 token, BK 128 halves loop trips.
@@ -91,7 +92,7 @@ def _scaled_gemm_lora_kernel(
             # promote every wgmma k-step (32 for e4m3) into the fp32 accumulator: precise accumulation
             acc = tl.dot(x, w, acc, max_num_imprecise_acc=32)
         else:
-            acc = tl.dot(x, w.to(tl.bfloat16), acc)  # e4m3 -> bf16 is exact
+            acc = tl.dot(x, widen_e4m3(w, DOT_F32), acc)  # e4m3 -> bf16 is exact (widen.py)
         x_ptrs += BK * stride_xk
         w_ptrs += BK * stride_wk
 

@@ -33,6 +33,7 @@ from .._dispatch import check_reduction, interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, tile_of, ws_config, xa_chunking
 from .scaled import _load_tile
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
+from .widen import widen_e4m3
 from .ws_tma import checked_tma_single, launch_tma_single, tma_ok
 
 PDL_ENV = "EPIRL_WS_PDL"  # "0": launch the split-K reduce kernel plainly, not as a PDL dependent (on by default)
@@ -73,7 +74,7 @@ def _ws_chunk(w_ptr, x_ptr, rn, rm, n_rows, m_rows, k_lo, k_hi, K, stride_wn, st
         if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
             acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
         else:
-            acc = tl.dot(w.to(tl.bfloat16), x_t, acc)  # e4m3 -> bf16 is exact
+            acc = tl.dot(widen_e4m3(w, DOT_F32), x_t, acc)  # e4m3 -> bf16 is exact (widen.py)
         w_ptrs += BK * stride_wk
         x_ptrs += BK * stride_xk
     return acc

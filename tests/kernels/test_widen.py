@@ -1,0 +1,99 @@
+"""The e4m3 → bf16 widening of the W8A16 kernels (kernels/gemm/widen.py): the bit recipe on CPU, the PTX on the GPU,
+and whole GEMMs with it against the same GEMMs with Triton's conversion instructions, bitwise."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epirl.kernels.gemm.widen import WIDEN_ENV, widen_e4m3_reference
+
+ALL_CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+NAN_CODES = (0x7F, 0xFF)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def test_recipe_widens_every_finite_code_exactly():
+    """Every finite code (zeros of both signs, the 14 subnormals, ±448) to torch's own bf16, bit for bit; the two NaN
+    codes, which FP8 quantization never writes, to ±480 (documented)."""
+    got, want = widen_e4m3_reference(ALL_CODES), ALL_CODES.to(torch.bfloat16)
+    finite = ~want.isnan()
+    assert int(finite.sum()) == 254
+    assert torch.equal(_bits(got)[finite], _bits(want)[finite])
+    assert got[~finite].tolist() == [480.0, -480.0]
+
+
+def test_quantized_weights_hold_no_nan_code():
+    """The widening's one exception never reaches it: weight quantization saturates (codes 0x7e / 0xfe at most)."""
+    from epirl.kernels import quantize_weight_fp8
+    w = torch.randn(64, 256) * 0.02
+    w[0, :3] = torch.tensor([1e6, -1e6, float("inf")])
+    codes, _ = quantize_weight_fp8(w, backend="reference")
+    raw = codes.view(torch.uint8)
+    assert not any(bool((raw == c).any()) for c in NAN_CODES)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(16, 16), (64, 128), (128, 64)])
+def test_ptx_widening_is_the_conversion_bitwise_on_the_gpu(shape):
+    import triton
+    import triton.language as tl
+
+    from epirl.kernels.gemm.widen import widen_e4m3
+
+    @triton.jit
+    def widen_kernel(c_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):
+        offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+        tl.store(y_ptr + offs, widen_e4m3(tl.load(c_ptr + offs), False))
+
+    R, C = shape
+    codes = ALL_CODES.repeat(R * C // 256 + 1)[: R * C].reshape(R, C)
+    codes = codes.view(torch.uint8)[torch.randperm(R)].view(torch.float8_e4m3fn).cuda()  # mixed rows
+    y = torch.full((R, C), float("nan"), device="cuda", dtype=torch.bfloat16)
+    widen_kernel[(1,)](codes, y, R, C)
+    want = codes.to(torch.bfloat16)
+    finite = ~want.isnan()
+    assert torch.equal(_bits(y)[finite], _bits(want)[finite])
+
+
+_GEMMS = r"""
+import sys, torch
+from epirl.kernels import quantize_weight_fp8
+from epirl.kernels.gemm.weight_stationary import weight_stationary_gemm
+out = {}
+for (M, K, N) in [(1, 4096, 6144), (16, 12288, 4096), (257, 1000, 1304), (4096, 4096, 4096)]:
+    g = torch.Generator(device="cuda").manual_seed(M + K + N)
+    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+    codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g, device="cuda") * 0.02)
+    a = (torch.randn(16, K, generator=g, device="cuda") / K ** 0.5).bfloat16()
+    b = (torch.randn(N, 16, generator=g, device="cuda") * 0.05).bfloat16()
+    y = weight_stationary_gemm(x, codes, w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0)
+    dy = torch.randn(M, N, generator=g, device="cuda").bfloat16()
+    dx = weight_stationary_gemm(dy, codes.t(), w_scale=scale, op="dx")
+    out[f"{M}x{K}x{N}"] = (y.cpu(), dx.cpu())
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemms_with_ptx_widening_give_the_conversion_kernels_bits(tmp_path):
+    """Forward (decode split-K at 1 and 16 tokens, ragged, training tiles with the TMA table) and dX, each in a fresh
+    process with EPIRL_WIDEN=ptx and =cvt (the choice is read at import): the same bits."""
+    results = {}
+    for mode in ("ptx", "cvt"):
+        path = tmp_path / f"{mode}.pt"
+        env = dict(os.environ, **{WIDEN_ENV: mode})
+        subprocess.run([sys.executable, "-c", _GEMMS, str(path)], env=env, check=True, timeout=600)
+        results[mode] = torch.load(path)
+    assert len(results["ptx"]) == 4
+    for name, (y_p, dx_p) in results["ptx"].items():
+        y_c, dx_c = results["cvt"][name]
+        assert torch.equal(_bits(y_p), _bits(y_c)), f"forward {name}"
+        assert torch.equal(_bits(dx_p), _bits(dx_c)), f"dX {name}"
