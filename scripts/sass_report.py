@@ -7,7 +7,8 @@ device specializes integer arguments the same way (`tt.divisibility` 16 on point
 
 Per tile (BN weight rows / BM tokens / BK / warps / stages): registers, stack bytes (spills), and per trip of the
 innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.async), BAR, the e4m3 → bf16
-widening (F2FP, F2F, PRMT) and LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
+widening (F2FP, F2F: Triton's conversions, `EPIRL_WIDEN=cvt`; PRMT, LOP3, HMUL2: `kernels/gemm/widen.py`'s) and
+LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
 
     python scripts/sass_report.py --tma full|x [--flatten] [--dx] [--tiles ...]
 
@@ -35,7 +36,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-KEYS = ["HGMMA", "LDS", "STS", "LDGSTS", "BAR", "F2FP", "F2F", "PRMT", "LDL", "STL"]
+KEYS = ["HGMMA", "LDS", "STS", "LDGSTS", "BAR", "F2FP", "F2F", "PRMT", "LOP3", "HMUL2", "LDL", "STL"]
 DIVISIBLE = {"x_ptr", "w_ptr", "y_ptr", "w_scale_ptr", "xa_ptr", "b_ptr", "bias_ptr", "N", "K", "K_CHUNK",
              "stride_xm", "stride_wn", "stride_wk", "stride_ym", "stride_xam", "stride_bn"}
 

@@ -26,6 +26,21 @@ def test_kernel_compiles_for_sm90_with_wgmma_in_the_k_loop(dx):
     assert r["LDL"] == 0 and r["STL"] == 0, f"spill traffic inside the K loop: {r}"
 
 
+@pytest.mark.parametrize("tile,dx", [("64/16/128/4/4", False), ("128/256/64/8/3", False), ("128/256/64/8/3", True)])
+def test_k_loops_widen_without_conversion_instructions(tile, dx):
+    """The decode and training K loops widen e4m3 -> bf16 with `widen.py`'s PRMT/SHL/AND/bf16x2 FMA (one of each per
+    two codes), no F2F / F2FP: sm_90 issues those at a quarter of the integer rate (with them the decode tile's loop
+    held 64 F2F + 32 F2FP per trip, triton 3.9)."""
+    import sass_report
+    if not _have_tools():
+        pytest.skip("this triton ships no ptxas/cuobjdump")
+    r = sass_report.report(sass_report.compile_cubin(tile, False, dx))
+    BN, _, BK, warps, _ = map(int, tile.split("/"))
+    pairs = BN * BK // (2 * 32 * warps)  # code pairs per thread per trip
+    assert r["F2F"] == 0 and r["F2FP"] == 0, r
+    assert r["HMUL2"] == pairs and r["PRMT"] >= pairs, r
+
+
 @pytest.mark.parametrize("variant", [True, "x"])
 def test_tma_kernel_flattens_its_chunk_loop_nest(variant):
     """The TMA-load kernel compiles for sm_90a in both variants with wgmma in its loops, and FLATTEN fuses the chunk
