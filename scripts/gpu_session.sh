@@ -8,7 +8,8 @@
 #   kernels    GPU kernel tests, then bench_kernels.py at 1/4/16/64 + 4096 tokens (PDL on/off columns)  ~6 min
 #              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS, for the
 #              parts after it too)
-#   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py), bench at 1/16/32 + 4096 tokens       ~7 min
+#   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py; GPU_TEST_K=EXPR: those -k selects),
+#              bench at 1/16/32 + 4096 tokens                                                               ~7 min
 #   tunebig    tune_w8a16.py: the many-token bucket with the TMA twins of the 128x256 tiles, then the 32-token
 #              bucket, into $OUT/ws_configs.json (the parts after it use that table)                         ~6 min
 #   bitsgu     ws_bits_report.py on the 4096 -> 24576 gate_up (every tile, pointer and TMA, twice at 4096 tokens): how
@@ -70,7 +71,7 @@ for name in "$@"; do
               part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
     kernelsq) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
               part kernelsq 480 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
-                -p no:cacheprovider --durations=8 2>&1 | tee $OUT/gpu_tests.log; python3 -P scripts/bench_kernels.py \
+                ${GPU_TEST_K:+-k \"$GPU_TEST_K\"} -p no:cacheprovider --durations=8 2>&1 | tee $OUT/gpu_tests.log; python3 -P scripts/bench_kernels.py \
                 --tokens 1 16 32 --train-tokens 4096 --json $OUT/bench_kernels.json" ;;
     tunebig)  part tunebig 420 bash -c "python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 \
                 --out $OUT/ws_configs.json && EPIRL_WS_CONFIGS=$OUT/ws_configs.json python3 -P scripts/tune_w8a16.py \
