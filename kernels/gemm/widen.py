@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 WIDEN_ENV = "EPIRL_WIDEN"  # "cvt": Triton's conversion instructions instead (read at import; for A/B timing)
-PTX_WIDEN = tl.constexpr(os.environ.get(WIDEN_ENV, "ptx") != "cvt")
+# Triton's CPU interpreter runs no PTX: there every caller takes `.to` (scripts that launch with DOT_F32=False too)
+PTX_WIDEN = tl.constexpr(os.environ.get(WIDEN_ENV, "ptx") != "cvt" and os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 # Register recipe for 2 codes b0, b1 (byte i = element i): lanes [int16(b1), int16(b0)] (PRMT selector nibble 8 | i
 # replicates byte i's sign bit), << 4 puts the 7 magnitude bits at bf16 bits 4..10 and a sign copy at 11..15, & 0x87f0
