@@ -90,7 +90,7 @@ def test_gemms_with_ptx_widening_give_the_conversion_kernels_bits(tmp_path):
     for mode in ("ptx", "cvt"):
         path = tmp_path / f"{mode}.pt"
         env = dict(os.environ, **{WIDEN_ENV: mode})
-        subprocess.run([sys.executable, "-c", _GEMMS, str(path)], env=env, check=True, timeout=600)
+        subprocess.run([sys.executable, "-P", "-c", _GEMMS, str(path)], env=env, check=True, timeout=600)
         results[mode] = torch.load(path)
     assert len(results["ptx"]) == 4
     for name, (y_p, dx_p) in results["ptx"].items():
