@@ -1,8 +1,8 @@
 """The e4m3 → bf16 widening of the W8A16 kernels, in integer and bf16-FMA instructions instead of conversions.
 
 Why: Triton lowers `codes.to(tl.bfloat16)` on Hopper to `cvt.rn.f16x2.e4m3x2` + one `cvt.bf16.f16` per element
-(SASS F2FP + F2F), and float-to-float conversions issue at 16 per clock per SM on sm_90 (a quarter of the integer
-and a eighth of the FMA rate). At 1.5 conversions per weight that caps a weight stream at ~2.8 T codes/s on an
+(SASS F2FP + F2F), and float-to-float conversions issue at 16 per clock per SM on sm_90 (a quarter of the
+integer rate; CUDA programming guide, throughput table). At 1.5 conversions per weight that caps a weight stream at ~2.8 T codes/s on an
 H200, under its 4.4 TB/s of HBM: the decode kernels could not reach their memory floor, and in the training tiles
 the conversions compete with the wgmmas' issue slots.
 
@@ -15,8 +15,8 @@ FMA.bf16x2 - all on full-rate pipes, no conversion instruction (`scripts/sass_re
 The two e4m3fn NaN codes (0x7f, 0xff) would widen to ±480 instead of NaN; FP8 quantization saturates at ±448
 (`fp8_quant`: codes 0x7e / 0xfe at most), so no weight epirl quantizes or maps from vLLM holds them.
 
-`widen_e4m3_reference` is the same bit recipe in torch, so CPU tests pin it against torch's own widening for all
-256 codes; the GPU tests hold the kernels bitwise to the references.
+`widen_e4m3_reference` is the same bit recipe in torch, so CPU tests pin it against torch's own widening on all 254
+finite codes; the GPU tests (tests/kernels/test_widen.py) hold the PTX to the conversion bitwise, per code and per GEMM.
 """
 
 from __future__ import annotations
