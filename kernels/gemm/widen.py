@@ -2,9 +2,9 @@
 
 Why: Triton lowers `codes.to(tl.bfloat16)` on Hopper to `cvt.rn.f16x2.e4m3x2` + one `cvt.bf16.f16` per element
 (SASS F2FP + F2F), and float-to-float conversions issue at 16 per clock per SM on sm_90 (a quarter of the
-integer rate; CUDA programming guide, throughput table). At 1.5 conversions per weight that caps a weight stream at ~2.8 T codes/s on an
-H200, under its 4.4 TB/s of HBM: the decode kernels could not reach their memory floor, and in the training tiles
-the conversions compete with the wgmmas' issue slots.
+integer rate; CUDA programming guide, throughput table). At 1.5 conversions per weight that caps a weight stream
+at ~2.8 T codes/s on an H200, under its 4.4 TB/s of HBM: the decode kernels could not reach their memory floor,
+and in the training tiles the conversions compete with the wgmmas' issue slots.
 
 How (exact, for every finite code): a code `s eeee mmm` (bias 7) placed as bf16 bits `s 0000eeee mmm0000`
 is the bf16 number value × 2⁻¹²⁰ (bias 127: normals keep their exponent field; subnormals `e = 0` become bf16
