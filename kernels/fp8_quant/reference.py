@@ -75,3 +75,21 @@ def quantize_weight(w: torch.Tensor):
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """codes * scale in fp32 (CPU/test helper: materialises the weight, never use it in the trainer)."""
     return (codes.float() * scale.float()).to(dtype)  # scale `[1]` or per-row `[..., 1]` broadcasts
+
+
+NAN_CODE_MAGNITUDE = 0x7F  # e4m3fn's NaN: every exponent and mantissa bit set (0x7f, 0xff)
+CHECK_BLOCK = 1 << 24  # codes checked at once: the check's temporaries stay at a few 16 MiB blocks, whatever the layer
+
+
+def check_no_nan_codes(codes: torch.Tensor, what: str = "codes") -> None:
+    """Refuse e4m3 codes that hold a NaN (which the W8A16 kernels' widening, `gemm/widen.py`, would read as ±480),
+    with one line naming them. FP8 quantization (epirl's and vLLM's) saturates at ±448 and never writes one, so this
+    guards codes from elsewhere (a corrupt checkpoint, a hand-built tensor). One read of the codes, in blocks."""
+    if codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous():
+        codes = codes.t()  # the engine's [K, N] view: the same elements, read in storage order
+    raw = codes.contiguous().reshape(-1).view(torch.uint8)
+    for lo in range(0, raw.numel(), CHECK_BLOCK):
+        block = raw[lo:lo + CHECK_BLOCK]
+        if bool(((block & NAN_CODE_MAGNITUDE) == NAN_CODE_MAGNITUDE).any()):
+            raise ValueError(f"{what}: holds NaN e4m3 codes (0x7f/0xff); FP8 weights must be finite (quantize with "
+                             f"saturation, as epirl.kernels.quantize_weight_fp8 does)")

@@ -13,7 +13,8 @@ back exactly: a power of two, the result a normal bf16 in [2⁻⁹, 448]. Per 2 
 one bf16x2 register of wgmma's A operand): PRMT (sign-replicating byte spread into 16-bit lanes), SHL, AND,
 FMA.bf16x2 - all on full-rate pipes, no conversion instruction (`scripts/sass_report.py` counts them per K loop).
 The two e4m3fn NaN codes (0x7f, 0xff) would widen to ±480 instead of NaN; FP8 quantization saturates at ±448
-(`fp8_quant`: codes 0x7e / 0xfe at most), so no weight epirl quantizes or maps from vLLM holds them.
+(`fp8_quant`: codes 0x7e / 0xfe at most), so no weight epirl quantizes or maps from vLLM holds them, and
+`Fp8LoRALinear` refuses codes that do (`fp8_quant.reference.check_no_nan_codes`).
 
 `widen_e4m3_reference` is the same bit recipe in torch, so CPU tests pin it against torch's own widening on all 254
 finite codes; the GPU tests (tests/kernels/test_widen.py) hold the PTX to the conversion bitwise, per code and per GEMM.

@@ -38,6 +38,25 @@ def test_quantized_weights_hold_no_nan_code():
     assert not any(bool((raw == c).any()) for c in NAN_CODES)
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn_view"])
+def test_linear_refuses_nan_codes_with_one_line(layout, monkeypatch):
+    """Codes from elsewhere that hold a NaN are refused when the trainer's layer is built (row-major codes, and the
+    engine's [K, N] view transposed back), before any kernel could widen them to ±480; the check reads in blocks
+    (here 64 codes: the NaN sits in the last one)."""
+    from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8
+    from epirl.kernels.fp8_quant import reference
+    monkeypatch.setattr(reference, "CHECK_BLOCK", 64)
+    codes, scale = quantize_weight_fp8(torch.randn(48, 40) * 0.02, backend="reference")
+    Fp8LoRALinear.from_codes(codes, scale, rank=4, alpha=8)  # finite codes: accepted
+    raw = codes.view(torch.uint8).clone()
+    raw[47, 39] = 0xFF
+    bad = raw.view(torch.float8_e4m3fn)
+    if layout == "kn_view":
+        bad = bad.t().contiguous().t()  # [48, 40] over a [40, 48] row-major buffer
+    with pytest.raises(ValueError, match=r"codes \(48, 40\): holds NaN e4m3 codes"):
+        Fp8LoRALinear.from_codes(bad, scale, rank=4, alpha=8)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(16, 16), (64, 128), (128, 64)])
