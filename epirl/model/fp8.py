@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from epirl.kernels import FP8_DTYPE, Fp8LoRAFunction
+from epirl.kernels import Fp8LoRAFunction
+from epirl.kernels.fp8_quant.reference import check_weight_codes
 
 
 class Fp8Linear(nn.Module):
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        if codes.dtype != FP8_DTYPE or codes.dim() != 2:
-            raise ValueError(f"codes must be a 2-D {FP8_DTYPE} tensor, got {codes.dtype} {tuple(codes.shape)}")
+        check_weight_codes(codes)
         self.out_features, self.in_features = codes.shape
         # Non-persistent, as in Fp8LoRALinear: the base belongs to the checkpoint / engine, not to us.
         self.register_buffer("codes", codes, persistent=False)

@@ -81,10 +81,14 @@ NAN_CODE_MAGNITUDE = 0x7F  # e4m3fn's NaN: every exponent and mantissa bit set (
 CHECK_BLOCK = 1 << 24  # codes checked at once: the check's temporaries stay at a few 16 MiB blocks, whatever the layer
 
 
-def check_no_nan_codes(codes: torch.Tensor, what: str = "codes") -> None:
-    """Refuse e4m3 codes that hold a NaN (which the W8A16 kernels' widening, `gemm/widen.py`, would read as ±480),
-    with one line naming them. FP8 quantization (epirl's and vLLM's) saturates at ±448 and never writes one, so this
-    guards codes from elsewhere (a corrupt checkpoint, a hand-built tensor). One read of the codes, in blocks."""
+def check_weight_codes(codes: torch.Tensor) -> None:
+    """The frozen FP8 base of a trainer layer: a 2-D e4m3fn tensor without NaN codes (which the W8A16 kernels'
+    widening, `gemm/widen.py`, would read as ±480); else one line naming it. FP8 quantization (epirl's and vLLM's)
+    saturates at ±448 and never writes one, so this guards codes from elsewhere (a corrupt checkpoint, a hand-built
+    tensor). One read of the codes, in blocks."""
+    if codes.dtype != FP8_DTYPE or codes.dim() != 2:
+        raise ValueError(f"codes must be a 2-D {FP8_DTYPE} tensor, got {codes.dtype} {tuple(codes.shape)}")
+    what = f"codes {tuple(codes.shape)}"
     if codes.dim() == 2 and not codes.is_contiguous() and codes.t().is_contiguous():
         codes = codes.t()  # the engine's [K, N] view: the same elements, read in storage order
     raw = codes.contiguous().reshape(-1).view(torch.uint8)

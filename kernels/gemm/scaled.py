@@ -92,7 +92,7 @@ def _scaled_gemm_lora_kernel(
             # promote every wgmma k-step (32 for e4m3) into the fp32 accumulator: precise accumulation
             acc = tl.dot(x, w, acc, max_num_imprecise_acc=32)
         else:
-            acc = tl.dot(x, widen_e4m3(w, DOT_F32), acc)  # e4m3 -> bf16 is exact (widen.py)
+            acc = tl.dot(x, widen_e4m3(w), acc)  # e4m3 -> bf16 is exact (widen.py)
         x_ptrs += BK * stride_xk
         w_ptrs += BK * stride_wk
 

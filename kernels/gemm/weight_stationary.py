@@ -74,7 +74,7 @@ def _ws_chunk(w_ptr, x_ptr, rn, rm, n_rows, m_rows, k_lo, k_hi, K, stride_wn, st
         if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
             acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
         else:
-            acc = tl.dot(widen_e4m3(w, DOT_F32), x_t, acc)  # e4m3 -> bf16 is exact (widen.py)
+            acc = tl.dot(widen_e4m3(w), x_t, acc)  # e4m3 -> bf16 is exact (widen.py)
         w_ptrs += BK * stride_wk
         x_ptrs += BK * stride_xk
     return acc

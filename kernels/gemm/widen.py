@@ -14,7 +14,7 @@ one bf16x2 register of wgmma's A operand): PRMT (sign-replicating byte spread in
 FMA.bf16x2 - all on full-rate pipes, no conversion instruction (`scripts/sass_report.py` counts them per K loop).
 The two e4m3fn NaN codes (0x7f, 0xff) would widen to ±480 instead of NaN; FP8 quantization saturates at ±448
 (`fp8_quant`: codes 0x7e / 0xfe at most), so no weight epirl quantizes or maps from vLLM holds them, and
-`Fp8LoRALinear` refuses codes that do (`fp8_quant.reference.check_no_nan_codes`).
+the trainer's FP8 layers refuse codes that do (`fp8_quant.reference.check_weight_codes`).
 
 `widen_e4m3_reference` is the same bit recipe in torch, so CPU tests pin it against torch's own widening on all 254
 finite codes; the GPU tests (tests/kernels/test_widen.py) hold the PTX to the conversion bitwise, per code and per GEMM.
@@ -47,11 +47,11 @@ fma.rn.bf16x2 $0, v, two120, nzero;
 
 
 @triton.jit
-def widen_e4m3(w, DOT_F32: tl.constexpr):
+def widen_e4m3(w):
     """bf16 of an e4m3 tile (any layout), bitwise `w.to(tl.bfloat16)` for every finite code. Other dtypes (a bf16
-    LoRA A in the weight operand's place), Triton's CPU interpreter (DOT_F32: it runs no PTX) and EPIRL_WIDEN=cvt
-    take `.to(tl.bfloat16)`."""
-    if (w.dtype == tl.float8e4nv) and PTX_WIDEN and not DOT_F32:
+    LoRA A in the weight operand's place), Triton's CPU interpreter (it runs no PTX) and EPIRL_WIDEN=cvt take
+    `.to(tl.bfloat16)`."""
+    if (w.dtype == tl.float8e4nv) and PTX_WIDEN:
         # pack=2: the two codes of one 16-bit shared-memory load in, one bf16x2 wgmma A register out (pack=4 made
         # Triton add ~3 byte moves per code to gather and scatter the packs)
         return tl.inline_asm_elementwise(_WIDEN_ASM, "=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,

@@ -77,7 +77,7 @@ def _tile_dot(w, x, acc, DOT_F32: tl.constexpr):
     bf16 dots, the operands are widened to fp32 (tests only)."""
     if DOT_F32:
         return acc + tl.dot(w.to(tl.float32), x.T.to(tl.float32))
-    return tl.dot(widen_e4m3(w, DOT_F32), x.T, acc)
+    return tl.dot(widen_e4m3(w), x.T, acc)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -119,7 +119,7 @@ def _ws_tma_kernel(
                 # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK], widened before the transpose (exact):
                 # a tl.trans of an 8-bit tile is miscompiled by Triton 3.7.1 / the bundled ptxas 12.9 (public
                 # reports: corrupted fp8 transposes on Hopper), the likely cause of this kernel's wrong dX tiles
-                w = widen_e4m3(w_desc.load([k0, off_n]), DOT_F32).T
+                w = widen_e4m3(w_desc.load([k0, off_n])).T
             else:
                 w = w_desc.load([off_n, k0])
             x = x_desc.load([off_m, k0])

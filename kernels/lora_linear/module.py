@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import _dispatch
-from ..fp8_quant.reference import FP8_DTYPE, check_no_nan_codes
+from ..fp8_quant.reference import check_weight_codes
 
 
 def _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend):
@@ -80,9 +80,7 @@ class Fp8LoRALinear(nn.Module):
 
     def __init__(self, codes, scale, lora_a, lora_b, lora_scale: float, bias=None, backend=None):
         super().__init__()
-        if codes.dtype != FP8_DTYPE or codes.dim() != 2:
-            raise ValueError(f"codes must be a 2-D {FP8_DTYPE} tensor, got {codes.dtype} {tuple(codes.shape)}")
-        check_no_nan_codes(codes, f"codes {tuple(codes.shape)}")  # the kernels' widening reads no NaN code
+        check_weight_codes(codes)
         self.out_features, self.in_features = codes.shape
         self.r = lora_a.shape[0]
         self.lora_scale = float(lora_scale)

@@ -69,7 +69,7 @@ def test_ptx_widening_is_the_conversion_bitwise_on_the_gpu(shape):
     @triton.jit
     def widen_kernel(c_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):
         offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
-        tl.store(y_ptr + offs, widen_e4m3(tl.load(c_ptr + offs), False))
+        tl.store(y_ptr + offs, widen_e4m3(tl.load(c_ptr + offs)))
 
     R, C = shape
     codes = ALL_CODES.repeat(R * C // 256 + 1)[: R * C].reshape(R, C)
