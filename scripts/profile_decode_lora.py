@@ -1,7 +1,7 @@
 """Where the W8A16 + LoRA decode layer's time goes (H200): one call replayed from a CUDA graph after an L2 flush,
 under torch.profiler, kernel by kernel with its start offset and duration (µs, mean over replays), so that the
 timeline shows what overlaps (PDL) and what waits. Variants: without LoRA, with LoRA (PDL on, the default), with
-LoRA and EPIRL_WS_PDL=0.
+LoRA and EPIRL_WS_PDL=0; the first two also with the two-launch split-K (EPIRL_WS_TICKET=0).
 
     python scripts/profile_decode_lora.py [--shapes q3_qkv q3_gate_up] [--tokens 1 16] [--replays 20]
 """
@@ -21,6 +21,7 @@ from bench_kernels import RANK, SHAPES, make_layer  # noqa: E402
 
 from epirl.kernels import w8a16_lora  # noqa: E402
 from epirl.kernels.gemm.weight_stationary import PDL_ENV  # noqa: E402
+from epirl.kernels.gemm.ws_splitk import TICKET_ENV  # noqa: E402
 from epirl.kernels.gpu_timing import FLUSH_BYTES, flush_mode, l2_flush  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def timeline(fn, replays: int) -> list[tuple[str, float, float]]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=["q3_qkv", "q3_gate_up", "q3_down"])
+    ap.add_argument("--shapes", nargs="+", default=["q3_qkv", "q3_o", "q3_gate_up", "q3_down"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
@@ -68,11 +69,18 @@ def main():
         del w16
         for M in args.tokens:
             x = torch.randn(M, K, device="cuda").bfloat16()
-            variants = {"no LoRA": ("1", lambda: w8a16_lora(x, codes, scale)),
-                        "LoRA, PDL on": ("1", lambda: w8a16_lora(x, codes, scale, a, b, 2.0)),
-                        "LoRA, PDL off": ("0", lambda: w8a16_lora(x, codes, scale, a, b, 2.0))}
-            for tag, (pdl, fn) in variants.items():
-                os.environ[PDL_ENV] = pdl
+            def base():
+                return w8a16_lora(x, codes, scale)
+
+            def lora():
+                return w8a16_lora(x, codes, scale, a, b, 2.0)
+
+            variants = {"no LoRA": ({}, base), "no LoRA, two-launch split-K": ({TICKET_ENV: "0"}, base),
+                        "LoRA, PDL on": ({}, lora), "LoRA, PDL on, two-launch split-K": ({TICKET_ENV: "0"}, lora),
+                        "LoRA, PDL off": ({PDL_ENV: "0"}, lora)}
+            for tag, (env, fn) in variants.items():
+                for var in (PDL_ENV, TICKET_ENV):
+                    os.environ[var] = env.get(var, "1")
                 rows = timeline(fn, args.replays)
                 call = [r for r in rows if "_ws_" in r[0] or "_xa_" in r[0]]
                 span = max(s + d for _, s, d in call) if call else 0.0
@@ -81,6 +89,7 @@ def main():
                 for kname, start, dur in call:
                     print(f"| `{kname[:60]}` | {start:.1f} | {dur:.1f} |")
     os.environ.pop(PDL_ENV, None)
+    os.environ.pop(TICKET_ENV, None)
 
 
 if __name__ == "__main__":

@@ -31,53 +31,13 @@ import triton.language as tl
 
 from .._dispatch import check_reduction, interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, tile_of, ws_config, xa_chunking
-from .scaled import _load_tile
-from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
-from .widen import widen_e4m3
+from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
+from .ws_splitk import launch_ticket, ticket_enabled
 from .ws_tma import checked_tma_single, launch_tma_single, tma_ok
 
 PDL_ENV = "EPIRL_WS_PDL"  # "0": launch the split-K reduce kernel plainly, not as a PDL dependent (on by default)
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
 DOWN_FIRST_MAX_M = 64  # the decode buckets: above, xa's launch is not worth hiding behind the base GEMM
-
-
-@triton.jit
-def _ws_chunk(w_ptr, x_ptr, rn, rm, n_rows, m_rows, k_lo, k_hi, K, stride_wn, stride_wk, stride_xm, stride_xk,
-              BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-              EVEN_N: tl.constexpr, EVEN_M: tl.constexpr):
-    """fp32 [BN, BM] = w[rn, k_lo:k_hi] · x[rm, k_lo:k_hi]ᵀ, accumulated from zero in k order.
-
-    Loads carry no predicates where the shape allows: EVEN_K, the chunk lies inside K (`even_k`); EVEN_N, n_rows is
-    a multiple of BN; EVEN_M, m_rows a multiple of BM (no token column past the edge). Otherwise the edge loads as
-    zeros (masked). Same k-steps in the same order in every case: the same bits. Without the masks the loop issues
-    8 % (decode tile) to 23 % (dX training tile) fewer instructions per trip (`scripts/sass_report.py`). Token
-    columns past M are masked, not clamped to the last token: clamped, a decode call (1-15 tokens in a 16-token tile)
-    read its one token's row once per column, which cost gate_up 45.6 -> 56.0 µs at one token on the H200."""
-    rk = tl.arange(0, BK)
-    # Every caller passes a non-empty chunk. Said to the compiler: without it the loop's zero-trip path defines the
-    # accumulator outside a wgmma, and ptxas then serializes every wgmma of the kernel (C7515: each waits for the
-    # one before), which stalls the tensor core on the e4m3 -> bf16 widening of the next k-step. Same wgmmas in
-    # the same order on the same accumulator: the same bits. Not for tiles of 128 x 256 and up, whose accumulator
-    # alone takes half of a thread's 255 registers: there wgmmas kept in flight spill inside the K loop and
-    # ptxas serializes them anyway (C7512); `scripts/sass_report.py --wgmma` shows both, per table config.
-    if BN * BM < 128 * 256:
-        tl.assume(k_hi > k_lo)
-    in_n = rn < n_rows
-    in_m = rm < m_rows
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :].to(tl.int64) * stride_wk
-    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k_lo + rk)[:, None] * stride_xk
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        in_k = (k0 + rk) < K
-        w = _load_tile(w_ptrs, in_n, in_k, EVEN_N, EVEN_K)
-        x_t = _load_tile(x_ptrs, in_k, in_m, EVEN_K, EVEN_M)
-        if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
-            acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
-        else:
-            acc = tl.dot(widen_e4m3(w), x_t, acc)  # e4m3 -> bf16 is exact (widen.py)
-        w_ptrs += BK * stride_wk
-        x_ptrs += BK * stride_xk
-    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -280,6 +240,9 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
     k_chunk, n_chunks = k_chunking(chunk_n or R, K)
     xa_chunk, xa_subs, n_xa = xa_chunking(chunk_n or R, K)
     cfg = ws_config(op, chunk_n or R, K, M)
+    if M <= DOWN_FIRST_MAX_M and ticket_enabled():  # one launch (ws_splitk); its partials are small at decode
+        return launch_ticket(x, lora_a, out, R, xa_chunk, n_xa, dict(cfg, BN=_lora_tile_rows(R)), down=True,
+                             launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks))
     _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
                                   launch_dependents=pdl)
     BM = 32
@@ -329,6 +292,11 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     flags = dict(HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
                  DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"], BR=BR, GROUP_N=cfg.get("GROUP_N", 8))
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
+    if split and not fuse_down and ticket_enabled():  # one launch, reduced by each tile's last program (ws_splitk)
+        launch_ticket(x, w, y, N, k_chunk, n_chunks, cfg, w_scale=w_scale, xa=xa, lora_b=lora_b if has_lora else None,
+                      lora_scale=lora_scale, bias=bias, br=BR, wait_pdl=down_first, dot_f32=interpreting(),
+                      even_k=even_k(K, k_chunk, n_chunks))
+        return (y, xa) if return_xa else y
     if split:
         xa_chunk, xa_subs, n_xa = xa_chunking(N, K) if fuse_down else (0, 1, 0)
         part, xa_part = _launch_partials(x, w, lora_a if fuse_down else None, M, N, K, R, k_chunk, n_chunks, cfg,

@@ -1,13 +1,14 @@
-"""Parts shared by the W8A16 GEMM kernels (weight-stationary and its TMA twin): the output tile in
-grouped order, the LoRA intermediate summed in chunk order, and the epilogue in the reference's op order on a
-[weight rows, tokens] tile."""
+"""Parts shared by the W8A16 GEMM kernels (weight-stationary, its one-launch split-K and its TMA twin): the output
+tile in grouped order, one chunk's K loop, partials summed in chunk order, and the epilogue in the reference's op
+order on a [weight rows, tokens] tile."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .scaled import _grouped_tile_ids_of
+from .scaled import _grouped_tile_ids_of, _load_tile
+from .widen import widen_e4m3
 
 # Partials (split-K chunks, LoRA-down sub-chunks) loaded at once when summed: the sum is a chain of dependent adds,
 # but the loads need not be; with one load per add, every partial paid a full L2 round trip in turn (decode).
@@ -30,15 +31,16 @@ def _ws_tile_of(pid, N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.const
 
 
 @triton.jit
-def _sum_parts(ptr, part_stride, offs, mask, n_parts, BA: tl.constexpr, BB: tl.constexpr):
+def _sum_parts(ptr, part_stride, offs, mask, n_parts, BA: tl.constexpr, BB: tl.constexpr, CACHE: tl.constexpr = ""):
     """fp32 [BA, BB]: partials ptr[c * part_stride + offs] for c < n_parts added in c order from +0.0, PART_UNROLL
     loads in flight. A partial past the last adds +0.0, which leaves every sum unchanged (a sum started at +0.0 is
-    never -0.0): the same bits as one add per partial."""
+    never -0.0): the same bits as one add per partial. CACHE: the loads' cache modifier."""
     total = tl.zeros((BA, BB), dtype=tl.float32)
     for c0 in range(0, n_parts, PART_UNROLL):
         for j in tl.static_range(PART_UNROLL):
             in_parts = (offs * 0 + c0 + j) < n_parts  # a tensor (the interpreter masks by tensors)
-            total += tl.load(ptr + offs + (c0 + j) * part_stride, mask=mask & in_parts, other=0.0)
+            total += tl.load(ptr + offs + (c0 + j) * part_stride, mask=mask & in_parts, other=0.0,
+                             cache_modifier=CACHE)
     return total
 
 
@@ -98,3 +100,42 @@ def _load_xa(xa_part_ptr, xa_ptr, rm, mask_m, M, R, N_CHUNKS, stride_xam, stride
     else:
         xa_t = tl.zeros((BR, BM), dtype=tl.bfloat16)
     return xa_t
+
+
+@triton.jit
+def _ws_chunk(w_ptr, x_ptr, rn, rm, n_rows, m_rows, k_lo, k_hi, K, stride_wn, stride_wk, stride_xm, stride_xk,
+              BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
+              EVEN_N: tl.constexpr, EVEN_M: tl.constexpr):
+    """fp32 [BN, BM] = w[rn, k_lo:k_hi] · x[rm, k_lo:k_hi]ᵀ, accumulated from zero in k order.
+
+    Loads carry no predicates where the shape allows: EVEN_K, the chunk lies inside K (`even_k`); EVEN_N, n_rows is
+    a multiple of BN; EVEN_M, m_rows a multiple of BM (no token column past the edge). Otherwise the edge loads as
+    zeros (masked). Same k-steps in the same order in every case: the same bits. Without the masks the loop issues
+    8 % (decode tile) to 23 % (dX training tile) fewer instructions per trip (`scripts/sass_report.py`). Token
+    columns past M are masked, not clamped to the last token: clamped, a decode call (1-15 tokens in a 16-token tile)
+    read its one token's row once per column, which cost gate_up 45.6 -> 56.0 µs at one token on the H200."""
+    rk = tl.arange(0, BK)
+    # Every caller passes a non-empty chunk. Said to the compiler: without it the loop's zero-trip path defines the
+    # accumulator outside a wgmma, and ptxas then serializes every wgmma of the kernel (C7515: each waits for the
+    # one before), which stalls the tensor core on the e4m3 -> bf16 widening of the next k-step. Same wgmmas in
+    # the same order on the same accumulator: the same bits. Not for tiles of 128 x 256 and up, whose accumulator
+    # alone takes half of a thread's 255 registers: there wgmmas kept in flight spill inside the K loop and
+    # ptxas serializes them anyway (C7512); `scripts/sass_report.py --wgmma` shows both, per table config.
+    if BN * BM < 128 * 256:
+        tl.assume(k_hi > k_lo)
+    in_n = rn < n_rows
+    in_m = rm < m_rows
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :].to(tl.int64) * stride_wk
+    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k_lo + rk)[:, None] * stride_xk
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        in_k = (k0 + rk) < K
+        w = _load_tile(w_ptrs, in_n, in_k, EVEN_N, EVEN_K)
+        x_t = _load_tile(x_ptrs, in_k, in_m, EVEN_K, EVEN_M)
+        if DOT_F32:  # Triton's CPU interpreter mis-computes bf16 dots; widen (tests only)
+            acc += tl.dot(w.to(tl.float32), x_t.to(tl.float32))
+        else:
+            acc = tl.dot(widen_e4m3(w), x_t, acc)  # e4m3 -> bf16 is exact (widen.py)
+        w_ptrs += BK * stride_wk
+        x_ptrs += BK * stride_xk
+    return acc

@@ -82,6 +82,30 @@ def case_split_k_equals_single_pass():
     assert close_bf16(single, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
+def case_one_launch_split_k_equals_two_launch():
+    # ws_splitk: each tile's last-arriving program adds the chunk partials in chunk order and runs the epilogue; the
+    # same bits as the partial + reduce kernels (EPIRL_WS_TICKET=0), for the base GEMM (ragged: 3 chunks, the last
+    # short; 21 tokens over two token tiles; with and without LoRA / bias) and for lora_down; counters left at zero
+    from epirl.kernels.gemm import ws_splitk
+    x, codes, scale, a, b, bias = problem(21, 600, 90, 8, seed=12)
+    assert k_chunking(90, 600)[1] == 3
+    cfg = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
+    calls = [dict(w_scale=scale), dict(w_scale=scale, xa=lora_down(x, a, chunk_n=90), lora_b=b, lora_scale=0.7,
+                                       bias=bias)]
+    got = [weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, **kw) for kw in calls]
+    got.append(lora_down(x, a, chunk_n=90))
+    os.environ[ws_splitk.TICKET_ENV] = "0"
+    try:
+        want = [weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, **kw) for kw in calls]
+        want.append(lora_down(x, a, chunk_n=90))
+    finally:
+        os.environ.pop(ws_splitk.TICKET_ENV)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), i
+    assert close_bf16(got[1], w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
+    assert ws_splitk._COUNTERS and all(int(c.abs().sum()) == 0 for c in ws_splitk._COUNTERS.values())
+
+
 def case_flattened_chunk_loop_equals_nested():
     # FLATTEN (one pipelined loop over every chunk's k-steps) runs the same adds in the same order: same bits, for the
     # pointer kernel and both TMA variants, over 2 chunks with a ragged last one

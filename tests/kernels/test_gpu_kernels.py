@@ -214,6 +214,43 @@ def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
     assert torch.equal(out, plain)
 
 
+@pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 24576), (12288, 4096)])
+def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
+    """`ws_splitk` (each tile's last-arriving program reduces the chunk partials in chunk order; the down-projection
+    likewise, as the PDL primary of the base GEMM) gives the two-launch split-K's bits at 1 / 16 / 64 tokens with and
+    without LoRA and bias, also replayed five times from one CUDA graph with new inputs (the counters reset
+    themselves), and leaves every counter at zero."""
+    from epirl.kernels.gemm import ws_splitk
+    x, codes, scale, a, b, bias = problem(64, K, N, 64, seed=31)
+    calls = [dict(w_scale=scale), dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0, bias=bias)]
+    for M in (1, 16, 64):
+        for kw in calls:
+            monkeypatch.setenv(ws_splitk.TICKET_ENV, "0")
+            want = weight_stationary_gemm(x[:M], codes, torch.bfloat16, **kw)
+            monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
+            got = weight_stationary_gemm(x[:M], codes, torch.bfloat16, **kw)
+            assert torch.equal(got, want), (K, N, M, len(kw))
+    xs = x[:16].clone()
+    out = torch.empty(16, N, device=DEV, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        weight_stationary_gemm(xs, codes, torch.bfloat16, out=out, **calls[1])  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        weight_stationary_gemm(xs, codes, torch.bfloat16, out=out, **calls[1])
+    for step in range(5):
+        xs.copy_(torch.randn_like(xs))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv(ws_splitk.TICKET_ENV, "0")
+        assert torch.equal(out, weight_stationary_gemm(xs, codes, torch.bfloat16, **calls[1])), step
+        monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in ws_splitk._COUNTERS.values())
+
+
 @pytest.mark.parametrize("K,N", [(4096, 6144), (12288, 4096)])
 def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
     """Even shapes run the K loops without load predicates (`_ws_chunk`'s EVEN_K / EVEN_N / EVEN_M; the

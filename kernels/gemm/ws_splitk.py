@@ -1,0 +1,131 @@
+"""Split-K in one launch: the W8A16 decode GEMM and the LoRA down-projection reduce in their last-arriving program.
+
+The two-launch split-K of `weight_stationary.py` (a partial kernel, then a reduce kernel that adds the chunk partials
+in chunk order and runs the epilogue) pays a second kernel's launch and its wait for the first one's completion in
+the tail of every decode call: 2.5 µs of q3_o's 11.3 µs at one token on the H200 (`scripts/profile_decode_lora.py`,
+2026-12-03). Here each program (output tile t, chunk p) stores its fp32 partial as before and then takes a ticket, an
+atomic increment of t's counter; the program that draws the last ticket resets the counter and does what the reduce
+kernel did: it adds the tile's partials **in chunk order** (whichever program arrives last, the sum is the same chain
+of adds, so the bits are the two-launch path's, the single pass's and the reference-order's; the atomic orders
+arrivals, never values) and runs the same epilogue (`ws_epilogue`).
+
+One kernel, two roles (DOWN):
+- base: w = codes `[N, K]`, chunks of `configs.k_chunking(N, K)`, epilogue y = act(Σ·s_w + σ·xa·Bᵀ + bias);
+  WAIT_PDL: launched as the programmatic dependent of the down-projection (PDL), its last programs wait for it
+  before they read xa;
+- DOWN: w = A `[r, K]`, the sub-chunks of `configs.xa_chunking` (one row tile holds all r rows), the sum rounded to
+  bf16 and stored as xa `[M, r]` (what `_xa_reduce_kernel` stored); LAUNCH_DEPENDENTS lets the base GEMM launch at
+  once behind it.
+Counters live in a per-(device, stream, role) int32 workspace that starts zeroed and that every use leaves zeroed
+(CUDA-graph replays included); two kernels of one role never overlap on a stream (only the base kernel is launched
+as a PDL dependent, and of the down kernel, which has the other role). `EPIRL_WS_TICKET=0` restores the two-launch
+path (for A/B timing).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile_of
+
+TICKET_ENV = "EPIRL_WS_TICKET"
+COUNTER_SLOTS = 1 << 16  # tiles per launch the workspace holds before it grows (decode: <= 1536 base tiles)
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def ticket_enabled() -> bool:
+    """One-launch split-K (this module) unless EPIRL_WS_TICKET=0."""
+    return os.environ.get(TICKET_ENV, "1") != "0"
+
+
+def _counters(device: torch.device, role: str, slots: int) -> torch.Tensor:
+    """A zeroed int32 workspace of at least `slots` counters for this device, stream and role (kept zeroed by use)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, role)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < slots:
+        buf = torch.zeros(max(COUNTER_SLOTS, slots), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+@triton.jit
+def _is_last_arrival(cnt_ptr, slot, n_parts):
+    """Whether this program stored the last of slot's n_parts partials. The barrier puts every thread's partial
+    stores before the one thread's acq_rel atomic (release: they are visible to the program that draws the last
+    ticket; acquire: that program then sees every other program's partials). The last arrival zeroes the counter
+    for the next launch."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    last = ticket == n_parts - 1
+    if last:
+        tl.store(cnt_ptr + slot, 0)
+    return last
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ws_ticket_kernel(
+    x_ptr, w_ptr, part_ptr, cnt_ptr, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr,
+    M, N, K, R, K_CHUNK, N_PARTS, lora_scale,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
+    DOWN: tl.constexpr, HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    GROUP_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, WAIT_PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr,
+):
+    """Program (tile, part p): the fp32 partial of w[tile rows] · x[tile tokens]ᵀ over K[p·K_CHUNK, (p+1)·K_CHUNK)
+    into part[p], then, in the tile's last arrival, Σ_p part[p] in p order and the epilogue (DOWN: xa = bf16(Σ))."""
+    if LAUNCH_DEPENDENTS:  # PDL: the base GEMM behind the down-projection may launch now (it waits before xa)
+        tl.extra.cuda.gdc_launch_dependents()
+    tile = tl.program_id(0)
+    p = tl.program_id(1)
+    rn, rm, mask_n, mask_m = _ws_tile_of(tile, N, M, BN, BM, GROUP_N)
+    acc = _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, p * K_CHUNK, (p + 1) * K_CHUNK, K, stride_wn, stride_wk,
+                    stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N, EVEN_M)
+    offs = rm[None, :].to(tl.int64) * N + rn[:, None]
+    mask = mask_n[:, None] & mask_m[None, :]
+    tl.store(part_ptr + p * M * N + offs, acc, mask=mask)
+    if _is_last_arrival(cnt_ptr, tile, N_PARTS):
+        # .cg: the other programs' partials are read from L2, never from a line this SM's L1 may hold
+        total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, ".cg")
+        if DOWN:
+            tl.store(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rn[:, None] * stride_xar,
+                     total.to(xa_ptr.dtype.element_ty), mask=mask)
+        else:
+            b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
+            if WAIT_PDL:
+                tl.extra.cuda.gdc_wait()
+            xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, M, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
+            _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
+                         stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
+
+
+def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_scale=None, xa=None, lora_b=None,
+                  lora_scale=1.0, bias=None, br=16, launch_dependents=False, wait_pdl=False, dot_f32=False,
+                  even_k=False):
+    """One launch of `_ws_ticket_kernel` over `[n_rows, K]` rows of w (codes, or A with down=True, whose one row tile
+    of `cfg["BN"]` rows must hold all r rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down)."""
+    M, K = x.shape
+    BN, BM = cfg["BN"], cfg["BM"]
+    tiles = triton.cdiv(n_rows, BN) * triton.cdiv(M, BM)
+    part = torch.empty(n_parts, M, n_rows, device=x.device, dtype=torch.float32)
+    cnt = _counters(x.device, "down" if down else "base", tiles)
+    has_lora = lora_b is not None
+    R = xa.shape[1] if has_lora else 0
+    xa_ = out if down else (xa if has_lora else out)
+    lora_strides = (lora_b.stride(0), lora_b.stride(1)) if has_lora else (0, 0)
+    _ws_ticket_kernel[(tiles, n_parts)](
+        x, w, part, cnt, out, w_scale if w_scale is not None else out, xa_, lora_b if has_lora else out,
+        bias if bias is not None else out, M, n_rows, K, R, k_chunk, n_parts, float(lora_scale),
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        xa_.stride(0), xa_.stride(1), *lora_strides,
+        DOWN=down, HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
+        DOT_F32=dot_f32, BN=BN, BM=BM, BK=cfg["BK"], BR=br, GROUP_N=cfg.get("GROUP_N", 8),
+        LAUNCH_DEPENDENTS=launch_dependents, WAIT_PDL=wait_pdl, EVEN_K=even_k, EVEN_N=n_rows % BN == 0,
+        EVEN_M=M % BM == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"launch_pdl": True} if wait_pdl else {}))
+    return out
