@@ -75,7 +75,7 @@ def _ws_ticket_kernel(
     DOWN: tl.constexpr, HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     GROUP_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, WAIT_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, ONE_PART: tl.constexpr = False,
 ):
     """Program (tile, part p): the fp32 partial of w[tile rows] · x[tile tokens]ᵀ over K[p·K_CHUNK, (p+1)·K_CHUNK)
     into part[p], then, in the tile's last arrival, Σ_p part[p] in p order and the epilogue (DOWN: xa = bf16(Σ))."""
@@ -86,22 +86,40 @@ def _ws_ticket_kernel(
     rn, rm, mask_n, mask_m = _ws_tile_of(tile, N, M, BN, BM, GROUP_N)
     acc = _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, p * K_CHUNK, (p + 1) * K_CHUNK, K, stride_wn, stride_wk,
                     stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N, EVEN_M)
-    offs = rm[None, :].to(tl.int64) * N + rn[:, None]
-    mask = mask_n[:, None] & mask_m[None, :]
-    tl.store(part_ptr + p * M * N + offs, acc, mask=mask)
-    if _is_last_arrival(cnt_ptr, tile, N_PARTS):
-        # .cg: the other programs' partials are read from L2, never from a line this SM's L1 may hold
-        total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, ".cg")
-        if DOWN:
-            tl.store(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rn[:, None] * stride_xar,
-                     total.to(xa_ptr.dtype.element_ty), mask=mask)
-        else:
-            b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
-            if WAIT_PDL:
-                tl.extra.cuda.gdc_wait()
-            xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, M, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
-            _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
-                         stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
+    if ONE_PART:  # one chunk (gate_up): every program is its tile's only arrival; +0.0 + acc as _sum_parts adds it
+        _ticket_finish(tl.zeros((BN, BM), dtype=tl.float32) + acc, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr,
+                       xa_ptr, b_ptr, bias_ptr, R, lora_scale, stride_ym, stride_yn, stride_xam, stride_xar,
+                       stride_bn, stride_br, DOWN, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BN, BM, BR, WAIT_PDL)
+    else:
+        offs = rm[None, :].to(tl.int64) * N + rn[:, None]
+        mask = mask_n[:, None] & mask_m[None, :]
+        tl.store(part_ptr + p * M * N + offs, acc, mask=mask)
+        if _is_last_arrival(cnt_ptr, tile, N_PARTS):
+            # .cg: the other programs' partials are read from L2, never from a line this SM's L1 may hold
+            total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, ".cg")
+            _ticket_finish(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, R, lora_scale,
+                           stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br, DOWN, HAS_W_SCALE,
+                           HAS_LORA, HAS_BIAS, DOT_F32, BN, BM, BR, WAIT_PDL)
+
+
+@triton.jit
+def _ticket_finish(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, R, lora_scale,
+                   stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br, DOWN: tl.constexpr,
+                   HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
+                   WAIT_PDL: tl.constexpr):
+    """The reduce kernel's work on a tile's sum: DOWN, xa = bf16(Σ) (what `_xa_reduce_kernel` stores); else the
+    epilogue of `_ws_reduce_kernel` (B's rows, PDL wait for xa, scale, σ·LoRA, bias, round)."""
+    if DOWN:
+        tl.store(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rn[:, None] * stride_xar,
+                 total.to(xa_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    else:
+        b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
+        if WAIT_PDL:
+            tl.extra.cuda.gdc_wait()
+        xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, 0, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
+        _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
+                     stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
 
 
 def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_scale=None, xa=None, lora_b=None,
@@ -112,8 +130,9 @@ def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_sca
     M, K = x.shape
     BN, BM = cfg["BN"], cfg["BM"]
     tiles = triton.cdiv(n_rows, BN) * triton.cdiv(M, BM)
-    part = torch.empty(n_parts, M, n_rows, device=x.device, dtype=torch.float32)
-    cnt = _counters(x.device, "down" if down else "base", tiles)
+    one = n_parts == 1  # no partial, no ticket: the single pass with this kernel's epilogue (and PDL wait)
+    part = out if one else torch.empty(n_parts, M, n_rows, device=x.device, dtype=torch.float32)
+    cnt = out if one else _counters(x.device, "down" if down else "base", tiles)
     has_lora = lora_b is not None
     R = xa.shape[1] if has_lora else 0
     xa_ = out if down else (xa if has_lora else out)
@@ -126,6 +145,6 @@ def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_sca
         DOWN=down, HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
         DOT_F32=dot_f32, BN=BN, BM=BM, BK=cfg["BK"], BR=br, GROUP_N=cfg.get("GROUP_N", 8),
         LAUNCH_DEPENDENTS=launch_dependents, WAIT_PDL=wait_pdl, EVEN_K=even_k, EVEN_N=n_rows % BN == 0,
-        EVEN_M=M % BM == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EVEN_M=M % BM == 0, ONE_PART=one, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if wait_pdl else {}))
     return out

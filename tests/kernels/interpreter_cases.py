@@ -104,6 +104,21 @@ def case_one_launch_split_k_equals_two_launch():
         assert torch.equal(g, w), i
     assert close_bf16(got[1], w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
     assert ws_splitk._COUNTERS and all(int(c.abs().sum()) == 0 for c in ws_splitk._COUNTERS.values())
+    # one chunk (TARGET_PROGRAMS patched to 1, like gate_up) and one down sub-chunk (K = 300): no partial, no ticket
+    import epirl.kernels.gemm.configs as configs
+    saved, configs.TARGET_PROGRAMS = configs.TARGET_PROGRAMS, 1
+    try:
+        x, codes, scale, a, b, bias = problem(21, 300, 90, 8, seed=13)
+        assert configs.k_chunking(90, 300)[1] == 1 and configs.xa_chunking(90, 300)[2] == 1
+        xa = lora_down(x, a, chunk_n=90)  # the one-part down launch
+        assert torch.equal(xa, weight_stationary_gemm(x, a, torch.bfloat16, config=cfg, allow_split=False))
+        kw = dict(w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7, bias=bias)
+        want = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **kw)
+        # the base launch as the GPU's PDL decode path makes it for a one-chunk layer (without the PDL wait here)
+        got = ws_splitk.launch_ticket(x, codes, torch.empty_like(want), 90, 512, 1, cfg, br=16, dot_f32=True, **kw)
+        assert torch.equal(got, want)
+    finally:
+        configs.TARGET_PROGRAMS = saved
 
 
 def case_flattened_chunk_loop_equals_nested():

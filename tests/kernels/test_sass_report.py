@@ -98,22 +98,29 @@ def test_down_first_decode_chain_compiles_for_sm90():
         assert "griddepcontrol.wait" in ptx and ptx.rindex("griddepcontrol.wait") > ptx.index("wgmma.mma_async")
 
 
-@pytest.mark.parametrize("down", [False, True], ids=["base", "down"])
-def test_one_launch_split_k_compiles_for_sm90(down):
+@pytest.mark.parametrize("down,one_part", [(False, False), (True, False), (False, True)],
+                         ids=["base", "down", "base-one-chunk"])
+def test_one_launch_split_k_compiles_for_sm90(down, one_part):
     """`ws_splitk`'s kernel as the decode path builds it: the base tile behind PDL (its last programs wait for xa
     before the epilogue) and the down-projection that lets it launch; one acq_rel ticket atomic at GPU scope, the
-    partials summed through L2 (ld.global.cg), wgmma in the K loop and in the base epilogue's LoRA dot."""
+    partials summed through L2 (ld.global.cg), wgmma in the K loop and in the base epilogue's LoRA dot. A one-chunk
+    layer (gate_up) compiles without partials and ticket."""
     from epirl.kernels.gemm.ws_splitk import _ws_ticket_kernel
     types = {"part_ptr": "*fp32", "w_scale_ptr": "*fp32", "cnt_ptr": "*i32"}
     if not down:
         types["w_ptr"] = "*fp8e4nv"
     ptx = _ptx(_ws_ticket_kernel, dict(DOWN=down, HAS_W_SCALE=not down, HAS_LORA=not down, HAS_BIAS=False,
                                        DOT_F32=False, BN=64, BM=16, BK=128, BR=64, GROUP_N=8, LAUNCH_DEPENDENTS=down,
-                                       WAIT_PDL=not down, EVEN_K=True, EVEN_N=True, EVEN_M=False),
+                                       WAIT_PDL=not down, EVEN_K=True, EVEN_N=True, EVEN_M=False,
+                                       ONE_PART=one_part),
                types, 4, 4)
     atomics = [line for line in ptx.splitlines() if "atom." in line]
-    assert len(atomics) == 1 and "acq_rel" in atomics[0] and ".gpu" in atomics[0], atomics
-    assert "ld.global.cg" in ptx and ptx.count("wgmma.mma_async") >= (1 if down else 2)
+    assert ptx.count("wgmma.mma_async") >= (1 if down else 2)
+    if one_part:
+        assert not atomics and "ld.global.cg" not in ptx
+    else:
+        assert len(atomics) == 1 and "acq_rel" in atomics[0] and ".gpu" in atomics[0], atomics
+        assert "ld.global.cg" in ptx
     assert ("griddepcontrol.launch_dependents" in ptx) == down and ("griddepcontrol.wait" in ptx) == (not down)
 
 
