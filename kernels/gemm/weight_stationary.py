@@ -18,6 +18,8 @@ are added in chunk order. Two schedules give the same bits:
   alone (same sub-chunks, same order), then the single pass. With PDL (default on Hopper) a decode call runs
   `lora_down` first and the base partial kernel, compiled as without LoRA, as its programmatic dependent; the
   reduce reads the bf16 xa (same bits; the weight stream does not carry the LoRA branch's registers).
+  By default (`ws_splitk`, EPIRL_WS_TICKET=0 turns it off) split-K without the fused down-projection, and `lora_down`
+  at decode sizes, are one launch each: the last-arriving program of a tile does the reduce kernel's work.
 The σ·LoRA + y step is an explicit `tl.fma` (no compiler-chosen contraction).
 """
 
