@@ -120,7 +120,7 @@ def _ws_reduce_kernel(
     if WAIT_PDL:
         tl.extra.cuda.gdc_wait()
     total = _sum_parts(part_ptr, M * N, rm[None, :].to(tl.int64) * N + rn[:, None],
-                       mask_n[:, None] & mask_m[None, :], N_CHUNKS, BN, BM)
+                       mask_n[:, None] & mask_m[None, :], N_CHUNKS, BN, BM, False)
     xa_t = _load_xa(xa_part_ptr, xa_ptr, rm, mask_m, M, R, N_XA, stride_xam, stride_xar,
                     HAS_LORA, XA_PARTS, BR, BM)
     _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,

@@ -31,16 +31,19 @@ def _ws_tile_of(pid, N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.const
 
 
 @triton.jit
-def _sum_parts(ptr, part_stride, offs, mask, n_parts, BA: tl.constexpr, BB: tl.constexpr, CACHE: tl.constexpr = ""):
+def _sum_parts(ptr, part_stride, offs, mask, n_parts, BA: tl.constexpr, BB: tl.constexpr, CG: tl.constexpr):
     """fp32 [BA, BB]: partials ptr[c * part_stride + offs] for c < n_parts added in c order from +0.0, PART_UNROLL
     loads in flight. A partial past the last adds +0.0, which leaves every sum unchanged (a sum started at +0.0 is
-    never -0.0): the same bits as one add per partial. CACHE: the loads' cache modifier."""
+    never -0.0): the same bits as one add per partial. CG: load with .cg (L2 only)."""
     total = tl.zeros((BA, BB), dtype=tl.float32)
     for c0 in range(0, n_parts, PART_UNROLL):
         for j in tl.static_range(PART_UNROLL):
             in_parts = (offs * 0 + c0 + j) < n_parts  # a tensor (the interpreter masks by tensors)
-            total += tl.load(ptr + offs + (c0 + j) * part_stride, mask=mask & in_parts, other=0.0,
-                             cache_modifier=CACHE)
+            if CG:  # through L2 only (partials other programs of the same launch wrote)
+                total += tl.load(ptr + offs + (c0 + j) * part_stride, mask=mask & in_parts, other=0.0,
+                                 cache_modifier=".cg")
+            else:
+                total += tl.load(ptr + offs + (c0 + j) * part_stride, mask=mask & in_parts, other=0.0)
     return total
 
 
@@ -84,7 +87,7 @@ def _xa_from_parts(xa_part_ptr, rm, mask_m, M, R, N_CHUNKS, BR: tl.constexpr, BM
     rr = tl.arange(0, BR)
     mask = (rr < R)[:, None] & mask_m[None, :]
     offs = rm[None, :].to(tl.int64) * R + rr[:, None]
-    return _sum_parts(xa_part_ptr, M * R, offs, mask, N_CHUNKS, BR, BM).to(tl.bfloat16)
+    return _sum_parts(xa_part_ptr, M * R, offs, mask, N_CHUNKS, BR, BM, False).to(tl.bfloat16)
 
 
 @triton.jit

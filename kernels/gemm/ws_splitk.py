@@ -96,7 +96,7 @@ def _ws_ticket_kernel(
         tl.store(part_ptr + p * M * N + offs, acc, mask=mask)
         if _is_last_arrival(cnt_ptr, tile, N_PARTS):
             # .cg: the other programs' partials are read from L2, never from a line this SM's L1 may hold
-            total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, ".cg")
+            total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, True)
             _ticket_finish(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, R, lora_scale,
                            stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br, DOWN, HAS_W_SCALE,
                            HAS_LORA, HAS_BIAS, DOT_F32, BN, BM, BR, WAIT_PDL)

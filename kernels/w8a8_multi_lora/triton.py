@@ -203,7 +203,7 @@ def _sum_chunk_partials(part_ptr, sl, N_CHUNKS, M, tok, rr, mask_rt, BR: tl.cons
     # h [r, tokens] fp32 of slice sl: its K chunks' partials added in chunk order from zero (h is the same for every
     # batch composition), several chunks' loads in flight (the W8A16 split-K reduce's `_sum_parts`)
     offs = (sl * N_CHUNKS * M + tok[None, :]) * BR + rr[:, None]
-    return _sum_parts(part_ptr, M * BR, offs, mask_rt, N_CHUNKS, BR, BT)
+    return _sum_parts(part_ptr, M * BR, offs, mask_rt, N_CHUNKS, BR, BT, False)
 
 
 @triton.jit
