@@ -93,7 +93,7 @@ def _ws_ticket_kernel(
     else:
         offs = rm[None, :].to(tl.int64) * N + rn[:, None]
         mask = mask_n[:, None] & mask_m[None, :]
-        tl.store(part_ptr + p * M * N + offs, acc, mask=mask)
+        tl.store(part_ptr + p.to(tl.int64) * M * N + offs, acc, mask=mask)
         if _is_last_arrival(cnt_ptr, tile, N_PARTS):
             # .cg: the other programs' partials are read from L2, never from a line this SM's L1 may hold
             total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, True)
