@@ -117,6 +117,7 @@ def _ticket_finish(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_
         b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
         if WAIT_PDL:
             tl.extra.cuda.gdc_wait()
+        # xa itself, not its partials (XA_PARTS False): _load_xa's M and chunk count go unused
         xa_t = _load_xa(xa_ptr, xa_ptr, rm, mask_m, 0, R, 1, stride_xam, stride_xar, HAS_LORA, False, BR, BM)
         _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
                      stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
