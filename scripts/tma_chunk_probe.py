@@ -12,7 +12,9 @@ flushed, µs) on the trainer's own shapes too (q3_o, q3_down, the Qwen3-8B train
         overwrite a stage buffer that a lagging warp still copies into registers: the hypothesis that the wrong
         values are that write-after-read race; 2026-12-02: it removes every wrong value, at 1.1-10x the time);
   x     only x through its descriptor, the codes by pointers (cp.async, as the pointer kernel loads them);
-  flat, xflat   full TMA / x-only with the chunk loop flattened into one pipelined loop (FLATTEN).
+  flat, xflat   full TMA / x-only with the chunk loop flattened into one pipelined loop (FLATTEN);
+  ws, wsflat    full TMA with Triton's Hopper warp specialization of the k loop (WARP_SPEC), nested / flattened.
+--tiles picks tiles (BN/BM/BK/warps/stages; default: all of TILES).
 Usage: python scripts/tma_chunk_probe.py [--tokens 4096] [--variants sync x flat xflat]
 """
 
@@ -36,7 +38,8 @@ TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (64, 
 SHAPES = {"q3_gate_up": (4096, 24576), "q3_qkv": (4096, 6144)}
 TIMED_SHAPES = {"q3_o": (4096, 4096), "q3_down": (12288, 4096), "q3_gate": (4096, 12288)}  # (K, N), with --variants
 VARIANTS = {"sync": dict(tma=True, sync=True), "x": dict(tma="x"), "flat": dict(tma=True, flatten=True),
-            "xflat": dict(tma="x", flatten=True)}
+            "xflat": dict(tma="x", flatten=True), "ws": dict(tma=True, ws=True),
+            "wsflat": dict(tma=True, ws=True, flatten=True)}
 
 
 @contextlib.contextmanager
@@ -72,7 +75,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS), help="TMA kernel variants, timed")
+    ap.add_argument("--tiles", nargs="*", default=None, help="tiles as BN/BM/BK/warps/stages (default: all of TILES)")
     args = ap.parse_args()
+    tiles = TILES if args.tiles is None else [tuple(int(v) for v in t.split("/")) for t in args.tiles]
     g = torch.Generator(device="cuda").manual_seed(0)
     M = args.tokens
     print(f"triton {triton.__version__}, {torch.cuda.get_device_name()}, M={M}; cells: elements differing from the "
@@ -106,7 +111,7 @@ def main():
                 times = [graph_us(lambda c=config(tile, **extra): run(c, out)) for extra in kinds]
                 cells.append(" / ".join(f"{t:.1f}" for t in times))
             print(f"| {name} | {op} | {label} | {chunks} | {' | '.join(cells)} |", flush=True)
-        for tile in TILES:
+        for tile in tiles:
             label = "/".join(map(str, tile))
             row("fwd", fwd, n_chunks)
             if n_chunks > 1:

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
 from .reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
@@ -78,7 +79,7 @@ def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None):
         has_ub = scale_ub is not None and scale_ub > 0
         _per_token_kernel[(M,)](x2, q, s, K, x2.stride(0), q.stride(0), float(scale_ub) if has_ub else 0.0,
                                 HAS_UB=has_ub, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-                                BLOCK=min(2048, triton.next_power_of_2(max(K, 16))), num_warps=4)
+                                BLOCK=min(2048, next_power_of_2(max(K, 16))), num_warps=4)
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], 1)
 
 
@@ -88,14 +89,14 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None):
     n = xf.numel()
     BLOCK = 4096
     if scale is None:
-        partial = torch.zeros(max(1, triton.cdiv(n, BLOCK)), device=x.device, dtype=torch.float32)
+        partial = torch.zeros(max(1, cdiv(n, BLOCK)), device=x.device, dtype=torch.float32)
         if n:
-            _block_amax_kernel[(triton.cdiv(n, BLOCK),)](xf, partial, n, BLOCK=BLOCK, num_warps=8)
+            _block_amax_kernel[(cdiv(n, BLOCK),)](xf, partial, n, BLOCK=BLOCK, num_warps=8)
         # max is exact in any order; divide in fp32 exactly like amax / 448.f
         scale = (partial.amax() / torch.tensor(FP8_MAX, device=x.device)).reshape(1)
     scale = scale.float().reshape(1).contiguous()
     q = torch.empty(x.shape, device=x.device, dtype=FP8_DTYPE)
     if n:
-        _static_quant_kernel[(triton.cdiv(n, BLOCK),)](xf, q, scale, n, FP8_MAX=FP8_MAX, BLOCK=BLOCK,
+        _static_quant_kernel[(cdiv(n, BLOCK),)](xf, q, scale, n, FP8_MAX=FP8_MAX, BLOCK=BLOCK,
                                                        num_warps=8)
     return q, scale

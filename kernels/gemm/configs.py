@@ -12,6 +12,7 @@ M ∈ {1, 3, 16, 17, 64, 257, 4096, 16384}, i.e. across every bucket.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
@@ -56,6 +57,7 @@ CHUNK_REF_BN = 128
 CHUNK_ALIGN = 256
 
 
+@functools.lru_cache(maxsize=None)
 def k_chunking(N: int, K: int) -> tuple[int, int]:
     """(K_CHUNK, N_CHUNKS): each chunk is accumulated from zero and the chunks are added in order."""
     check_reduction(K)
@@ -72,6 +74,7 @@ def k_chunking(N: int, K: int) -> tuple[int, int]:
 XA_CHUNK_MAX = 512
 
 
+@functools.lru_cache(maxsize=None)
 def xa_chunking(N: int, K: int) -> tuple[int, int, int]:
     """(XA_CHUNK, SUBS, N_XA) of the LoRA down-projection of a layer `[N, K]`: SUBS sub-chunks of XA_CHUNK per
     base chunk of `k_chunking(N, K)`, N_XA = SUBS x base chunks in all (the trailing ones may lie past K)."""
@@ -108,15 +111,28 @@ def load_table(path: str | None = None) -> dict:
     return table
 
 
+# id(table) -> (table, {(op, shape key): (bounds ascending, their configs)}): each row sorted once per loaded table (the
+# table is held, so its id cannot be reused by another while the entry lives)
+_SORTED_ROWS: dict[int, tuple[dict, dict]] = {}
+
+
+def _sorted_row(table: dict, op: str, shape: str) -> tuple[list[int], list[dict]]:
+    entry = _SORTED_ROWS.get(id(table))
+    if entry is None or entry[0] is not table:
+        entry = _SORTED_ROWS[id(table)] = (table, {})
+    rows = entry[1]
+    row = rows.get((op, shape))
+    if row is None:
+        pairs = sorted(((int(b), c) for b, c in table[op].get(shape, table[op]["default"]).items()), key=lambda bc: bc[0])
+        row = rows[(op, shape)] = ([b for b, _ in pairs], [c for _, c in pairs])
+    return row
+
+
 def ws_config(op: str, N: int, K: int, M: int) -> dict:
-    """The tile config for this call: the (op, shape) row (else the op's default), first bucket ≥ M."""
-    table = load_table()
-    rows = table[op]
-    row = rows.get(f"{N}x{K}", rows["default"])
-    for bound, cfg in sorted(((int(b), c) for b, c in row.items()), key=lambda bc: bc[0]):
-        if M <= bound:
-            return cfg
-    return cfg  # beyond the last bound: the largest bucket's config
+    """The tile config for this call: the (op, shape) row (else the op's default), first bucket ≥ M (beyond the last
+    bound, the largest bucket's)."""
+    bounds, cfgs = _sorted_row(load_table(), op, f"{N}x{K}")
+    return cfgs[min(bisect.bisect_left(bounds, M), len(cfgs) - 1)]
 
 
 def buckets() -> list[int]:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
 from .._dispatch import check_reduction, interpreting
 from ..w8a16_lora.reference import check_lora_args
 from .widen import widen_e4m3
@@ -129,9 +130,9 @@ def scaled_gemm_lora(x, w, out_dtype=torch.bfloat16, w_scale=None, x_scale=None,
     if M == 0 or N == 0:
         return y
     R = 0 if xa is None else xa.shape[1]
-    BR = max(16, triton.next_power_of_2(R)) if R else 16
+    BR = max(16, next_power_of_2(R)) if R else 16
     dummy = y  # never dereferenced when the matching HAS_* flag is off
-    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]),)
     _scaled_gemm_lora_kernel[grid](
         x, w, y, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
         xa if xa is not None else dummy, lora_b if lora_b is not None else dummy,
@@ -199,19 +200,19 @@ def lora_down_split(x, lora_a, splits: int = LORA_SPLITS):
     M, K = x.shape
     check_reduction(K)
     R = lora_a.shape[0]
-    BR = max(16, triton.next_power_of_2(R))
+    BR = max(16, next_power_of_2(R))
     BK = 64
-    k_chunk = triton.cdiv(triton.cdiv(K, splits), BK) * BK
-    n_split = triton.cdiv(K, k_chunk)
+    k_chunk = cdiv(cdiv(K, splits), BK) * BK
+    n_split = cdiv(K, k_chunk)
     part = torch.empty(n_split, M, BR, device=x.device, dtype=torch.float32)
     out = torch.empty(M, R, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
     BM = 64
-    _lora_down_partial_kernel[(triton.cdiv(M, BM), n_split)](
+    _lora_down_partial_kernel[(cdiv(M, BM), n_split)](
         x, lora_a, part, M, K, R, k_chunk, x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1),
         DOT_F32=interpreting(), BM=BM, BR=BR, BK=BK, num_warps=4, num_stages=3)
-    _sum_splits_kernel[(triton.cdiv(M, 32),)](part, out, M, R, SPLITS=n_split, BR=BR, BM=32, num_warps=4)
+    _sum_splits_kernel[(cdiv(M, 32),)](part, out, M, R, SPLITS=n_split, BR=BR, BM=32, num_warps=4)
     return out
 
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
 from .._dispatch import check_reduction, interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, tile_of, ws_config, xa_chunking
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
@@ -195,11 +196,11 @@ def even_k(K: int, k_chunk: int, n_chunks: int) -> bool:
 
 
 def _lora_tile_rows(R: int) -> int:
-    return max(LORA_TILE_MIN, triton.next_power_of_2(R))
+    return max(LORA_TILE_MIN, next_power_of_2(R))
 
 
 def _epilogue_rows(R: int) -> int:
-    return max(16, triton.next_power_of_2(R)) if R else 16
+    return max(16, next_power_of_2(R)) if R else 16
 
 
 def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=0, xa_subs=1,
@@ -212,8 +213,8 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
     xa_part = (torch.empty(n_chunks * xa_subs, M, R, device=x.device, dtype=torch.float32)
                if lora_a is not None else None)
     dummy = part if part is not None else xa_part
-    m_tiles = triton.cdiv(M, cfg["BM"])
-    programs = triton.cdiv(n_base, cfg["BN"]) * m_tiles + (m_tiles * xa_subs if lora_a is not None else 0)
+    m_tiles = cdiv(M, cfg["BM"])
+    programs = cdiv(n_base, cfg["BN"]) * m_tiles + (m_tiles * xa_subs if lora_a is not None else 0)
     w_ = w if w is not None else lora_a
     a_ = lora_a if lora_a is not None else w_
     _ws_partial_kernel[(programs, n_chunks)](
@@ -242,13 +243,13 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
     k_chunk, n_chunks = k_chunking(chunk_n or R, K)
     xa_chunk, xa_subs, n_xa = xa_chunking(chunk_n or R, K)
     cfg = ws_config(op, chunk_n or R, K, M)
-    if M <= DOWN_FIRST_MAX_M and ticket_enabled():  # one launch (ws_splitk); its partials are small at decode
+    if ticket_enabled():  # one launch (ws_splitk): at decode the launch pair's tail, in training a launch's host time
         return launch_ticket(x, lora_a, out, R, xa_chunk, n_xa, dict(cfg, BN=_lora_tile_rows(R)), down=True,
                              launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks))
     _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
                                   launch_dependents=pdl)
     BM = 32
-    _xa_reduce_kernel[(triton.cdiv(M, BM),)](xa_part, out, M, R, n_xa, BR=_epilogue_rows(R), BM=BM, PDL=pdl,
+    _xa_reduce_kernel[(cdiv(M, BM),)](xa_part, out, M, R, n_xa, BR=_epilogue_rows(R), BM=BM, PDL=pdl,
                                               num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
 
@@ -293,7 +294,7 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     lora_strides = (lora_b.stride(0), lora_b.stride(1)) if has_lora else (0, 0)
     flags = dict(HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
                  DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"], BR=BR, GROUP_N=cfg.get("GROUP_N", 8))
-    tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
+    tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
     if split and not fuse_down and ticket_enabled():  # one launch, reduced by each tile's last program (ws_splitk)
         launch_ticket(x, w, y, N, k_chunk, n_chunks, cfg, w_scale=w_scale, xa=xa, lora_b=lora_b if has_lora else None,
                       lora_scale=lora_scale, bias=bias, br=BR, wait_pdl=down_first, dot_f32=interpreting(),

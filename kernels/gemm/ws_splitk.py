@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile_of
 
 TICKET_ENV = "EPIRL_WS_TICKET"
@@ -130,7 +131,7 @@ def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_sca
     of `cfg["BN"]` rows must hold all r rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down)."""
     M, K = x.shape
     BN, BM = cfg["BN"], cfg["BM"]
-    tiles = triton.cdiv(n_rows, BN) * triton.cdiv(M, BM)
+    tiles = cdiv(n_rows, BN) * cdiv(M, BM)
     one = n_parts == 1  # no partial, no ticket: the single pass with this kernel's epilogue (and PDL wait)
     part = out if one else torch.empty(n_parts, M, n_rows, device=x.device, dtype=torch.float32)
     cnt = out if one else _counters(x.device, "down" if down else "base", tiles)

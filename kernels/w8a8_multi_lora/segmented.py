@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
 from .._dispatch import interpreting
 from .triton import Slices, _bf16_slices, _shrink_chunk, _sigma, _sum_chunk_partials, shrink_chunking
 
@@ -177,12 +178,12 @@ def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shri
         raise TypeError(f"segmented shrink needs bf16 x with unit K stride, got {x2.dtype} strides {x2.stride()}")
     cfg = dict(config or SEG_SHRINK_CONFIG)
     S = _check_segments(segs, M)
-    BR = max(16, triton.next_power_of_2(slices.R))
+    BR = max(16, next_power_of_2(slices.R))
     k_chunk, n_chunks = shrink_chunking(K)
     if k_chunk % cfg["BK"]:
         raise ValueError(f"segmented shrink BK={cfg['BK']} must divide the K chunk {k_chunk}")
     n_slices = len(slices.widths)
-    tiles = triton.cdiv(M, cfg["BT"]) + S  # bound on the segments' tiles
+    tiles = cdiv(M, cfg["BT"]) + S  # bound on the segments' tiles
     sum_in_shrink = sum_in_shrink or n_chunks == 1
     out_chunks = 1 if sum_in_shrink else n_chunks
     part = torch.empty(n_slices, out_chunks, M, BR, device=x2.device, dtype=torch.float32)
@@ -190,7 +191,7 @@ def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shri
         _seg_shrink_kernel[(tiles, out_chunks, n_slices)](
             x2, slices.a_tab, segs.tokens, segs.lora_ids, segs.counts, part, M, K, slices.R, S, k_chunk,
             n_chunks, x2.stride(0), *slices.stride_a, SUM_CHUNKS=sum_in_shrink, DOT_F32=interpreting(),
-            BT=cfg["BT"], BR=BR, BK=cfg["BK"], BS=max(16, triton.next_power_of_2(S)), num_warps=cfg["num_warps"],
+            BT=cfg["BT"], BR=BR, BK=cfg["BK"], BS=max(16, next_power_of_2(S)), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
     return part
 
@@ -214,14 +215,14 @@ def expand_segments(y, x2, lora_a, lora_b, segs: Segments, lora_scale, widths=No
     sigma = _sigma(lora_scale, slices.L, x2.device)
     per_adapter = isinstance(sigma, torch.Tensor)
     S = segs.counts.numel()
-    tiles = triton.cdiv(M, cfg["BT"]) + S
+    tiles = cdiv(M, cfg["BT"]) + S
     n_slices = len(slices.widths)
-    groups = groups or expand_groups(tiles * n_slices, max(triton.cdiv(w, cfg["BN"]) for w in slices.widths))
+    groups = groups or expand_groups(tiles * n_slices, max(cdiv(w, cfg["BN"]) for w in slices.widths))
     _seg_expand_kernel[(tiles, n_slices * groups)](
         y, segs.tokens, segs.lora_ids, segs.counts, part, slices.b_tab, slices.bl_tab, slices.starts,
         sigma if per_adapter else y, M, slices.R, S, part.shape[1], groups, 0.0 if per_adapter else float(sigma),
         y.stride(0), slices.stride_bn, SIGMA_PER_ADAPTER=per_adapter, DOT_F32=interpreting(), BN=cfg["BN"],
-        BT=cfg["BT"], BR=part.shape[3], BS=max(16, triton.next_power_of_2(S)), NUM_STAGES=cfg["num_stages"],
+        BT=cfg["BT"], BR=part.shape[3], BS=max(16, next_power_of_2(S)), NUM_STAGES=cfg["num_stages"],
         num_warps=cfg["num_warps"])
     return y
 
@@ -229,4 +230,4 @@ def expand_segments(y, x2, lora_a, lora_b, segs: Segments, lora_scale, widths=No
 def expand_groups(programs: int, row_tiles: int, target: int = EXPAND_PROGRAMS) -> int:
     """Groups each slice's BN-row tiles are split into (one program per segment tile and group): enough programs
     for `target` in all, at most one group per row tile of the widest slice."""
-    return max(1, min(row_tiles, triton.cdiv(target, max(programs, 1))))
+    return max(1, min(row_tiles, cdiv(target, max(programs, 1))))

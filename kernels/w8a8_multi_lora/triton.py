@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
 from .._dispatch import check_reduction, interpreting, pdl_supported  # noqa: F401  (pdl_supported: re-export)
 from ..fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from ..fp8_quant.triton import _abs_nan_to_zero, _saturating_e4m3, quantize_per_token
@@ -281,8 +282,8 @@ def _multi_lora_gemm_kernel(
 def shrink_chunking(K: int) -> tuple[int, int]:
     """(K_CHUNK, N_CHUNKS) of K1: a function of K only."""
     check_reduction(K)
-    chunk = min(SHRINK_CHUNK, triton.cdiv(K, SHRINK_BK) * SHRINK_BK)
-    return chunk, triton.cdiv(K, chunk)
+    chunk = min(SHRINK_CHUNK, cdiv(K, SHRINK_BK) * SHRINK_BK)
+    return chunk, cdiv(K, chunk)
 
 
 class Slices:
@@ -337,7 +338,7 @@ def quant_shrink(x2, slices: Slices | None, token_lora, quant: bool = True, laun
     M, K = x2.shape
     has_lora = slices is not None and slices.active
     R = slices.R if has_lora else 0
-    BR = max(16, triton.next_power_of_2(R))
+    BR = max(16, next_power_of_2(R))
     k_chunk, n_chunks = shrink_chunking(K)
     n_slices = len(slices.widths) if has_lora else 1
     part = torch.empty(n_slices, n_chunks, M, BR, device=x2.device, dtype=torch.float32) if has_lora else None
@@ -363,14 +364,14 @@ def grouped_shrink(x2, slices: Slices, token_lora, order=None, config=None):
     if x2.dtype != torch.bfloat16 or x2.stride(1) != 1:
         raise TypeError(f"grouped shrink needs bf16 x with unit K stride, got {x2.dtype} strides {x2.stride()}")
     cfg = dict(config or GROUPED_SHRINK_CONFIG)
-    BR = max(16, triton.next_power_of_2(slices.R))
+    BR = max(16, next_power_of_2(slices.R))
     k_chunk, n_chunks = shrink_chunking(K)
     if k_chunk % cfg["BK"]:
         raise ValueError(f"grouped shrink BK={cfg['BK']} must divide the K chunk {k_chunk}")
     n_slices = len(slices.widths)
     part = torch.empty(n_slices, n_chunks, M, BR, device=x2.device, dtype=torch.float32)
     if M:
-        _grouped_shrink_kernel[(triton.cdiv(M, cfg["BT"]), n_chunks, n_slices)](
+        _grouped_shrink_kernel[(cdiv(M, cfg["BT"]), n_chunks, n_slices)](
             x2, slices.a_tab, token_lora, order if order is not None else token_lora, part, M, K, slices.R,
             k_chunk, n_chunks, x2.stride(0), *slices.stride_a, HAS_ORDER=order is not None,
             DOT_F32=interpreting(), BT=cfg["BT"], BR=BR, BK=cfg["BK"], num_warps=cfg["num_warps"],
@@ -385,7 +386,7 @@ def sum_chunks(part):
     if n_chunks == 1 or M == 0:
         return part
     out = torch.empty(n_slices, 1, M, BR, device=part.device, dtype=torch.float32)
-    _sum_chunks_kernel[(triton.cdiv(M * BR, 1024), n_slices)](part, out, M, n_chunks, BR=BR, BLOCK=1024,
+    _sum_chunks_kernel[(cdiv(M * BR, 1024), n_slices)](part, out, M, n_chunks, BR=BR, BLOCK=1024,
                                                               num_warps=4)
     return out
 
@@ -412,10 +413,10 @@ def multi_lora_gemm(x, codes, w_scale, y, token_lora, part, slices: Slices | Non
         return y
     has_lora = part is not None
     R = slices.R if has_lora else 0
-    BR = max(16, triton.next_power_of_2(R)) if R else 16
+    BR = max(16, next_power_of_2(R)) if R else 16
     per_adapter = isinstance(lora_scale, torch.Tensor)
     dummy = y
-    grid = (triton.cdiv(N, cfg["BN"]) * triton.cdiv(M, cfg["BT"]),)
+    grid = (cdiv(N, cfg["BN"]) * cdiv(M, cfg["BT"]),)
     launch = dict(launch_pdl=True) if wait_pdl else {}
     _multi_lora_gemm_kernel[grid](
         x, x_scale if x_scale is not None else dummy, codes, y, w_scale, order if order is not None else dummy,

@@ -94,10 +94,13 @@ def case_one_launch_split_k_equals_two_launch():
                                        bias=bias)]
     got = [weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, **kw) for kw in calls]
     got.append(lora_down(x, a, chunk_n=90))
+    x_train = torch.randn(130, 600, dtype=torch.bfloat16)  # above the decode buckets: lora_down is one launch there too
+    got.append(lora_down(x_train, a, chunk_n=90))
     os.environ[ws_splitk.TICKET_ENV] = "0"
     try:
         want = [weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, **kw) for kw in calls]
         want.append(lora_down(x, a, chunk_n=90))
+        want.append(lora_down(x_train, a, chunk_n=90))
     finally:
         os.environ.pop(ws_splitk.TICKET_ENV)
     for i, (g, w) in enumerate(zip(got, want)):

@@ -1,0 +1,135 @@
+"""Host cost of the FP8 trainer linear's launches (H200): µs of CPU time per call while the GPU is held busy.
+
+Every call below is enqueued behind a long sleep kernel, so nothing waits for the GPU: what is timed is Python, the
+autograd engine, Triton's launcher and the CUDA driver's enqueue. One row per piece of one `Fp8LoRALinear` forward +
+backward, from a bare Triton launch up to the whole step, beside the bf16 path it replaces, so that a gap between
+the step's wall time and its kernel sum can be pinned on a piece. The `compiled.run` rows call Triton's compiled
+launcher directly (arguments bound once): what a launch costs without `JITFunction.run`'s binding and cache lookup.
+Usage: python scripts/profile_host_launch.py [--shape q3_o] [--tokens 4096] [--calls 40] [--cprofile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import SHAPES, make_layer, trainer_steps  # noqa: E402
+
+from epirl.kernels.gemm.scaled import scaled_gemm_lora  # noqa: E402
+from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm  # noqa: E402
+
+
+@triton.jit
+def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    pass
+
+
+def host_us(fn, calls: int, reps: int = 7) -> float:
+    """Median over reps of the host µs per call of `calls` back-to-back calls behind a sleep kernel."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time: longer than any batch of enqueues below
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls)
+    torch.cuda.synchronize()
+    return statistics.median(out) * 1e6
+
+
+def bound_launcher(jit_fn, grid, *args, **kwargs):
+    """A closure that launches jit_fn's compiled kernel with these arguments through its compiled launcher only
+    (Triton 3.4-3.6 internals: `device_caches` binder, `CompiledKernel.run`)."""
+    compiled = jit_fn[grid](*args, **kwargs)
+    device = torch.cuda.current_device()
+    binder = jit_fn.device_caches[device][4]
+    bound_args, _, _ = binder(*args, **kwargs)
+    values = list(bound_args.values())
+    stream = torch.cuda.current_stream().cuda_stream
+    g = tuple(grid) + (1,) * (3 - len(grid))
+
+    def launch():
+        meta = compiled.launch_metadata(grid, stream, *values)
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, None, None, *values)
+    return launch
+
+
+def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float]]:
+    w16, codes, scale, a, b = make_layer(K, N)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    ws = scale.float().reshape(1)
+    xa = lora_down(x, a16, N)
+    gb = scaled_gemm_lora(g, b16.t(), torch.bfloat16, config=dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4))
+    buf = torch.empty(16, device="cuda")
+    cfg_ptr = dict(BN=128, BM=128, BK=64, num_warps=8, num_stages=4)
+    steps = trainer_steps(K, N, M, w16, codes, scale, a, b)
+    out = [
+        ("triton: empty kernel, 2 args", lambda: _empty_kernel[(1,)](buf, 16, BLOCK=16)),
+        ("triton: empty kernel, compiled.run", bound_launcher(_empty_kernel, (1,), buf, 16, BLOCK=16)),
+        ("torch.mm x·Aᵀ", lambda: torch.mm(x, a16.t())),
+        ("torch.empty", lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)),
+        ("lora_down (fwd xa)", lambda: lora_down(x, a16, N)),
+        ("ws fwd, pointer tile, xa given", lambda: weight_stationary_gemm(x, codes, w_scale=ws, xa=xa, lora_b=b16,
+                                                                        config=cfg_ptr)),
+        ("ws fwd, table (TMA), xa given", lambda: weight_stationary_gemm(x, codes, w_scale=ws, xa=xa, lora_b=b16)),
+        ("ws fwd, table, return_xa (= forward)", lambda: weight_stationary_gemm(
+            x, codes, w_scale=ws, lora_a=a16, lora_b=b16, return_xa=True)),
+        ("gb = g·B (scaled_gemm_lora)", lambda: scaled_gemm_lora(g, b16.t(), torch.bfloat16,
+                                                                  config=dict(BM=64, BN=64, BK=64, num_warps=4,
+                                                                              num_stages=4))),
+        ("gb = g·B (torch.mm)", lambda: torch.mm(g, b16)),
+        ("dX (ws op=dx, table)", lambda: weight_stationary_gemm(g, codes.t(), w_scale=ws, xa=gb, lora_b=a16.t(),
+                                                               op="dx")),
+    ]
+    for tag in ("fp8", "bf16"):
+        step, params = steps[tag]
+
+        def step_clear(step=step, params=params):
+            step()
+            for p in params:
+                p.grad = None
+        out.append((f"{tag} forward + backward (whole linear)", step_clear))
+    fp8_mod_x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    out.append(("bf16 F.linear forward only", lambda: F.linear(fp8_mod_x, w16)))
+    results = []
+    for label, fn in out:
+        for _ in range(3):
+            fn()
+        results.append((label, host_us(fn, calls)))
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="q3_o")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--cprofile", action="store_true", help="then cProfile the FP8 step (profile_trainer_linear)")
+    args = ap.parse_args()
+    by_name = {s[0]: s for s in SHAPES}
+    if args.shape not in by_name:
+        raise SystemExit(f"--shape: unknown {args.shape!r}; known: {sorted(by_name)}")
+    _, K, N = by_name[args.shape]
+    print(torch.cuda.get_device_name(), torch.__version__, "triton", triton.__version__)
+    print(f"\n| {args.shape} M={args.tokens}: piece | host µs per call |\n|---|---|")
+    for label, us in rows(args.shape, K, N, args.tokens, args.calls):
+        print(f"| {label} | {us:.1f} |")
+    if args.cprofile:
+        from profile_trainer_linear import host_profile
+        host_profile(args.shape, K, N, args.tokens, top=35)
+
+
+if __name__ == "__main__":
+    main()
