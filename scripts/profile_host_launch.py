@@ -24,13 +24,27 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, make_layer, trainer_steps  # noqa: E402
 
+from epirl.kernels import Fp8LoRALinear  # noqa: E402
 from epirl.kernels.gemm.scaled import scaled_gemm_lora  # noqa: E402
+from epirl.kernels.lora_linear.triton import lora_linear_backward  # noqa: E402
 from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm  # noqa: E402
 
 
 @triton.jit
 def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
     pass
+
+
+class _Identity(torch.autograd.Function):
+    """A custom autograd Function that launches nothing: what autograd alone costs around one (Python backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def host_us(fn, calls: int, reps: int = 7) -> float:
@@ -101,8 +115,24 @@ def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float
             for p in params:
                 p.grad = None
         out.append((f"{tag} forward + backward (whole linear)", step_clear))
-    fp8_mod_x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    out.append(("bf16 F.linear forward only", lambda: F.linear(fp8_mod_x, w16)))
+    layer = Fp8LoRALinear(codes, scale, a16.clone(), b16.clone(), 2.0)
+    xg = x.clone().requires_grad_()
+    out.append(("fp8 forward only (autograd graph built)", lambda: layer(xg)))
+    out.append(("fp8 backward body (lora_linear_backward, saved xa)", lambda: lora_linear_backward(
+        g, x, codes, scale, a16, b16, 2.0, True, xa=xa)))
+    out.append(("bf16 F.linear forward only", lambda: F.linear(x, w16)))
+    xs = torch.randn(64, device="cuda", requires_grad=True)
+    gs = torch.ones(64, device="cuda")
+
+    def custom_function():
+        _Identity.apply(xs).backward(gs)
+        xs.grad = None
+
+    def builtin_op():
+        (xs * 2.0).backward(gs)
+        xs.grad = None
+    out += [("autograd: custom Function (no kernel) fwd + bwd", custom_function),
+            ("autograd: x * 2 fwd + bwd", builtin_op)]
     results = []
     for label, fn in out:
         for _ in range(3):

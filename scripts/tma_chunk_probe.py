@@ -12,8 +12,7 @@ flushed, µs) on the trainer's own shapes too (q3_o, q3_down, the Qwen3-8B train
         overwrite a stage buffer that a lagging warp still copies into registers: the hypothesis that the wrong
         values are that write-after-read race; 2026-12-02: it removes every wrong value, at 1.1-10x the time);
   x     only x through its descriptor, the codes by pointers (cp.async, as the pointer kernel loads them);
-  flat, xflat   full TMA / x-only with the chunk loop flattened into one pipelined loop (FLATTEN);
-  ws, wsflat    full TMA with Triton's Hopper warp specialization of the k loop (WARP_SPEC), nested / flattened.
+  flat, xflat   full TMA / x-only with the chunk loop flattened into one pipelined loop (FLATTEN).
 --tiles picks tiles (BN/BM/BK/warps/stages; default: all of TILES).
 Usage: python scripts/tma_chunk_probe.py [--tokens 4096] [--variants sync x flat xflat]
 """
@@ -38,8 +37,7 @@ TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (64, 
 SHAPES = {"q3_gate_up": (4096, 24576), "q3_qkv": (4096, 6144)}
 TIMED_SHAPES = {"q3_o": (4096, 4096), "q3_down": (12288, 4096), "q3_gate": (4096, 12288)}  # (K, N), with --variants
 VARIANTS = {"sync": dict(tma=True, sync=True), "x": dict(tma="x"), "flat": dict(tma=True, flatten=True),
-            "xflat": dict(tma="x", flatten=True), "ws": dict(tma=True, ws=True),
-            "wsflat": dict(tma=True, ws=True, flatten=True)}
+            "xflat": dict(tma="x", flatten=True)}
 
 
 @contextlib.contextmanager

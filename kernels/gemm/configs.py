@@ -57,12 +57,16 @@ CHUNK_REF_BN = 128
 CHUNK_ALIGN = 256
 
 
-@functools.lru_cache(maxsize=None)
 def k_chunking(N: int, K: int) -> tuple[int, int]:
     """(K_CHUNK, N_CHUNKS): each chunk is accumulated from zero and the chunks are added in order."""
+    return _k_chunking(N, K, TARGET_PROGRAMS)
+
+
+@functools.lru_cache(maxsize=None)  # (the module constant is an argument: tests patch it)
+def _k_chunking(N: int, K: int, target_programs: int) -> tuple[int, int]:
     check_reduction(K)
     k_units = -(-K // CHUNK_ALIGN)
-    want = max(1, min(k_units, TARGET_PROGRAMS // max(1, -(-N // CHUNK_REF_BN))))
+    want = max(1, min(k_units, target_programs // max(1, -(-N // CHUNK_REF_BN))))
     units = -(-k_units // want)
     return units * CHUNK_ALIGN, -(-k_units // units)
 
@@ -74,13 +78,17 @@ def k_chunking(N: int, K: int) -> tuple[int, int]:
 XA_CHUNK_MAX = 512
 
 
-@functools.lru_cache(maxsize=None)
 def xa_chunking(N: int, K: int) -> tuple[int, int, int]:
     """(XA_CHUNK, SUBS, N_XA) of the LoRA down-projection of a layer `[N, K]`: SUBS sub-chunks of XA_CHUNK per
     base chunk of `k_chunking(N, K)`, N_XA = SUBS x base chunks in all (the trailing ones may lie past K)."""
-    k_chunk, n_chunks = k_chunking(N, K)
+    return _xa_chunking(N, K, TARGET_PROGRAMS, XA_CHUNK_MAX)
+
+
+@functools.lru_cache(maxsize=None)
+def _xa_chunking(N: int, K: int, target_programs: int, xa_chunk_max: int) -> tuple[int, int, int]:
+    k_chunk, n_chunks = _k_chunking(N, K, target_programs)
     units = k_chunk // CHUNK_ALIGN
-    max_units = max(1, XA_CHUNK_MAX // CHUNK_ALIGN)
+    max_units = max(1, xa_chunk_max // CHUNK_ALIGN)
     subs = next(s for s in range(1, units + 1) if units % s == 0 and units // s <= max_units)
     return k_chunk // subs, subs, subs * n_chunks
 

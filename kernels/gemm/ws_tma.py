@@ -96,14 +96,15 @@ def _ws_tma_kernel(
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
     W_TMA: tl.constexpr = True, SYNC_K: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-    EVEN_N: tl.constexpr = False, FLATTEN: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    EVEN_N: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order.
     W_TMA=False: only x through its descriptor; the codes by pointers (cp.async, `_load_tile`, as the pointer kernel
     loads them; EVEN_K / EVEN_N: without masks). SYNC_K: a CTA barrier every k-step, so that no warp runs more than
     one k-step ahead of another (a diagnostic: scripts/tma_chunk_probe.py --variants sync). FLATTEN: one pipelined
-    loop over every chunk's k-steps (`_ws_single_kernel`'s FLATTEN). WARP_SPEC: Triton's Hopper warp specialization of
-    the k loop (a producer warp issues the TMA loads, the others widen and multiply; same k-steps in the same order)."""
+    loop over every chunk's k-steps (`_ws_single_kernel`'s FLATTEN). (Triton 3.6's Hopper warp specialization of the
+    k loop, `tl.range(..., warp_specialize=True)`, was measured on 2026-12-03: the same times within ±2 % nested, up to
+    25 % slower flattened, and the same wrong tiles: scripts/tma_chunk_probe.py, BENCHMARKS.md.)"""
     pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     off_n = pid_n * BN
     off_m = pid_m * BM
@@ -120,7 +121,7 @@ def _ws_tma_kernel(
         if FLATTEN:  # what lets Triton flatten the loop nest: no chunk's loop is empty
             tl.assume(k_hi > k_lo)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :].to(tl.int64) * stride_wk
-        for k0 in tl.range(k_lo, k_hi, BK, warp_specialize=WARP_SPEC):
+        for k0 in range(k_lo, k_hi, BK):
             if not W_TMA:
                 w = _load_tile(w_ptrs, in_n, (k0 + rk) < K, EVEN_N, EVEN_K)
                 w_ptrs += BK * stride_wk
@@ -216,6 +217,5 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
         xa.stride(1) if has_lora else 0, *lora_strides,
         W_TRANSPOSED=transposed, BK=BK, W_TMA=w_tma, SYNC_K=bool(cfg.get("sync", False)),
         EVEN_K=k_chunk * n_chunks == K, EVEN_N=N % BN == 0, FLATTEN=bool(cfg.get("flatten", False)),
-        WARP_SPEC=bool(cfg.get("ws", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

@@ -25,36 +25,42 @@ def _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend):
     return w8a16_lora(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend=backend, return_xa=True)
 
 
-def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, backend=None, xa=None):
+def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, backend=None, xa=None,
+                         grad_dtypes=None):
     """(dX, dA, dB); xa: the forward's LoRA intermediate bf16(x Aᵀ) when saved (else it is computed again, with the
-    forward's chunking: the same bits). dA / dB come in fp32 from the reference and in the parameters' dtype from
-    the Triton path (which rounds them there once); callers cast to the parameters' dtype."""
+    forward's chunking: the same bits). dA / dB come in fp32 from the reference and, from the Triton path, in
+    grad_dtypes (default: lora_a's and lora_b's dtypes), rounded there once; callers cast to the parameters' dtype."""
     if _dispatch.use_triton(x, backend):
         from .triton import lora_linear_backward as impl
-    else:
-        from .reference import lora_linear_backward as impl
+        return impl(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, xa=xa, grad_dtypes=grad_dtypes)
+    from .reference import lora_linear_backward as impl
     return impl(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, xa=xa)
 
 
 class Fp8LoRAFunction(torch.autograd.Function):
-    """y = w8a16_lora(x, codes, scale, A, B, σ, bias); gradients for x, A and B only. Saves x, A, B, codes, scale
+    """y = w8a16_lora(x, codes, scale, A, B, σ, bias); gradients for x, A and B only. Saves x, A and B in x's dtype
+    (the forward rounds fp32 masters to it once, and the backward uses those copies: no second cast), codes, scale
     and xa = bf16(x Aᵀ) `[M, r]` (r/K of x's size: the backward's dB reads it instead of a second pass over x)."""
 
     @staticmethod
     def forward(ctx, x, lora_a, lora_b, codes, scale, bias, lora_scale, backend):
-        y, xa = _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend)
-        ctx.save_for_backward(x, lora_a, lora_b, codes, scale, xa)
+        has_lora = lora_a is not None
+        # the rounding the kernels would do, once (a no-op for bf16 parameters)
+        a, b = (lora_a.to(x.dtype), lora_b.to(x.dtype)) if has_lora else (None, None)
+        y, xa = _forward(x, codes, scale, a, b, lora_scale, bias, backend)
+        ctx.save_for_backward(x, a, b, codes, scale, xa)
         ctx.lora_scale, ctx.backend = lora_scale, backend
+        ctx.grad_dtypes = (lora_a.dtype, lora_b.dtype) if has_lora else None
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, lora_a, lora_b, codes, scale, xa = ctx.saved_tensors
+        x, a, b, codes, scale, xa = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
-        dx, d_a, d_b = lora_linear_backward(grad_y.contiguous(), x, codes, scale, lora_a, lora_b,
-                                            ctx.lora_scale, need_dx, ctx.backend, xa=xa)
-        d_a = d_a.to(lora_a.dtype) if ctx.needs_input_grad[1] else None
-        d_b = d_b.to(lora_b.dtype) if ctx.needs_input_grad[2] else None
+        dx, d_a, d_b = lora_linear_backward(grad_y.contiguous(), x, codes, scale, a, b, ctx.lora_scale, need_dx,
+                                            ctx.backend, xa=xa, grad_dtypes=ctx.grad_dtypes)
+        d_a = d_a.to(ctx.grad_dtypes[0]) if ctx.needs_input_grad[1] else None
+        d_b = d_b.to(ctx.grad_dtypes[1]) if ctx.needs_input_grad[2] else None
         return dx, d_a, d_b, None, None, None, None, None
 
 
