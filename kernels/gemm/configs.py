@@ -31,8 +31,11 @@ TMA_VARIANTS = (False, True, "x")
 # Triton 3.6 miscompiles both twins for some compiles: wrong values in 0.1-84 % of the outputs (BENCHMARKS.md
 # § Kernels, 2026-12-01/02; the cases are listed in ws_tma.py). The tuner keeps a twin only where it gave the pointer
 # kernel's bits (twice), and every table TMA call is checked against the pointer kernel on its first call per key and
-# again every `ws_tma.RECHECK_EVERY` calls.
-TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4)})
+# again every `ws_tma.RECHECK_EVERY` calls. The 4-stage 128x256x64 twin is no longer offered: it gave wrong tiles far more
+# often than the 3-stage one (2026-12-03 probe: 0.5-3.3 M wrong outputs on every one-chunk forward against 0-4096, and a
+# first-call fallback on the Qwen3-8B down forward in a training step), for 1-4 % of speed; its two table rows now use
+# 3 stages.
+TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4)})
 
 
 def tma_enabled() -> bool:
