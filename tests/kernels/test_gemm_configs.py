@@ -139,3 +139,14 @@ def test_table_tma_calls_are_checked_against_the_pointer_kernel_per_key(monkeypa
     calls.clear()
     ws_tma.checked_tma_single(("late",), torch.empty(3, 4), run_late, pointer)
     assert calls == ["ptr"]
+
+
+def test_host_integer_helpers_match_triton():
+    # kernels/_host.py replaces triton.cdiv / triton.next_power_of_2 (constexpr functions, slow from host code) in
+    # every launch path: same values
+    triton = pytest.importorskip("triton")
+    from epirl.kernels._host import cdiv, next_power_of_2
+    for n in [0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 1000, 4096, 12288, 2 ** 31 + 5]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 16, 64, 128, 256, 1000):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
