@@ -11,9 +11,11 @@ Usage: python scripts/profile_host_launch.py [--shape q3_o] [--tokens 4096] [--c
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -47,18 +49,59 @@ class _Identity(torch.autograd.Function):
         return grad
 
 
-def host_us(fn, calls: int, reps: int = 7) -> float:
-    """Median over reps of the host µs per call of `calls` back-to-back calls behind a sleep kernel."""
+def host_us(fn, calls: int, reps: int = 7, no_gc: bool = False) -> float:
+    """Median over reps of the host µs per call of `calls` back-to-back calls behind a sleep kernel (no_gc: with
+    Python's cyclic garbage collector off during the batches)."""
     out = []
     for _ in range(reps):
         torch.cuda.synchronize()
         torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time: longer than any batch of enqueues below
+        if no_gc:
+            gc.disable()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         out.append((time.perf_counter() - t0) / calls)
+        gc.enable()
     torch.cuda.synchronize()
     return statistics.median(out) * 1e6
+
+
+def split_whole_step(layer, x, gy, calls: int) -> tuple[float, float, bool]:
+    """(forward µs, backward µs, whether the backward body ran on the calling thread) of whole forward + backward
+    steps timed apart inside one back-to-back batch (is a forward slower between backwards than in a row of its own?)."""
+    threads = set()
+    fwd, bwd = [], []
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        y = layer(x)
+        y.grad_fn.register_prehook(lambda grads: threads.add(threading.get_ident()))
+        t1 = time.perf_counter()
+        y.backward(gy)
+        t2 = time.perf_counter()
+        x.grad = layer.lora_A.grad = layer.lora_B.grad = None
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    torch.cuda.synchronize()
+    return statistics.median(fwd) * 1e6, statistics.median(bwd) * 1e6, threads == {threading.get_ident()}
+
+
+def cpu_trace(layer, x, gy, steps: int = 10, top: int = 25) -> None:
+    """torch.profiler CPU events of `steps` whole forward + backward steps (behind a sleep kernel): host ops by self
+    time, autograd's evaluate_function ranges and the CUDA launch calls included."""
+    for _ in range(3):
+        layer(x).backward(gy)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            layer(x).backward(gy)
+            x.grad = layer.lora_A.grad = layer.lora_B.grad = None
+    torch.cuda.synchronize()
+    print(f"\n### CPU trace: {steps} Fp8LoRALinear forward + backward steps (self CPU time)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
 def bound_launcher(jit_fn, grid, *args, **kwargs):
@@ -138,6 +181,11 @@ def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float
         for _ in range(3):
             fn()
         results.append((label, host_us(fn, calls)))
+    whole_fp8 = dict(out)["fp8 forward + backward (whole linear)"]
+    results.append(("fp8 forward + backward (whole linear), cyclic GC off", host_us(whole_fp8, calls, no_gc=True)))
+    fwd_us, bwd_us, same_thread = split_whole_step(layer, xg, g, calls)
+    results += [("fp8 whole linear timed apart: forward", fwd_us),
+                (f"fp8 whole linear timed apart: backward (on the calling thread: {same_thread})", bwd_us)]
     return results
 
 
@@ -147,6 +195,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--cprofile", action="store_true", help="then cProfile the FP8 step (profile_trainer_linear)")
+    ap.add_argument("--trace", action="store_true", help="then a torch.profiler CPU trace of the FP8 step")
     args = ap.parse_args()
     by_name = {s[0]: s for s in SHAPES}
     if args.shape not in by_name:
@@ -156,6 +205,11 @@ def main():
     print(f"\n| {args.shape} M={args.tokens}: piece | host µs per call |\n|---|---|")
     for label, us in rows(args.shape, K, N, args.tokens, args.calls):
         print(f"| {label} | {us:.1f} |")
+    if args.trace:
+        _, codes, scale, a, b = make_layer(K, N)
+        layer = Fp8LoRALinear(codes, scale, a, b, 2.0)
+        x = torch.randn(args.tokens, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        cpu_trace(layer, x, torch.randn(args.tokens, N, device="cuda", dtype=torch.bfloat16))
     if args.cprofile:
         from profile_trainer_linear import host_profile
         host_profile(args.shape, K, N, args.tokens, top=35)
