@@ -97,6 +97,5 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None):
     scale = scale.float().reshape(1).contiguous()
     q = torch.empty(x.shape, device=x.device, dtype=FP8_DTYPE)
     if n:
-        _static_quant_kernel[(cdiv(n, BLOCK),)](xf, q, scale, n, FP8_MAX=FP8_MAX, BLOCK=BLOCK,
-                                                       num_warps=8)
+        _static_quant_kernel[(cdiv(n, BLOCK),)](xf, q, scale, n, FP8_MAX=FP8_MAX, BLOCK=BLOCK, num_warps=8)
     return q, scale

@@ -250,7 +250,7 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
                                   launch_dependents=pdl)
     BM = 32
     _xa_reduce_kernel[(cdiv(M, BM),)](xa_part, out, M, R, n_xa, BR=_epilogue_rows(R), BM=BM, PDL=pdl,
-                                              num_warps=4, **({"launch_pdl": True} if pdl else {}))
+                                      num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

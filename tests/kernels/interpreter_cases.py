@@ -307,8 +307,8 @@ def case_unmasked_loops_equal_masked():
     dx_even = dx(g, codes_t)
     assert torch.equal(dx_even[:, :500], dx(g, codes_t[:, :500]))
     assert torch.equal(dx_even, dx(g[:, :250].contiguous(), codes_t[:250]))
-    # the row-major scaled GEMM (W8A8's; the backward's g·B reads w = Bᵀ, whose rows are the contiguous dimension,
-    # as the column-major copy here does): K = 256 (two 128-deep trips) vs 250 zero-padded, N = 128 vs 130
+    # the row-major scaled GEMM (W8A8's; and a w whose rows are the contiguous dimension, as a transposed view gives,
+    # like the column-major copy here): K = 256 (two 128-deep trips) vs 250 zero-padded, N = 128 vs 130
     for w in (codes[:, :256], codes[:, :256].t().contiguous().t()):
         x2 = x[:, :256].contiguous()
         x2[:, 250:] = 0
