@@ -261,7 +261,7 @@ def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
     """Even shapes run the K loops without load predicates (`_ws_chunk`'s EVEN_K / EVEN_N / EVEN_M; the
     scaled GEMM and K2 likewise): the same problem padded into ragged shapes runs the masked loops and must give
     the same bits - K - 6 columns (zeros in the even one) inside the same chunks, N + 8 weight rows - forward at
-    decode / 64 / 257 / 4096 tokens with LoRA and bias, dX, and the row-major scaled GEMM (W8A8's and g·B's)."""
+    decode / 64 / 257 / 4096 tokens with LoRA and bias, dX, and the row-major scaled GEMM (W8A8's, and a transposed-view w)."""
     from epirl.kernels.gemm.configs import k_chunking
     from epirl.kernels.gemm.weight_stationary import whole_k
     x, codes, scale, a, b, bias = problem(4096, K, N + 8, 64, seed=21)
@@ -283,7 +283,7 @@ def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
                                       w_scale=scale, op="dx")
     dx_even = dx(N, K)
     assert torch.equal(dx_even, dx(N - 6, K)) and torch.equal(dx_even[:, :K - 8], dx(N, K - 8)[:, :K - 8])
-    for w in (codes[:N], b.t()[:, :K]):  # W8A8's [N, K] rows; g·B's w = Bᵀ, whose rows are contiguous
+    for w in (codes[:N], b.t()[:, :K]):  # W8A8's [N, K] rows; a w = Bᵀ view, whose rows are contiguous
         k = w.shape[1]
         xs = x[:300, :k].contiguous()
         xs[:, k - 6:] = 0
