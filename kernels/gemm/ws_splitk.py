@@ -88,34 +88,37 @@ def _ws_ticket_kernel(
     acc = _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, p * K_CHUNK, (p + 1) * K_CHUNK, K, stride_wn, stride_wk,
                     stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N, EVEN_M)
     if ONE_PART:  # one chunk (gate_up): every program is its tile's only arrival; +0.0 + acc as _sum_parts adds it
-        _ticket_finish(tl.zeros((BN, BM), dtype=tl.float32) + acc, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr,
-                       xa_ptr, b_ptr, bias_ptr, R, lora_scale, stride_ym, stride_yn, stride_xam, stride_xar,
-                       stride_bn, stride_br, DOWN, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BN, BM, BR, WAIT_PDL)
+        b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
+        _ticket_finish(tl.zeros((BN, BM), dtype=tl.float32) + acc, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr,
+                       xa_ptr, bias_ptr, R, lora_scale, stride_ym, stride_yn, stride_xam, stride_xar,
+                       DOWN, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BM, BR, WAIT_PDL)
     else:
         offs = rm[None, :].to(tl.int64) * N + rn[:, None]
         mask = mask_n[:, None] & mask_m[None, :]
         tl.store(part_ptr + p.to(tl.int64) * M * N + offs, acc, mask=mask)
         if _is_last_arrival(cnt_ptr, tile, N_PARTS):
+            # B's rows first: their DRAM round trip then overlaps the partials' reads instead of following them in the
+            # launch's tail (only the last arrival loads them: no program reads B twice)
+            b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
             # .cg: the other programs' partials are read from L2, never from a line this SM's L1 may hold
             total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, True)
-            _ticket_finish(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, R, lora_scale,
-                           stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br, DOWN, HAS_W_SCALE,
-                           HAS_LORA, HAS_BIAS, DOT_F32, BN, BM, BR, WAIT_PDL)
+            _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, bias_ptr, R, lora_scale,
+                           stride_ym, stride_yn, stride_xam, stride_xar, DOWN, HAS_W_SCALE, HAS_LORA, HAS_BIAS,
+                           DOT_F32, BM, BR, WAIT_PDL)
 
 
 @triton.jit
-def _ticket_finish(total, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, R, lora_scale,
-                   stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br, DOWN: tl.constexpr,
+def _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, bias_ptr, R, lora_scale,
+                   stride_ym, stride_yn, stride_xam, stride_xar, DOWN: tl.constexpr,
                    HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                   WAIT_PDL: tl.constexpr):
+                   DOT_F32: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, WAIT_PDL: tl.constexpr):
     """The reduce kernel's work on a tile's sum: DOWN, xa = bf16(Σ) (what `_xa_reduce_kernel` stores); else the
-    epilogue of `_ws_reduce_kernel` (B's rows, PDL wait for xa, scale, σ·LoRA, bias, round)."""
+    epilogue of `_ws_reduce_kernel` with B's rows b (`_lora_b_tile`, loaded by the caller): PDL wait for xa, scale,
+    σ·LoRA, bias, round."""
     if DOWN:
         tl.store(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rn[:, None] * stride_xar,
                  total.to(xa_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
     else:
-        b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
         if WAIT_PDL:
             tl.extra.cuda.gdc_wait()
         # xa itself, not its partials (XA_PARTS False): _load_xa's M and chunk count go unused

@@ -103,8 +103,8 @@ def test_down_first_decode_chain_compiles_for_sm90():
 def test_one_launch_split_k_compiles_for_sm90(down, one_part):
     """`ws_splitk`'s kernel as the decode path builds it: the base tile behind PDL (its last programs wait for xa
     before the epilogue) and the down-projection that lets it launch; one acq_rel ticket atomic at GPU scope, the
-    partials summed through L2 (ld.global.cg), wgmma in the K loop and in the base epilogue's LoRA dot. A one-chunk
-    layer (gate_up) compiles without partials and ticket."""
+    partials summed through L2 (ld.global.cg) after B's rows are fetched, wgmma in the K loop and in the base
+    epilogue's LoRA dot. A one-chunk layer (gate_up) compiles without partials and ticket."""
     from epirl.kernels.gemm.ws_splitk import _ws_ticket_kernel
     types = {"part_ptr": "*fp32", "w_scale_ptr": "*fp32", "cnt_ptr": "*i32"}
     if not down:
@@ -121,6 +121,11 @@ def test_one_launch_split_k_compiles_for_sm90(down, one_part):
     else:
         assert len(atomics) == 1 and "acq_rel" in atomics[0] and ".gpu" in atomics[0], atomics
         assert "ld.global.cg" in ptx
+        if not down:  # the last arrival fetches B's rows before it reads the partials (their latencies overlap)
+            lines = ptx.splitlines()
+            ticket = next(i for i, line in enumerate(lines) if "atom." in line)
+            first_part = next(i for i, line in enumerate(lines) if "ld.global.cg" in line)
+            assert any("ld.global" in line and ".cg" not in line for line in lines[ticket:first_part])
     assert ("griddepcontrol.launch_dependents" in ptx) == down and ("griddepcontrol.wait" in ptx) == (not down)
 
 
