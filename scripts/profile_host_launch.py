@@ -69,7 +69,8 @@ def host_us(fn, calls: int, reps: int = 7, no_gc: bool = False) -> float:
 
 def split_whole_step(layer, x, gy, calls: int) -> tuple[float, float, bool]:
     """(forward µs, backward µs, whether the backward body ran on the calling thread) of whole forward + backward
-    steps timed apart inside one back-to-back batch (is a forward slower between backwards than in a row of its own?)."""
+    steps timed apart inside one back-to-back batch (is a forward slower between backwards than in a row of its
+    own?)."""
     threads = set()
     fwd, bwd = [], []
     torch.cuda.synchronize()

@@ -31,10 +31,10 @@ TMA_VARIANTS = (False, True, "x")
 # Triton 3.6 miscompiles both twins for some compiles: wrong values in 0.1-84 % of the outputs (BENCHMARKS.md
 # § Kernels, 2026-12-01/02; the cases are listed in ws_tma.py). The tuner keeps a twin only where it gave the pointer
 # kernel's bits (twice), and every table TMA call is checked against the pointer kernel on its first call per key and
-# again every `ws_tma.RECHECK_EVERY` calls. The 4-stage 128x256x64 twin is no longer offered: it gave wrong tiles far more
-# often than the 3-stage one (2026-12-03 probe: 0.5-3.3 M wrong outputs on every one-chunk forward against 0-4096, and a
-# first-call fallback on the Qwen3-8B down forward in a training step), for 1-4 % of speed; its two table rows now use
-# 3 stages.
+# again every `ws_tma.RECHECK_EVERY` calls. The 4-stage 128x256x64 twin is no longer offered: it gave wrong tiles far
+# more often than the 3-stage one (2026-12-03 probe: 0.5-3.3 M wrong outputs on every one-chunk forward against
+# 0-4096, and a first-call fallback on the Qwen3-8B down forward in a training step), for 1-4 % of speed; its two
+# table rows now use 3 stages.
 TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4)})
 
 
@@ -134,7 +134,8 @@ def _sorted_row(table: dict, op: str, shape: str) -> tuple[list[int], list[dict]
     rows = entry[1]
     row = rows.get((op, shape))
     if row is None:
-        pairs = sorted(((int(b), c) for b, c in table[op].get(shape, table[op]["default"]).items()), key=lambda bc: bc[0])
+        row_dict = table[op].get(shape, table[op]["default"])
+        pairs = sorted(((int(b), c) for b, c in row_dict.items()), key=lambda bc: bc[0])
         row = rows[(op, shape)] = ([b for b, _ in pairs], [c for _, c in pairs])
     return row
 

@@ -218,8 +218,8 @@ def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
 def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
     """`ws_splitk` (each tile's last-arriving program reduces the chunk partials in chunk order; the down-projection
     likewise, as the PDL primary of the base GEMM) gives the two-launch split-K's bits at 1 / 16 / 64 tokens with and
-    without LoRA and bias (and the down-projection alone at 4096 tokens), also replayed five times from one CUDA graph with new inputs (the counters reset
-    themselves), and leaves every counter at zero."""
+    without LoRA and bias (and the down-projection alone at 4096 tokens), also replayed five times from one CUDA graph
+    with new inputs (the counters reset themselves), and leaves every counter at zero."""
     from epirl.kernels.gemm import ws_splitk
     x, codes, scale, a, b, bias = problem(64, K, N, 64, seed=31)
     calls = [dict(w_scale=scale), dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0, bias=bias)]
@@ -230,7 +230,7 @@ def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
             monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
             got = weight_stationary_gemm(x[:M], codes, torch.bfloat16, **kw)
             assert torch.equal(got, want), (K, N, M, len(kw))
-    x_train = torch.randn(4096, K, device=DEV, dtype=torch.bfloat16)  # a training call's down-projection: one launch too
+    x_train = torch.randn(4096, K, device=DEV, dtype=torch.bfloat16)  # a training call's down-projection: one launch
     monkeypatch.setenv(ws_splitk.TICKET_ENV, "0")
     want = lora_down(x_train, a, chunk_n=N)
     monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
@@ -261,7 +261,8 @@ def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
     """Even shapes run the K loops without load predicates (`_ws_chunk`'s EVEN_K / EVEN_N / EVEN_M; the
     scaled GEMM and K2 likewise): the same problem padded into ragged shapes runs the masked loops and must give
     the same bits - K - 6 columns (zeros in the even one) inside the same chunks, N + 8 weight rows - forward at
-    decode / 64 / 257 / 4096 tokens with LoRA and bias, dX, and the row-major scaled GEMM (W8A8's, and a transposed-view w)."""
+    decode / 64 / 257 / 4096 tokens with LoRA and bias, dX, and the row-major scaled GEMM (W8A8's, and a
+    transposed-view w)."""
     from epirl.kernels.gemm.configs import k_chunking
     from epirl.kernels.gemm.weight_stationary import whole_k
     x, codes, scale, a, b, bias = problem(4096, K, N + 8, 64, seed=21)
