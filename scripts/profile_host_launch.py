@@ -26,7 +26,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, make_layer, trainer_steps  # noqa: E402
 
-from epirl.kernels import Fp8LoRALinear  # noqa: E402
+from epirl.kernels import Fp8LoRALinear, w8a16_lora  # noqa: E402
 from epirl.kernels.gemm.scaled import scaled_gemm_lora  # noqa: E402
 from epirl.kernels.lora_linear.triton import lora_linear_backward  # noqa: E402
 from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm  # noqa: E402
@@ -164,6 +164,8 @@ def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float
     out.append(("fp8 forward only (autograd graph built)", lambda: layer(xg)))
     out.append(("fp8 backward body (lora_linear_backward, saved xa)", lambda: lora_linear_backward(
         g, x, codes, scale, a16, b16, 2.0, True, xa=xa)))
+    out.append(("fp8 forward + backward body called directly (no autograd)", lambda: lora_linear_backward(
+        g, x, codes, scale, a16, b16, 2.0, True, xa=w8a16_lora(x, codes, scale, a16, b16, 2.0, return_xa=True)[1])))
     out.append(("bf16 F.linear forward only", lambda: F.linear(x, w16)))
     xs = torch.randn(64, device="cuda", requires_grad=True)
     gs = torch.ones(64, device="cuda")
