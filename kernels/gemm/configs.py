@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from .._dispatch import check_reduction
+from .._host import cdiv
 
 TABLE_PATH = Path(__file__).with_name("ws_configs.json")
 TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own output, before committing it)
@@ -68,10 +69,10 @@ def k_chunking(N: int, K: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=None)  # (the module constant is an argument: tests patch it)
 def _k_chunking(N: int, K: int, target_programs: int) -> tuple[int, int]:
     check_reduction(K)
-    k_units = -(-K // CHUNK_ALIGN)
-    want = max(1, min(k_units, target_programs // max(1, -(-N // CHUNK_REF_BN))))
-    units = -(-k_units // want)
-    return units * CHUNK_ALIGN, -(-k_units // units)
+    k_units = cdiv(K, CHUNK_ALIGN)
+    want = max(1, min(k_units, target_programs // max(1, cdiv(N, CHUNK_REF_BN))))
+    units = cdiv(k_units, want)
+    return units * CHUNK_ALIGN, cdiv(k_units, units)
 
 
 # The LoRA down-projection xa = x·Aᵀ (r rows of A) splits each base chunk into sub-chunks of at most this many K
