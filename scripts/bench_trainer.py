@@ -121,13 +121,18 @@ def main() -> None:
                         help="keep all activations (use a smaller --micro-batch: ~60 GB per 8k tokens at 8B)")
     parser.add_argument("--kernel-sum", action="store_true",
                         help="profile one more step: its kernel time against the wall time (GPU busy %%)")
+    parser.add_argument("--backward-thread", choices=["autograd", "caller"], default="autograd",
+                        help="caller: run backward on the calling thread (torch.autograd.set_multithreading_enabled"
+                             "(False)) instead of autograd's CUDA device thread")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.seqs} x {args.seq_len} tokens, micro-batch {args.micro_batch}, rank {args.rank}, "
-          f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, "
+          f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, backward on the {args.backward_thread} "
+          "thread, "
           f"flash-linear-attention {'yes' if has_fla() else 'NO (Qwen3.5 uses the torch GDN fallback)'}")
     results = []
+    torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd")
     for shape in args.shapes:
         for base in args.bases:
             result = bench_one(shape, base, args)

@@ -189,7 +189,37 @@ def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float
     fwd_us, bwd_us, same_thread = split_whole_step(layer, xg, g, calls)
     results += [("fp8 whole linear timed apart: forward", fwd_us),
                 (f"fp8 whole linear timed apart: backward (on the calling thread: {same_thread})", bwd_us)]
+    # autograd runs a CUDA backward on its own device thread; with multithreading off it runs on the caller's
+    with torch.autograd.set_multithreading_enabled(False):
+        for tag in ("fp8", "bf16"):
+            fn = dict(out)[f"{tag} forward + backward (whole linear)"]
+            results.append((f"{tag} forward + backward (whole linear), autograd multithreading off",
+                            host_us(fn, calls)))
+        fwd_us, bwd_us, same_thread = split_whole_step(layer, xg, g, calls)
+        results += [("multithreading off, timed apart: forward", fwd_us),
+                    (f"multithreading off, timed apart: backward (on the calling thread: {same_thread})", bwd_us)]
     return results
+
+
+def cprofile_step(layer, x, gy, steps: int = 40, top: int = 30) -> None:
+    """cProfile of whole FP8 forward + backward steps with autograd's multithreading off, so that the backward
+    (which autograd otherwise runs on its device thread, out of cProfile's sight) is profiled too."""
+    import cProfile
+    import pstats
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(3):
+            layer(x).backward(gy)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            layer(x).backward(gy)
+            x.grad = layer.lora_A.grad = layer.lora_B.grad = None
+        prof.disable()
+    torch.cuda.synchronize()
+    print(f"\n### cProfile: {steps} Fp8LoRALinear forward + backward steps, multithreading off (by own time)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def main():
@@ -199,6 +229,8 @@ def main():
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--cprofile", action="store_true", help="then cProfile the FP8 step (profile_trainer_linear)")
     ap.add_argument("--trace", action="store_true", help="then a torch.profiler CPU trace of the FP8 step")
+    ap.add_argument("--cprofile-step", action="store_true",
+                    help="then cProfile whole FP8 steps with the backward on the calling thread")
     args = ap.parse_args()
     by_name = {s[0]: s for s in SHAPES}
     if args.shape not in by_name:
@@ -213,6 +245,11 @@ def main():
         layer = Fp8LoRALinear(codes, scale, a, b, 2.0)
         x = torch.randn(args.tokens, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         cpu_trace(layer, x, torch.randn(args.tokens, N, device="cuda", dtype=torch.bfloat16))
+    if args.cprofile_step:
+        _, codes, scale, a, b = make_layer(K, N)
+        layer = Fp8LoRALinear(codes, scale, a, b, 2.0)
+        x = torch.randn(args.tokens, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        cprofile_step(layer, x, torch.randn(args.tokens, N, device="cuda", dtype=torch.bfloat16))
     if args.cprofile:
         from profile_trainer_linear import host_profile
         host_profile(args.shape, K, N, args.tokens, top=35)
