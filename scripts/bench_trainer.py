@@ -60,7 +60,7 @@ def bench_one(shape: str, base: str, args) -> dict:
         loss = training_step(policy, optimizer, ids, args.micro_batch, args.chunk_tokens)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / steps
-    kernel_s = step_kernel_seconds(policy, optimizer, ids, args) if args.kernel_sum else None
+    kernel_s, kernels = step_kernel_seconds(policy, optimizer, ids, args) if args.kernel_sum else (None, None)
     report = policy.memory_report()
     result = {
         "shape": shape, "base": base, "s_per_step": seconds, "tokens_per_s": args.seqs * args.seq_len / seconds,
@@ -69,22 +69,51 @@ def bench_one(shape: str, base: str, args) -> dict:
         "base_projection_gib": report["base_projection_bytes"] / GiB,
         "base_other_gib": report["base_other_bytes"] / GiB, "lora_gib": report["lora_param_bytes"] / GiB,
         "loss": loss, "steps_timed": steps, "kernel_s_per_step": kernel_s,
-        "gpu_busy": kernel_s / seconds if kernel_s else None,
+        "gpu_busy": kernel_s / seconds if kernel_s else None, "kernels": kernels,
         "gdn": ("fla" if has_fla() else "torch-fallback") if shape == "qwen3.5-9b" else "-",
     }
     del policy, optimizer
     return result
 
 
-def step_kernel_seconds(policy, optimizer, ids, args) -> float:
-    """The CUDA kernel time of one step (torch.profiler, summed over kernels). Against the unprofiled wall time it
-    says how busy the host keeps the GPU: a step whose kernels sum to much less than its wall time waits on Python,
-    autograd and kernel launches, not on the GPU."""
+def step_kernel_seconds(policy, optimizer, ids, args) -> tuple[float, dict[str, tuple[float, int]]]:
+    """The CUDA kernel time of one step (torch.profiler, summed over kernels) and {kernel name: (seconds, launches)}.
+    Against the unprofiled wall time it says how busy the host keeps the GPU: a step whose kernels sum to much less
+    than its wall time waits on Python, autograd and kernel launches, not on the GPU."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         training_step(policy, optimizer, ids, args.micro_batch, args.chunk_tokens)
         torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    per_kernel: dict[str, tuple[float, int]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            seconds, launches = per_kernel.get(e.name[:80], (0.0, 0))
+            per_kernel[e.name[:80]] = (seconds + e.device_time / 1e6, launches + 1)
+    return sum(s for s, _ in per_kernel.values()), per_kernel
+
+
+# kernel-name fragments -> the group a step's kernel time is reported under (first match wins)
+KERNEL_GROUPS = (("W8A16 / LoRA (epirl Triton)", ("_ws_", "_xa_", "lora", "scaled_gemm")),
+                 ("GEMM (cuBLAS)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
+                 ("attention", ("flash", "fmha", "attention")))
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    return next((group for group, parts in KERNEL_GROUPS if any(p in low for p in parts)), "other")
+
+
+def print_kernel_groups(results: list[dict], top: int) -> None:
+    """Per base: the step's kernel time by group and its `top` kernels (from --kernel-sum's profiled step)."""
+    for r in results:
+        kernels = r.get("kernels") or {}
+        groups: dict[str, float] = {}
+        for name, (seconds, _) in kernels.items():
+            groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + seconds
+        print(f"\n{r['shape']} {r['base']}: kernel ms by group: "
+              + ", ".join(f"{g} {s * 1e3:.1f}" for g, s in sorted(groups.items(), key=lambda kv: -kv[1])))
+        print(f"| {r['base']} kernel | launches | ms |\n|---|---|---|")
+        for name, (seconds, launches) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"| `{name[:70]}` | {launches} | {seconds * 1e3:.1f} |")
 
 
 def has_fla() -> bool:
@@ -124,6 +153,8 @@ def main() -> None:
     parser.add_argument("--backward-thread", choices=["autograd", "caller"], default="autograd",
                         help="caller: run backward on the calling thread (torch.autograd.set_multithreading_enabled"
                              "(False)) instead of autograd's CUDA device thread")
+    parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                        help="with --kernel-sum: print the step's kernel time by group and its N largest kernels")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -137,8 +168,10 @@ def main() -> None:
         for base in args.bases:
             result = bench_one(shape, base, args)
             results.append(result)
-            print(json.dumps(result), flush=True)
+            print(json.dumps({k: v for k, v in result.items() if k != "kernels"}), flush=True)
     print_table(results)
+    if args.kernel_sum and args.kernel_table:
+        print_kernel_groups(results, args.kernel_table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

@@ -56,6 +56,7 @@
 #              one-launch split-K of ws_splitk.py (the default)                                             ~2 min
 #   hostlaunch host µs per call of each piece of the FP8 trainer linear (profile_host_launch.py), q3_o + gate_up ~2 min
 #   gputrim    the W8A16 GPU tests a host-side change can break (one-launch, TMA table, backward, module, invariance)
+#   gpuall     every GPU test of the W8A16 kernels (tests/kernels/test_gpu_kernels.py -m gpu)               ~4 min
 #   step1t     `step` with the backward on the calling thread (autograd multithreading off)           ~4 min
 #   hostdiag   profile_host_launch.py rows (GC off, forward / backward timed apart, backward thread) + a CPU trace ~2 min
 #   train816   bench_kernels.py trainer rows at 8192 and 16384 tokens (kernel sums and walls, every shape)    ~3 min
@@ -112,7 +113,7 @@ for name in "$@"; do
     trainerprof) part trainerprof 300 python3 -P scripts/profile_trainer_linear.py --shapes q3_qkv q3_o q3_gate_up \
                 q3_down --tokens 1024 4096 --steps 3 ;;
     b32)      part b32 150 python3 -P scripts/bench_kernels.py --tokens 32 --train-tokens --json "$OUT/bench_b32.json" ;;
-    step)     part step 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
+    step)     part step 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum --kernel-table 25 \
                 --json "$OUT/bench_step.json" ;;
     step1t)   part step1t 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
                 --backward-thread caller --json "$OUT/bench_step1t.json" ;;
@@ -145,6 +146,7 @@ PY
                 --cprofile; python3 -P scripts/profile_host_launch.py --shape q3_gate_up --calls ${HOST_CALLS:-40}" ;;
     gputrim)  part gputrim 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
                 -k "one_launch or tma_table or backward or module or invariance or allocates or lora_down" ;;
+    gpuall)   part gpuall 420 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider ;;
     hostdiag) part hostdiag 200 python3 -P scripts/profile_host_launch.py --shape q3_o --trace --cprofile-step ;;
     train816) part train816 300 python3 -P scripts/bench_kernels.py --tokens 1 --train-tokens 8192 16384 \
                 --json $OUT/bench_train816.json ;;
@@ -152,7 +154,7 @@ PY
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
