@@ -33,6 +33,9 @@ RANK, ALPHA = 64, 128
 # in_proj_qkvz 2*16*128 + 2*32*128; its o/out_proj and MLP have the Qwen3-8B shapes.
 SHAPES = [("q3_qkv", 4096, 6144), ("q3_o", 4096, 4096), ("q3_gate_up", 4096, 24576),
           ("q3_down", 12288, 4096), ("q35_attn_qkv", 4096, 10240), ("q35_gdn_qkvz", 4096, 12288)]
+# the unfused HF modules the trainer runs (vLLM's engine fuses q/k/v and gate/up; a training step runs q, k, v, gate,
+# up apart, on views of the same codes): trainer rows only, through --shapes
+TRAINER_SHAPES = [("q3_kv", 4096, 1024), ("q3_gate", 4096, 12288)]
 TOKENS = [1, 4, 16, 64, 512, 4096, 16384]
 TRAIN_TOKENS = [4096, 8192]
 FLUSH_ENV_NOTE = "EPIRL_L2_FLUSH=write: the write-flush used before 2026-12-01"
@@ -218,9 +221,14 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="forward token counts")
     ap.add_argument("--train-tokens", type=int, nargs="*", default=None,
                     help="trainer token counts (given without values: no trainer rows)")
+    ap.add_argument("--shapes", nargs="+", default=None, choices=[s[0] for s in SHAPES + TRAINER_SHAPES],
+                    help="only these shapes (default: every engine shape; q3_kv / q3_gate are the trainer's unfused "
+                         "k/v and gate/up modules)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = ap.parse_args()
     shapes = SHAPES[:2] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [s for s in SHAPES + TRAINER_SHAPES if s[0] in args.shapes]
     tokens = args.tokens or ([1, 16, 4096] if args.quick else TOKENS)
     train_tokens = (args.train_tokens if args.train_tokens is not None
                     else TRAIN_TOKENS[:1] if args.quick else TRAIN_TOKENS)
