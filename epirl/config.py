@@ -149,6 +149,11 @@ class TrainerConfig(Section):
     bf16 trainer's with them, 1.31x without, on the H200. Same bits as the pointer kernel: Triton 3.6 miscompiles
     the TMA kernel for some tiles, so each table TMA call is checked bitwise against the pointer kernel on its
     first call per shape and every 1024 calls, and falls back with a warning on a difference (kernels/README.md)."""
+    fused_slices: bool | None = None
+    """One W8A16 call per fused layer (q, k, v / gate, up) in both the matched engine and the FP8 trainer, instead of
+    one per slice: each slice's LoRA becomes a block of one block-diagonal rank-S·r term, same bits on both sides
+    (kernels/w8a16_lora/slices.py). None: as EPIRL_FUSED_SLICES says (off unless 1). Off by default until measured
+    on the GPU; the measured per-slice costs it removes are in BENCHMARKS.md (fourteenth session)."""
 
 
 class LoRAConfig(Section):
@@ -376,6 +381,10 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
         from epirl.kernels.gemm.configs import set_tma
 
         set_tma(cfg.trainer.w8a16_tma)
+    if cfg.trainer.fused_slices is not None:  # before the engine quantizes its layers and the trainer groups its own
+        from epirl.kernels.w8a16_lora.slices import set_fused_slices
+
+        set_fused_slices(cfg.trainer.fused_slices)
     return device
 
 

@@ -102,17 +102,24 @@ class EnginePool:
         self.engines: dict[str, object] = {}
         self.start_s: dict[str, float] = {}
 
-    def get(self, precision: str, dtype: str = "bfloat16"):
+    def get(self, precision: str, dtype: str = "bfloat16", fused_slices: bool = False):
+        """fused_slices: an engine started with EPIRL_FUSED_SLICES=1 (one call per fused layer; the switch is read
+        when the engine quantizes its layers)."""
         from epirl.engine import RolloutEngine
 
-        key = f"{precision}/{dtype}"
+        key = f"{precision}/{dtype}" + ("/fused-slices" if fused_slices else "")
         if key in self.engines:
             self.engines[key] = self.engines.pop(key)  # most recently used last
             return self.engines[key]
         while len(self.engines) >= self.size:
             oldest = next(iter(self.engines))
             self.engines.pop(oldest).close()
-        engine = RolloutEngine(engine_test_config(precision, model={"dtype": dtype}))
+        previous = os.environ.get("EPIRL_FUSED_SLICES")
+        os.environ["EPIRL_FUSED_SLICES"] = "1" if fused_slices else "0"
+        try:
+            engine = RolloutEngine(engine_test_config(precision, model={"dtype": dtype}))
+        finally:
+            os.environ.pop("EPIRL_FUSED_SLICES") if previous is None else os.environ.update(EPIRL_FUSED_SLICES=previous)
         self.engines[key] = engine
         self.start_s[key] = engine.start_s
         return engine

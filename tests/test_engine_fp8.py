@@ -122,3 +122,34 @@ def test_matched_engine_agrees_with_fp8_trainer_better_than_w8a8(engine_pool, ad
     # bf16-engine test: 2.7e-5); W8A8's FP8 activations add quantization noise on every projection
     assert errors["w8a16"][0] < 1e-3
     assert errors["w8a8"][1] > 100 * errors["w8a16"][1] and errors["w8a8"][0] > 0.05
+
+
+def test_fused_slices_engine_layers_are_one_block_diagonal_call(engine_pool, adapter):
+    """EPIRL_FUSED_SLICES=1 (kept last in this file: a new engine): each fused layer is one `w8a16_lora` over the
+    whole layer with the slices' adapters as A_cat / B_bd — bitwise the trainer's SliceGroup call
+    (tests/kernels/test_fused_slices.py checks the group against the same call); plain layers are unchanged."""
+    from epirl.engine import plugin
+    from epirl.engine.lora_publish import modules_of
+    from epirl.kernels import w8a16_lora
+    from epirl.kernels.w8a16_lora.slices import sliced_lora_operands
+
+    engine = engine_pool.get("w8a16", dtype=DTYPE, fused_slices=True)
+    engine.publish(adapter, step=1)
+    names = ["model.layers.3.self_attn.qkv_proj", "model.layers.3.mlp.gate_up_proj", "model.layers.3.mlp.down_proj"]
+    with plugin.captured_layer_io(engine.vllm_model(), names) as captured:
+        p, c = _pairs(engine.tokenizer)[0]
+        engine.score([p], [c])
+    views, lora = engine.base_weight_views(), modules_of(adapter)
+    for name, hf_names in [(names[0], ["q_proj", "k_proj", "v_proj"]), (names[1], ["gate_proj", "up_proj"]),
+                           (names[2], ["down_proj"])]:
+        x, y = captured[name]
+        parent = name.rsplit(".", 1)[0]
+        members = [f"{parent}.{hf}" for hf in hf_names]
+        codes = torch.cat([views[m][0] for m in members])  # (a copy: the values of the engine's fused codes)
+        widths = [views[m][0].shape[0] for m in members]
+        a_cat, b_bd = sliced_lora_operands([lora[m][0] for m in members], [lora[m][1] for m in members], widths,
+                                           x.dtype)
+        if len(members) == 1:  # a plain layer: the ordinary call
+            a_cat, b_bd = lora[members[0]][0], lora[members[0]][1]
+        expected = w8a16_lora(x, codes, views[members[0]][1], a_cat, b_bd, SCALE)
+        assert torch.equal(y, expected), f"{name}: max |Δ| {(y.float() - expected.float()).abs().max()}"

@@ -42,8 +42,9 @@ from typing import Any, Iterator
 import torch
 
 from epirl.engine import serving_lora
-from epirl.engine.naming import NameMap
+from epirl.engine.naming import DEFAULT_PACKED, NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
+from epirl.kernels.w8a16_lora.slices import block_views, fused_slices_enabled
 from epirl.engine.vllm_compat import lora_layers, model_access, punica, quantization
 from epirl.engine.vllm_compat.detect import on_cuda
 
@@ -139,7 +140,7 @@ def _linear_method_class() -> type:
             layer.weight_scale = torch.nn.Parameter(scale.to(torch.float32).reshape(1), requires_grad=False)
             if not self.activation_fp8 and _SETTINGS["rank"] > 0:
                 layer._epirl_lora = _LayerLoRA(layer.logical_widths, codes.shape[1], _SETTINGS["rank"],
-                                               _SETTINGS["scale"], dtype, device)
+                                               _SETTINGS["scale"], dtype, device, one_call=_one_call(layer))
 
         def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             if self.activation_fp8:
@@ -162,12 +163,25 @@ def configure(rank: int, lora_scale: float) -> None:
     _SETTINGS.update(rank=int(rank), scale=float(lora_scale))
 
 
+def _one_call(layer) -> bool:
+    """Whether this fused layer's LoRA runs as one block-diagonal call (EPIRL_FUSED_SLICES=1,
+    `kernels/w8a16_lora/slices.py`): only where each logical slice is one Hugging Face module (qkv_proj, gate_up_proj),
+    the layers the trainer groups the same way (`epirl.model.loading.group_fused_layer`)."""
+    leaf = getattr(layer, "prefix", "").rpartition(".")[2]
+    members = DEFAULT_PACKED.get(leaf)
+    return fused_slices_enabled() and members is not None and len(members) == len(layer.logical_widths)
+
+
 @torch.library.custom_op("epirl::w8a16_lora_slices", mutates_args=())
 def w8a16_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lora_a: list[torch.Tensor],
                       lora_b: list[torch.Tensor], widths: list[int], lora_scale: float,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+                      bias: torch.Tensor | None, a_cat: torch.Tensor | None = None,
+                      b_bd: torch.Tensor | None = None) -> torch.Tensor:
     """`w8a16_lora` per logical slice of a fused layer, each written into its columns of the layer's output (no
-    concatenation kernel; no LoRA when the lists are empty)."""
+    concatenation kernel; no LoRA when the lists are empty) — or, given the block operands a_cat / b_bd (fused
+    slices on), one call for the whole layer, the trainer's `SliceGroup` call."""
+    if a_cat is not None:
+        return w8a16_lora(x, codes, scale, a_cat, b_bd, lora_scale, bias=bias)
     if not lora_a:
         return w8a16_lora(x, codes, scale, bias=bias)
     if len(widths) == 1:
@@ -184,7 +198,7 @@ def w8a16_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 
 @w8a16_lora_slices.register_fake
-def _(x, codes, scale, lora_a, lora_b, widths, lora_scale, bias):
+def _(x, codes, scale, lora_a, lora_b, widths, lora_scale, bias, a_cat=None, b_bd=None):
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
@@ -193,17 +207,25 @@ def _fused_apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tor
     base = punica.base_of(self)
     state = base._epirl_lora
     return torch.ops.epirl.w8a16_lora_slices(x, base.weight.t(), base.weight_scale, state.lora_a,
-                                             state.lora_b, state.widths, state.scale, bias)
+                                             state.lora_b, state.widths, state.scale, bias, state.a_cat, state.b_bd)
 
 
 class _LayerLoRA:
-    """Fixed LoRA buffers of one fused/plain layer: per slice A [r, K], B [N_i, r] (unscaled)."""
+    """Fixed LoRA buffers of one fused/plain layer: per slice A [r, K], B [N_i, r] (unscaled). one_call: the slices'
+    buffers are views into one A_cat [S·r, K] and the diagonal blocks of one B_bd [N, S·r] (zeros elsewhere), which
+    the layer's one call reads."""
 
-    def __init__(self, widths: list[int], k: int, rank: int, scale: float, dtype, device):
+    def __init__(self, widths: list[int], k: int, rank: int, scale: float, dtype, device, one_call: bool = False):
         self.widths = list(widths)
         self.hf_slices: list[tuple[str, int]] = []  # (HF module, first row in it) per slice; set by attach()
-        self.lora_a = [torch.zeros(rank, k, dtype=dtype, device=device) for _ in widths]
-        self.lora_b = [torch.zeros(w, rank, dtype=dtype, device=device) for w in widths]
+        self.a_cat = self.b_bd = None
+        if one_call:
+            self.a_cat = torch.zeros(len(widths) * rank, k, dtype=dtype, device=device)
+            self.b_bd = torch.zeros(sum(widths), len(widths) * rank, dtype=dtype, device=device)
+            self.lora_a, self.lora_b = block_views(self.a_cat, self.b_bd, widths, rank)
+        else:
+            self.lora_a = [torch.zeros(rank, k, dtype=dtype, device=device) for _ in widths]
+            self.lora_b = [torch.zeros(w, rank, dtype=dtype, device=device) for w in widths]
         self.scale = scale
 
     def load(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:

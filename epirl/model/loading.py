@@ -22,6 +22,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from epirl.config import check_lora_targets, concrete_dtype, resolve_model_path
 from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused
+from epirl.kernels.lora_linear.sliced import attach_slice_group
+from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.linear_attention import select_gdn_kernel
@@ -40,6 +42,11 @@ PACKED_MODULES = {
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 _PACKED_NAME_OF = {member: packed for packed, members in PACKED_MODULES.items() for member in members}
+# The fused layers whose logical slices are one Hugging Face module each: with EPIRL_FUSED_SLICES=1 the matched
+# engine runs each as one call (epirl.engine.plugin._one_call, from naming.DEFAULT_PACKED: the same layers) and the
+# trainer groups its modules the same way (`group_fused_layer`). Qwen3.5's in_proj_qkvz has four slices in two
+# modules: it stays one call per slice on both sides.
+ONE_CALL_LAYERS = ("qkv_proj", "gate_up_proj")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -199,6 +206,23 @@ def install_fp8_projections(model: nn.Module, source, device: torch.device, dtyp
             trainable = name.rpartition(".")[2] in targets
             replace_module(model, name, _fp8_module(name, linear, codes_N_K, scale, trainable, rank, alpha,
                                                     seed, bias))
+        if fused_slices_enabled():
+            group_fused_layer(model, names)
+
+
+def group_fused_layer(model: nn.Module, names: list[str]) -> bool:
+    """Group the FP8 modules `names` (one fused layer, slice order) to run as one call, the engine's
+    (kernels/lora_linear/sliced.py), if the layer is one of `ONE_CALL_LAYERS`; a clear error if it cannot."""
+    parent, _, leaf = names[0].rpartition(".")
+    packed = _PACKED_NAME_OF.get(leaf)
+    if packed not in ONE_CALL_LAYERS or tuple(n.rpartition(".")[2] for n in names) != PACKED_MODULES[packed]:
+        return False
+    try:
+        attach_slice_group([model.get_submodule(n) for n in names])
+    except ValueError as err:
+        raise ValueError(f"{parent}.{packed}: {err} (EPIRL_FUSED_SLICES=1 needs it as one call, as the engine "
+                         "runs it)") from None
+    return True
 
 
 def build_policy(config: PretrainedConfig, source, base: str, device: torch.device, dtype: torch.dtype,

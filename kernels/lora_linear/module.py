@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import _dispatch
 from ..fp8_quant.reference import check_weight_codes
+from ..w8a16_lora.slices import fused_slices_enabled
 
 
 def _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend):
@@ -119,6 +120,8 @@ class Fp8LoRALinear(nn.Module):
         return cls.from_codes(codes, scale, rank, alpha, bias, seed, lora_dtype, backend)
 
     def forward(self, x):
+        if getattr(self, "slice_group", None) is not None and fused_slices_enabled():
+            return self.slice_group.output(self.slice_index, x)  # one call for the fused layer (sliced.py)
         return Fp8LoRAFunction.apply(x, self.lora_A, self.lora_B, self.codes, self.scale, self.bias,
                                      self.lora_scale, self.backend)
 

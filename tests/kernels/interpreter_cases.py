@@ -365,6 +365,46 @@ def case_backward():
     assert close_bf16(dx, ref_backward(gy, x, codes, scale, None, None, 0.0, True)[0], ulps=6)
 
 
+def case_fused_slices_group_equals_one_call():
+    # the trainer's q / k / v group (kernels/lora_linear/sliced.py) through the Triton kernels: bitwise the one
+    # block-diagonal call the matched engine makes for the fused layer, split-K (3 tokens) and single pass (70), rows
+    # independent of M; its gradients close to each slice's own backward (the reference)
+    from epirl.kernels import Fp8LoRALinear, split_fused
+    from epirl.kernels.lora_linear.sliced import attach_slice_group
+    from epirl.kernels.w8a16_lora.slices import SLICES_ENV, sliced_lora_operands
+
+    os.environ[SLICES_ENV] = "1"
+    widths, K, r = [64, 32, 32], 160, 8
+    g = torch.Generator().manual_seed(21)
+    codes, scale = quantize_weight_fp8([torch.randn(w, K, generator=g) * 0.05 for w in widths], backend="reference")
+    members = [Fp8LoRALinear(view, scale, torch.nn.Parameter(torch.randn(r, K, generator=g) * 0.1),
+                             torch.nn.Parameter(torch.randn(w, r, generator=g) * 0.1), 2.0, backend="triton")
+               for w, view in zip(widths, split_fused(codes, widths))]
+    attach_slice_group(members)
+    a_cat, b_bd = sliced_lora_operands([m.lora_A.detach() for m in members], [m.lora_B.detach() for m in members],
+                                       widths, torch.bfloat16)
+    x70 = torch.randn(70, K, generator=g).bfloat16()
+    one_call_70 = w8a16_lora(x70, codes, scale, a_cat, b_bd, 2.0, backend="triton")
+    for M in (3, 70):
+        x = x70[:M].clone().requires_grad_()
+        outs = [m(x) for m in members]
+        one_call = w8a16_lora(x.detach(), codes, scale, a_cat, b_bd, 2.0, backend="triton")
+        assert torch.equal(torch.cat(outs, dim=-1), one_call), M
+        assert torch.equal(one_call, one_call_70[:M]), M  # batch invariant
+        gys = [torch.randn(M, w, generator=g).bfloat16() for w in widths]
+        sum((o.float() * gy.float()).sum() for o, gy in zip(outs, gys)).backward()
+        dx_want = sum(ref_backward(gy, x.detach(), m.codes, scale, m.lora_A.detach().bfloat16(),
+                                   m.lora_B.detach().bfloat16(), 2.0, True)[0] for gy, m in zip(gys, members))
+        assert ((x.grad.float() - dx_want).norm() / dx_want.norm()).item() < 2e-2, M
+        for gy, m in zip(gys, members):
+            _, da, db = ref_backward(gy, x.detach(), m.codes, scale, m.lora_A.detach().bfloat16(),
+                                     m.lora_B.detach().bfloat16(), 2.0, True)
+            assert ((m.lora_A.grad - da).norm() / da.norm()).item() < 2e-2, M
+            assert ((m.lora_B.grad - db).norm() / db.norm()).item() < 2e-2, M
+            m.lora_A.grad = m.lora_B.grad = None
+    os.environ[SLICES_ENV] = "0"
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":

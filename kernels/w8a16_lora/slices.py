@@ -1,0 +1,90 @@
+"""The slices of a fused layer (q, k, v / gate, up) in one W8A16 call: every slice's rank-r LoRA as one rank-S·r
+term with a block-diagonal B.
+
+vLLM fuses q, k, v (and gate, up) into one layer; the trainer holds them as separate Hugging Face modules over row
+views of the same codes and scale. One GEMM over the fused layer costs less than one per slice at both ends (H200,
+Qwen3-8B, BENCHMARKS.md fourteenth session: q + k + v at one token 41 µs with LoRA against 14.8 for the fused qkv; k / v
+at 8192 training tokens 1.23x bf16 against the fused shape's 0.97x), but the K chunking, hence the bits, depends on
+the layer's N (kernels/gemm/configs.py `k_chunking`), so the engine and the trainer must make the same call. It is
+`w8a16_lora(x, codes, scale, A_cat, B_bd, σ, bias)` with
+
+    A_cat = [A_1; …; A_S]            `[S·r, K]`
+    B_bd  = B_i in slice i's rows and in columns i·r … (i+1)·r, exact zeros elsewhere   `[N, S·r]`
+
+so that y[:, slice i] = bf16(x W_iᵀ s + σ (x A_iᵀ) B_iᵀ + bias_i): the off-diagonal products are exact zeros. A slice
+without an adapter (a projection outside lora.targets) has zero blocks. Cost: the epilogue's LoRA product runs over
+S·r instead of r (at training sizes ~1-5 % of the base GEMM's flops for qkv).
+
+Opt-in until measured on the GPU (EPIRL_FUSED_SLICES=1, or `trainer.fused_slices=true`): the engine's fused layers
+and the trainer's module groups read the same switch, which must not change while an engine and a trainer share a
+process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+SLICES_ENV = "EPIRL_FUSED_SLICES"
+
+
+def fused_slices_enabled() -> bool:
+    """Whether fused layers run as one call (EPIRL_FUSED_SLICES=1) rather than one call per slice."""
+    return os.environ.get(SLICES_ENV, "0") == "1"
+
+
+def set_fused_slices(on: bool) -> None:
+    """EPIRL_FUSED_SLICES for this process (`trainer.fused_slices`), before any engine or trainer layer runs."""
+    os.environ[SLICES_ENV] = "1" if on else "0"
+
+
+def sliced_lora_shapes(lora_a: Sequence, lora_b: Sequence, widths: Sequence[int]) -> tuple[int, int] | None:
+    """(r, K) shared by the slices' adapters (None when no slice has one); a clear error on a mismatch."""
+    if not (len(lora_a) == len(lora_b) == len(widths)):
+        raise ValueError(f"sliced LoRA: {len(lora_a)} A, {len(lora_b)} B for {len(widths)} slices")
+    shapes = set()
+    for i, (a, b, width) in enumerate(zip(lora_a, lora_b, widths)):
+        if (a is None) != (b is None):
+            raise ValueError(f"sliced LoRA: slice {i} has only one of A and B")
+        if a is None:
+            continue
+        if a.dim() != 2 or b.dim() != 2 or b.shape != (width, a.shape[0]):
+            raise ValueError(f"sliced LoRA: slice {i} has A {tuple(a.shape)}, B {tuple(b.shape)}; want [r, K] and "
+                             f"[{width}, r]")
+        shapes.add((a.shape[0], a.shape[1]))
+    if len(shapes) > 1:
+        raise ValueError(f"sliced LoRA: the slices' adapters differ in (rank, K): {sorted(shapes)}")
+    return shapes.pop() if shapes else None
+
+
+def sliced_lora_operands(lora_a: Sequence, lora_b: Sequence, widths: Sequence[int], dtype: torch.dtype
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(A_cat `[S·r, K]`, B_bd `[N, S·r]`) in dtype from per-slice A_i `[r, K]` and B_i `[N_i, r]` (None for a slice
+    without adapter); (None, None) when no slice has one. New tensors: callers with fixed buffers (the engine) keep
+    `block_views` of their own instead."""
+    shape = sliced_lora_shapes(lora_a, lora_b, widths)
+    if shape is None:
+        return None, None
+    r, k = shape
+    device = next(a.device for a in lora_a if a is not None)
+    a_cat = torch.zeros(len(widths) * r, k, dtype=dtype, device=device)
+    b_bd = torch.zeros(sum(widths), len(widths) * r, dtype=dtype, device=device)
+    a_views, b_views = block_views(a_cat, b_bd, widths, r)
+    for a, b, a_view, b_view in zip(lora_a, lora_b, a_views, b_views):
+        if a is not None:
+            a_view.copy_(a)
+            b_view.copy_(b)
+    return a_cat, b_bd
+
+
+def block_views(a_cat: torch.Tensor, b_bd: torch.Tensor, widths: Sequence[int], r: int
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Slice i's A rows `[r, K]` of A_cat and its diagonal block `[N_i, r]` of B_bd, as views (writes go through)."""
+    a_views, b_views, row = [], [], 0
+    for i, width in enumerate(widths):
+        a_views.append(a_cat[i * r:(i + 1) * r])
+        b_views.append(b_bd[row:row + width, i * r:(i + 1) * r])
+        row += width
+    return a_views, b_views
