@@ -63,9 +63,11 @@ def _w8a16_tiles(cfg: EpirlConfig, device: torch.device) -> str:
     if device.type != "cuda" or (cfg.trainer.base == "bf16" and cfg.engine.precision != "w8a16"):
         return ""
     from epirl.kernels.gemm.configs import tma_enabled
+    from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
 
-    return (", W8A16 GEMM with TMA-load tiles (each checked against the pointer kernel)" if tma_enabled()
-            else ", W8A16 GEMM with pointer-load tiles (TMA off: EPIRL_WS_TMA=0)")
+    tiles = (", W8A16 GEMM with TMA-load tiles (each checked against the pointer kernel)" if tma_enabled()
+             else ", W8A16 GEMM with pointer-load tiles (TMA off: EPIRL_WS_TMA=0)")
+    return tiles + (", one call per fused layer (EPIRL_FUSED_SLICES=1)" if fused_slices_enabled() else "")
 
 
 def plan_lines(cfg: EpirlConfig, device: torch.device, problems: int, threads: str | None,

@@ -153,6 +153,9 @@ def main() -> None:
     parser.add_argument("--backward-thread", choices=["autograd", "caller"], default="autograd",
                         help="caller: run backward on the calling thread (torch.autograd.set_multithreading_enabled"
                              "(False)) instead of autograd's CUDA device thread")
+    parser.add_argument("--fused-slices", action="store_true",
+                        help="EPIRL_FUSED_SLICES=1: the FP8 trainer runs q, k, v and gate, up as one call per fused "
+                             "layer (the matched engine's call; kernels/w8a16_lora/slices.py)")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="with --kernel-sum: print the step's kernel time by group and its N largest kernels")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -160,10 +163,13 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.seqs} x {args.seq_len} tokens, micro-batch {args.micro_batch}, rank {args.rank}, "
           f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, backward on the {args.backward_thread} "
-          "thread, "
+          f"thread, fused slices {'on' if args.fused_slices else 'off'}, "
           f"flash-linear-attention {'yes' if has_fla() else 'NO (Qwen3.5 uses the torch GDN fallback)'}")
     results = []
     torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd")
+    if args.fused_slices:  # read when the policy is built (the FP8 modules are grouped then) and at every forward
+        from epirl.kernels.w8a16_lora.slices import set_fused_slices
+        set_fused_slices(True)
     for shape in args.shapes:
         for base in args.bases:
             result = bench_one(shape, base, args)

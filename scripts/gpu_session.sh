@@ -56,6 +56,9 @@
 #              one-launch split-K of ws_splitk.py (the default)                                             ~2 min
 #   hostlaunch host µs per call of each piece of the FP8 trainer linear (profile_host_launch.py), q3_o + gate_up ~2 min
 #   gputrim    the W8A16 GPU tests a host-side change can break (one-launch, TMA table, backward, module, invariance)
+#   gpufused   GPU tests of one call per fused layer (test_fused_slices_gpu.py)                            ~2 min
+#   stepfused  `step` with EPIRL_FUSED_SLICES=1 (q, k, v / gate, up as one call each)                     ~2 min
+#   enginefused the matched engine's TPOT with EPIRL_FUSED_SLICES=1 (vLLM staged; compare with enginetpot) ~4 min
 #   trainhf    trainer rows at 8192 tokens for the modules a Qwen3-8B step runs (q = o shape, k/v, gate/up, down) ~2 min
 #   gpuall     every GPU test of the W8A16 kernels (tests/kernels/test_gpu_kernels.py -m gpu)               ~4 min
 #   step1t     `step` with the backward on the calling thread (autograd multithreading off)           ~4 min
@@ -147,6 +150,11 @@ PY
                 --cprofile; python3 -P scripts/profile_host_launch.py --shape q3_gate_up --calls ${HOST_CALLS:-40}" ;;
     gputrim)  part gputrim 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
                 -k "one_launch or tma_table or backward or module or invariance or allocates or lora_down" ;;
+    stepfused) part stepfused 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
+                --kernel-table 25 --fused-slices --json "$OUT/bench_stepfused.json" ;;
+    gpufused) part gpufused 300 python3 -P -m pytest -q -m gpu tests/kernels/test_fused_slices_gpu.py -p no:cacheprovider ;;
+    enginefused) part enginefused 300 bash -c "[ -f ~/vllm-env.sh ] && source ~/vllm-env.sh; EPIRL_FUSED_SLICES=1 \
+                timeout 230 python3 -P scripts/gpu_engine.py --tag fused --precisions w8a16 --sections tpot --skip-smollm2" ;;
     trainhf)  part trainhf 240 python3 -P scripts/bench_kernels.py --tokens 1 --train-tokens 8192 \
                 --shapes q3_o q3_kv q3_gate q3_down --json $OUT/bench_trainhf.json ;;
     gpuall)   part gpuall 420 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider ;;
@@ -157,7 +165,7 @@ PY
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

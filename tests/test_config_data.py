@@ -263,6 +263,21 @@ def test_w8a16_tma_sets_the_process_table(monkeypatch):
         load_table.cache_clear()
 
 
+def test_fused_slices_sets_the_process_switch(monkeypatch):
+    """`trainer.fused_slices` is EPIRL_FUSED_SLICES for the process (read by the engine when it quantizes its layers
+    and by the trainer when it builds and runs its modules); unset, the environment decides (off unless 1)."""
+    from epirl.config import resolve_runtime
+    from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
+
+    monkeypatch.delenv("EPIRL_FUSED_SLICES", raising=False)
+    resolve_runtime(load_config(None, ["trainer.device=cpu"]))
+    assert "EPIRL_FUSED_SLICES" not in os.environ and not fused_slices_enabled()
+    for value, on in (("true", True), ("false", False)):
+        resolve_runtime(load_config(None, ["trainer.device=cpu", f"trainer.fused_slices={value}"]))
+        assert fused_slices_enabled() is on
+    monkeypatch.delenv("EPIRL_FUSED_SLICES", raising=False)
+
+
 def test_plan_says_which_w8a16_tiles_run(monkeypatch):
     """The plan's trainer row names the W8A16 GEMM's tiles where that kernel runs (CUDA, an FP8 base or the matched
     engine), and nothing where it does not."""

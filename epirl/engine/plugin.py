@@ -19,7 +19,10 @@ separate GEMM and a separate rounding — not the trainer's arithmetic). `regist
 that class and on every subclass that overrides it (`vllm_compat.lora_layers`): when the base layer's
 method is epirl's W8A16 one, the wrapper calls the custom op `epirl::w8a16_lora_slices`, i.e.
 `w8a16_lora(x, codes_i, s_w, A_i, B_i, σ)` once per logical slice (q, k, v / gate, up) — exactly the
-per-HF-module call the trainer makes — and vLLM's punica path is not run. It is patched at class level
+per-HF-module call the trainer makes — and vLLM's punica path is not run. With EPIRL_FUSED_SLICES=1
+(`trainer.fused_slices`, opt-in) a qkv_proj / gate_up_proj layer is instead one `w8a16_lora` call over the whole
+layer, its slices' adapters held as one block-diagonal A_cat / B_bd (kernels/w8a16_lora/slices.py), the call the
+trainer's SliceGroup makes (kernels/lora_linear/sliced.py). It is patched at class level
 in `register()`, before vLLM builds the model, so that torch.compile and CUDA-graph capture see it;
 the op is a torch custom op so the compiler treats the kernel as one opaque call.
 
