@@ -13,7 +13,9 @@ the layer's N (kernels/gemm/configs.py `k_chunking`), so the engine and the trai
 
 so that y[:, slice i] = bf16(x W_iᵀ s + σ (x A_iᵀ) B_iᵀ + bias_i): the off-diagonal products are exact zeros. A slice
 without an adapter (a projection outside lora.targets) has zero blocks. Cost: the epilogue's LoRA product runs over
-S·r instead of r (at training sizes ~1-5 % of the base GEMM's flops for qkv).
+S·r columns (padded to a power of two: 256 for a rank-64 qkv) instead of r, ~5 % of the forward GEMM's flops for qkv
+at K = 4096, and the backward's gB and dB run over the whole block matrix (~1 % each); against that, one launch
+instead of S and the fused layer's better-shaped GEMM.
 
 Opt-in until measured on the GPU (EPIRL_FUSED_SLICES=1, or `trainer.fused_slices=true`): the engine's fused layers
 and the trainer's module groups read the same switch, which must not change while an engine and a trainer share a

@@ -167,3 +167,26 @@ def test_random_policy_groups_q_k_v_and_gate_up(monkeypatch):
     policy.model.zero_grad(set_to_none=True)
     alone, _ = policy.token_logprobs(ids[:, :-1], ids[:, 1:], 1.0, 64)
     torch.testing.assert_close(alone, logprobs.detach(), rtol=0.05, atol=0.05)
+
+
+def test_gradient_checkpointing_recomputes_through_the_group(monkeypatch):
+    """Under non-reentrant checkpointing (the trainer's default) the recomputed forward runs the group again; the
+    gradients are those without checkpointing, and no group keeps outputs after the step."""
+    from model_fixtures import tiny_config
+
+    from epirl.model import random_policy
+
+    monkeypatch.setenv(SLICES_ENV, "1")
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for checkpointing in (False, True):
+        policy = random_policy(tiny_config("qwen3", 64, 1, 0), "fp8", "cpu", 4, 8.0, ["q_proj", "k_proj", "up_proj"],
+                               seed=0, gradient_checkpointing=checkpointing)
+        logprobs, _ = policy.token_logprobs(ids[:, :-1], ids[:, 1:], 1.0, 64)
+        logprobs.sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None})
+        groups = {id(m.slice_group): m.slice_group for m in policy.model.modules() if hasattr(m, "slice_group")}
+        assert groups and all(g._pending is None for g in groups.values())
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
