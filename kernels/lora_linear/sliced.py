@@ -20,10 +20,12 @@ class Fp8SlicedLoRAFunction(torch.autograd.Function):
     and every slice's A_i, B_i (None for slices without adapter). Arguments after `widths`: A_1 … A_S, B_1 … B_S."""
 
     @staticmethod
-    def forward(ctx, x, codes, scale, bias, lora_scale, backend, widths, *lora_ab):
+    def forward(ctx, x, codes, scale, bias, lora_scale, backend, widths, operands, *lora_ab):
+        """operands: (A_cat, B_bd) of lora_ab in x's dtype (`sliced_lora_operands`), built by the caller, which may
+        reuse them while the parameters do not change."""
         slices = len(widths)
         lora_a, lora_b = lora_ab[:slices], lora_ab[slices:]
-        a_cat, b_bd = sliced_lora_operands(lora_a, lora_b, widths, x.dtype)
+        a_cat, b_bd = operands
         y, xa = _forward(x, codes, scale, a_cat, b_bd, lora_scale, bias, backend)
         ctx.save_for_backward(x, a_cat, b_bd, codes, scale, xa)
         ctx.lora_scale, ctx.backend, ctx.widths = lora_scale, backend, list(widths)
@@ -41,12 +43,12 @@ class Fp8SlicedLoRAFunction(torch.autograd.Function):
         if a_cat is not None:
             r, row = a_cat.shape[0] // slices, 0
             for i, (width, dtypes) in enumerate(zip(ctx.widths, ctx.param_dtypes)):
-                if dtypes is not None and ctx.needs_input_grad[7 + i]:
+                if dtypes is not None and ctx.needs_input_grad[8 + i]:
                     grads_ab[i] = d_a[i * r:(i + 1) * r].to(dtypes[0]).clone()
-                if dtypes is not None and ctx.needs_input_grad[7 + slices + i]:
+                if dtypes is not None and ctx.needs_input_grad[8 + slices + i]:
                     grads_ab[slices + i] = d_b[row:row + width, i * r:(i + 1) * r].to(dtypes[1]).clone()
                 row += width
-        return (dx, None, None, None, None, None, None, *grads_ab)
+        return (dx, None, None, None, None, None, None, None, *grads_ab)
 
 
 def _fused_codes(codes_views: list[torch.Tensor]) -> torch.Tensor | None:
@@ -76,6 +78,7 @@ class SliceGroup:
         self.bias = None if not given else torch.cat(
             [b if b is not None else given[0].new_zeros(w) for b, w in zip(biases, self.widths)])
         self._pending = None  # [x, x._version, slice outputs, indices taken]
+        self._operands = None  # (adapter tensors, (dtype, their versions), (A_cat, B_bd))
 
     @staticmethod
     def why_not(members: list[torch.nn.Module]) -> str | None:
@@ -106,8 +109,22 @@ class SliceGroup:
         lora_scale = next((m.lora_scale for m in self.members if getattr(m, "lora_A", None) is not None), 0.0)
         backend = next((m.backend for m in self.members if getattr(m, "backend", None) is not None), None)
         y = Fp8SlicedLoRAFunction.apply(x, self.codes, self.members[0].scale, self.bias, lora_scale, backend,
-                                        self.widths, *lora_a, *lora_b)
+                                        self.widths, self._block_operands(lora_a, lora_b, x.dtype), *lora_a, *lora_b)
         return torch.split(y, self.widths, dim=-1)
+
+    def _block_operands(self, lora_a, lora_b, dtype):
+        """(A_cat, B_bd), built again only when an adapter tensor changed (the optimizer step bumps its version):
+        the forward and the recomputed forward of a step share them."""
+        tensors = tuple(t for t in (*lora_a, *lora_b) if t is not None)
+        versions = (dtype, tuple(t._version for t in tensors))
+        cached = self._operands
+        # the tensors themselves are kept and compared by identity: a replaced parameter is never mistaken for
+        # the old one (ids and addresses can be reused)
+        if (cached is None or cached[1] != versions or len(cached[0]) != len(tensors)
+                or any(a is not b for a, b in zip(cached[0], tensors))):
+            with torch.no_grad():
+                self._operands = cached = (tensors, versions, sliced_lora_operands(lora_a, lora_b, self.widths, dtype))
+        return cached[2]
 
 
 def attach_slice_group(members: list[torch.nn.Module]) -> SliceGroup:

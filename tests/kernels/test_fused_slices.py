@@ -190,3 +190,22 @@ def test_gradient_checkpointing_recomputes_through_the_group(monkeypatch):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_block_operands_are_rebuilt_when_an_adapter_changes(monkeypatch):
+    codes, scale, members = _group(seed=4)
+    group = attach_slice_group(members)
+    monkeypatch.setenv(SLICES_ENV, "1")
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    before = torch.cat([m(x) for m in members], dim=-1)
+    first = group._operands[2]
+    [m(x) for m in members]
+    assert group._operands[2] is first  # unchanged adapter: the same operands
+    with torch.no_grad():
+        members[2].lora_B.add_(1.0)  # as an optimizer step does, in place
+    after = torch.cat([m(x) for m in members], dim=-1)
+    assert group._operands[2] is not first
+    assert torch.equal(after, _engine_call(x, codes, scale, members)) and not torch.equal(after[:, 24:], before[:, 24:])
+    assert torch.equal(after[:, :24], before[:, :24])
+    members[0].lora_A = torch.nn.Parameter(members[0].lora_A.detach() * 2)  # a replaced parameter, version 0
+    assert torch.equal(torch.cat([m(x) for m in members], dim=-1), _engine_call(x, codes, scale, members))
