@@ -17,7 +17,7 @@ from .module import _forward, lora_linear_backward
 
 class Fp8SlicedLoRAFunction(torch.autograd.Function):
     """y `[..., ΣN_i]` = w8a16_lora(x, codes, scale, A_cat, B_bd, σ, bias) over the fused layer; gradients for x
-    and every slice's A_i, B_i (None for slices without adapter). Arguments after `widths`: A_1 … A_S, B_1 … B_S."""
+    and every slice's A_i, B_i (None for slices without adapter). Arguments after `operands`: A_1 … A_S, B_1 … B_S."""
 
     @staticmethod
     def forward(ctx, x, codes, scale, bias, lora_scale, backend, widths, operands, *lora_ab):
