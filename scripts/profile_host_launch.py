@@ -122,7 +122,38 @@ def bound_launcher(jit_fn, grid, *args, **kwargs):
     return launch
 
 
-def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float]]:
+def autograd_rows() -> list[tuple[str, object]]:
+    """What autograd alone costs around a custom Function and around a builtin op (no real kernels)."""
+    xs = torch.randn(64, device="cuda", requires_grad=True)
+    gs = torch.ones(64, device="cuda")
+
+    def custom_function():
+        _Identity.apply(xs).backward(gs)
+        xs.grad = None
+
+    def builtin_op():
+        (xs * 2.0).backward(gs)
+        xs.grad = None
+    return [("autograd: custom Function (no kernel) fwd + bwd", custom_function),
+            ("autograd: x * 2 fwd + bwd", builtin_op)]
+
+
+def alternating_rows(pieces: dict) -> list[tuple[str, object]]:
+    """Is a call slower when other work runs between its repetitions (cold caches, not the call itself)? Pairs of
+    pieces, alternated: against the sum of their own rows."""
+    def alternate(a, b):
+        def both():
+            pieces[a]()
+            pieces[b]()
+        return both
+    return [(f"alternating: {a} + {b}", alternate(a, b)) for a, b in (
+        ("ws fwd, table (TMA), xa given", "dX (ws op=dx, table)"),
+        ("gb = g·B (torch.mm)", "triton: empty kernel, 2 args"),
+        ("lora_down (fwd xa)", "gb = g·B (torch.mm)"))]
+
+
+def piece_rows(K: int, N: int, M: int) -> tuple[list[tuple[str, object]], object, torch.Tensor, torch.Tensor]:
+    """(label, call) per piece of one FP8 linear and the bf16 path, plus the layer, its input and upstream grad."""
     w16, codes, scale, a, b = make_layer(K, N)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
@@ -132,7 +163,6 @@ def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float
     gb = scaled_gemm_lora(g, b16.t(), torch.bfloat16, config=dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4))
     buf = torch.empty(16, device="cuda")
     cfg_ptr = dict(BN=128, BM=128, BK=64, num_warps=8, num_stages=4)
-    steps = trainer_steps(K, N, M, w16, codes, scale, a, b)
     out = [
         ("triton: empty kernel, 2 args", lambda: _empty_kernel[(1,)](buf, 16, BLOCK=16)),
         ("triton: empty kernel, compiled.run", bound_launcher(_empty_kernel, (1,), buf, 16, BLOCK=16)),
@@ -151,9 +181,7 @@ def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float
         ("dX (ws op=dx, table)", lambda: weight_stationary_gemm(g, codes.t(), w_scale=ws, xa=gb, lora_b=a16.t(),
                                                                op="dx")),
     ]
-    for tag in ("fp8", "bf16"):
-        step, params = steps[tag]
-
+    for tag, (step, params) in trainer_steps(K, N, M, w16, codes, scale, a, b).items():
         def step_clear(step=step, params=params):
             step()
             for p in params:
@@ -167,34 +195,29 @@ def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float
     out.append(("fp8 forward + backward body called directly (no autograd)", lambda: lora_linear_backward(
         g, x, codes, scale, a16, b16, 2.0, True, xa=w8a16_lora(x, codes, scale, a16, b16, 2.0, return_xa=True)[1])))
     out.append(("bf16 F.linear forward only", lambda: F.linear(x, w16)))
-    xs = torch.randn(64, device="cuda", requires_grad=True)
-    gs = torch.ones(64, device="cuda")
+    return out, layer, xg, g
 
-    def custom_function():
-        _Identity.apply(xs).backward(gs)
-        xs.grad = None
 
-    def builtin_op():
-        (xs * 2.0).backward(gs)
-        xs.grad = None
-    out += [("autograd: custom Function (no kernel) fwd + bwd", custom_function),
-            ("autograd: x * 2 fwd + bwd", builtin_op)]
+def rows(name: str, K: int, N: int, M: int, calls: int) -> list[tuple[str, float]]:
+    out, layer, xg, g = piece_rows(K, N, M)
+    out += autograd_rows()
+    out += alternating_rows(dict(out))
     results = []
     for label, fn in out:
         for _ in range(3):
             fn()
         results.append((label, host_us(fn, calls)))
-    whole_fp8 = dict(out)["fp8 forward + backward (whole linear)"]
-    results.append(("fp8 forward + backward (whole linear), cyclic GC off", host_us(whole_fp8, calls, no_gc=True)))
+    whole = dict(out)
+    results.append(("fp8 forward + backward (whole linear), cyclic GC off",
+                    host_us(whole["fp8 forward + backward (whole linear)"], calls, no_gc=True)))
     fwd_us, bwd_us, same_thread = split_whole_step(layer, xg, g, calls)
     results += [("fp8 whole linear timed apart: forward", fwd_us),
                 (f"fp8 whole linear timed apart: backward (on the calling thread: {same_thread})", bwd_us)]
     # autograd runs a CUDA backward on its own device thread; with multithreading off it runs on the caller's
     with torch.autograd.set_multithreading_enabled(False):
         for tag in ("fp8", "bf16"):
-            fn = dict(out)[f"{tag} forward + backward (whole linear)"]
             results.append((f"{tag} forward + backward (whole linear), autograd multithreading off",
-                            host_us(fn, calls)))
+                            host_us(whole[f"{tag} forward + backward (whole linear)"], calls)))
         fwd_us, bwd_us, same_thread = split_whole_step(layer, xg, g, calls)
         results += [("multithreading off, timed apart: forward", fwd_us),
                     (f"multithreading off, timed apart: backward (on the calling thread: {same_thread})", bwd_us)]
