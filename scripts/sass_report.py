@@ -58,17 +58,23 @@ def compile_cubin(tile: str, one_chunk: bool, dx: bool, even: bool = True) -> by
 def compile_tma_cubin(tile: str, variant=True, flatten: bool = False, dx: bool = False) -> bytes:
     """`ws_tma._ws_tma_kernel` for sm_90a with LoRA, chunked, unmasked: variant True (x and the codes through
     descriptors) or "x" (x alone, the codes by pointers); flatten: the one-loop chunk nest (FLATTEN)."""
+    return compile_tma(tile, variant, flatten, dx).asm["cubin"]
+
+
+def compile_tma(tile: str, variant=True, flatten: bool = False, dx: bool = False, br: int = 64):
+    """`compile_tma_cubin`'s compiled kernel (its `metadata.shared` is the shared memory a launch needs); br: the
+    epilogue's padded LoRA rank (64 for rank 64; 256 for a fused qkv's block-diagonal rank 192)."""
     from epirl.kernels.gemm.ws_tma import _ws_tma_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(W_TRANSPOSED=dx, HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK,
-                 BR=64, GROUP_N=8, W_TMA=variant is True, SYNC_K=False, EVEN_K=True, EVEN_N=True, FLATTEN=flatten,
+                 BR=br, GROUP_N=8, W_TMA=variant is True, SYNC_K=False, EVEN_K=True, EVEN_N=True, FLATTEN=flatten,
                  stride_yn=1)
     const.update({"stride_wn": 1} if dx else {"stride_wk": 1})
     x_block = f"tensordesc<bf16[{BM}, {BK}]>"
     w_block = f"tensordesc<fp8e4nv[{BK}, {BN}]>" if dx else f"tensordesc<fp8e4nv[{BN}, {BK}]>"
     types = {"x_desc": x_block, "w_desc": w_block if variant is True else x_block,  # (unused without W_TMA)
              "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
-    return _compile(fn, const, types, warps, stages, DIVISIBLE).asm["cubin"]
+    return _compile(fn, const, types, warps, stages, DIVISIBLE)
 
 
 def _tool(name: str) -> str:

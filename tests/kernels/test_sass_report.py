@@ -54,6 +54,20 @@ def test_tma_kernel_flattens_its_chunk_loop_nest(variant):
     assert len(flat) == len(nested) - 1 and flat[0]["instructions"] > nested[0]["instructions"], (nested, flat)
 
 
+@pytest.mark.parametrize("dx", [False, True])
+def test_fused_slices_epilogue_fits_the_training_tile(dx):
+    """One call per fused layer (kernels/w8a16_lora/slices.py) gives a rank-64 qkv a block-diagonal LoRA of rank 192,
+    padded to 256 in the epilogue: the training TMA tile (128 x 256 x 64, 3 stages) still compiles for sm_90a within
+    the 227 KiB of shared memory a block may have, without spills in its K loop."""
+    import sass_report
+    if not _have_tools():
+        pytest.skip("this triton ships no ptxas/cuobjdump")
+    kernel = sass_report.compile_tma("128/256/64/8/3", dx=dx, br=256)
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+    notes = sass_report.ptxas_notes(kernel.asm["ptx"])
+    assert notes["loop_spill"] == 0 and notes["serialized"] == "", notes
+
+
 def _ptx(fn, const: dict, ptr_types: dict, warps: int, stages: int) -> str:
     from conftest import ptx_for
 
