@@ -209,3 +209,22 @@ def test_block_operands_are_rebuilt_when_an_adapter_changes(monkeypatch):
     assert torch.equal(after[:, :24], before[:, :24])
     members[0].lora_A = torch.nn.Parameter(members[0].lora_A.detach() * 2)  # a replaced parameter, version 0
     assert torch.equal(torch.cat([m(x) for m in members], dim=-1), _engine_call(x, codes, scale, members))
+
+
+def test_qwen3_5_groups_attention_and_mlp_but_not_the_gated_deltanet(monkeypatch):
+    """Qwen3.5: q / k / v of the full-attention layer and every gate / up are grouped; the gated DeltaNet's
+    in_proj_qkv / in_proj_z (four engine slices in two modules) stay one call per module, as the engine keeps them."""
+    pytest.importorskip("transformers.models.qwen3_5")
+    from model_fixtures import tiny_config
+
+    from epirl.model import random_policy
+
+    monkeypatch.setenv(SLICES_ENV, "1")
+    policy = random_policy(tiny_config("qwen3_5", 64, 1, 0), "fp8", "cpu", 4, 8.0,
+                           ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z"], seed=0)
+    grouped = {n.rsplit(".", 1)[-1] for n, m in policy.model.named_modules() if getattr(m, "slice_group", None)}
+    assert grouped == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}, grouped
+    ids = torch.randint(0, 64, (1, 7))
+    logprobs, _ = policy.token_logprobs(ids[:, :-1], ids[:, 1:], 1.0, 64)
+    logprobs.sum().backward()
+    assert all(p.grad is not None for p in policy.lora_parameters())
