@@ -57,6 +57,7 @@
 #   hostlaunch host µs per call of each piece of the FP8 trainer linear (profile_host_launch.py), q3_o + gate_up ~2 min
 #   gputrim    the W8A16 GPU tests a host-side change can break (one-launch, TMA table, backward, module, invariance)
 #   gpufused   GPU tests of one call per fused layer (test_fused_slices_gpu.py)                            ~2 min
+#   benchfused one call per fused layer vs one per slice: decode (1 / 16 tokens) and training (4096 / 8192)   ~3 min
 #   stepfused  `step` with EPIRL_FUSED_SLICES=1 (q, k, v / gate, up as one call each)                     ~2 min
 #   enginefused the matched engine's TPOT with EPIRL_FUSED_SLICES=1 (vLLM staged; compare with enginetpot) ~4 min
 #   trainhf    trainer rows at 8192 tokens for the modules a Qwen3-8B step runs (q = o shape, k/v, gate/up, down) ~2 min
@@ -150,6 +151,7 @@ PY
                 --cprofile; python3 -P scripts/profile_host_launch.py --shape q3_gate_up --calls ${HOST_CALLS:-40}" ;;
     gputrim)  part gputrim 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
                 -k "one_launch or tma_table or backward or module or invariance or allocates or lora_down" ;;
+    benchfused) part benchfused 300 python3 -P scripts/bench_fused_slices.py --json "$OUT/bench_fused_slices.json" ;;
     stepfused) part stepfused 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
                 --kernel-table 25 --fused-slices --json "$OUT/bench_stepfused.json" ;;
     gpufused) part gpufused 300 python3 -P -m pytest -q -m gpu tests/kernels/test_fused_slices_gpu.py -p no:cacheprovider ;;
@@ -165,7 +167,7 @@ PY
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
