@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import torch
 
 from epirl.engine import serving_lora
-from epirl.engine.naming import DEFAULT_PACKED, NameMap
+from epirl.engine.naming import NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
 from epirl.kernels.w8a16_lora.slices import block_views, fused_slices_enabled
 from epirl.engine.vllm_compat import lora_layers, model_access, punica, quantization
@@ -169,10 +169,12 @@ def configure(rank: int, lora_scale: float) -> None:
 def _one_call(layer) -> bool:
     """Whether this fused layer's LoRA runs as one block-diagonal call (EPIRL_FUSED_SLICES=1,
     `kernels/w8a16_lora/slices.py`): only where each logical slice is one Hugging Face module (qkv_proj, gate_up_proj),
-    the layers the trainer groups the same way (`epirl.model.loading.group_fused_layer`)."""
+    the layers the trainer groups the same way (`epirl.model.loading.group_fused_layer`, from the same list)."""
+    from epirl.model.loading import ONE_CALL_LAYERS, PACKED_MODULES
+
     leaf = getattr(layer, "prefix", "").rpartition(".")[2]
-    members = DEFAULT_PACKED.get(leaf)
-    return fused_slices_enabled() and members is not None and len(members) == len(layer.logical_widths)
+    return (fused_slices_enabled() and leaf in ONE_CALL_LAYERS
+            and len(PACKED_MODULES[leaf]) == len(layer.logical_widths))
 
 
 @torch.library.custom_op("epirl::w8a16_lora_slices", mutates_args=())

@@ -43,8 +43,8 @@ PACKED_MODULES = {
 }
 _PACKED_NAME_OF = {member: packed for packed, members in PACKED_MODULES.items() for member in members}
 # The fused layers whose logical slices are one Hugging Face module each: with EPIRL_FUSED_SLICES=1 the matched
-# engine runs each as one call (epirl.engine.plugin._one_call, from naming.DEFAULT_PACKED: the same layers) and the
-# trainer groups its modules the same way (`group_fused_layer`). Qwen3.5's in_proj_qkvz has four slices in two
+# engine runs each as one call (epirl.engine.plugin._one_call reads this list) and the trainer groups its modules
+# the same way (`group_fused_layer`). Qwen3.5's in_proj_qkvz has four slices in two
 # modules: it stays one call per slice on both sides.
 ONE_CALL_LAYERS = ("qkv_proj", "gate_up_proj")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
