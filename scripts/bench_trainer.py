@@ -154,8 +154,8 @@ def main() -> None:
                         help="caller: run backward on the calling thread (torch.autograd.set_multithreading_enabled"
                              "(False)) instead of autograd's CUDA device thread")
     parser.add_argument("--fused-slices", action="store_true",
-                        help="EPIRL_FUSED_SLICES=1: the FP8 trainer runs q, k, v and gate, up as one call per fused "
-                             "layer (the matched engine's call; kernels/w8a16_lora/slices.py)")
+                        help="EPIRL_FUSED_SLICES=1: the FP8 trainer runs each layer of ONE_CALL_LAYERS (q, k, v) as one "
+                             "call (the matched engine's call; kernels/w8a16_lora/slices.py)")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="with --kernel-sum: print the step's kernel time by group and its N largest kernels")
     parser.add_argument("--json", default=None, help="write the results here")

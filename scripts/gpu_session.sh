@@ -58,7 +58,7 @@
 #   gputrim    the W8A16 GPU tests a host-side change can break (one-launch, TMA table, backward, module, invariance)
 #   gpufused   GPU tests of one call per fused layer (test_fused_slices_gpu.py)                            ~2 min
 #   benchfused one call per fused layer vs one per slice: decode (1 / 16 tokens) and training (4096 / 8192)   ~3 min
-#   stepfused  `step` with EPIRL_FUSED_SLICES=1 (q, k, v / gate, up as one call each)                     ~2 min
+#   stepfused  `step` with EPIRL_FUSED_SLICES=1 (q, k, v as one call: ONE_CALL_LAYERS)                  ~2 min
 #   enginefused the matched engine's TPOT with EPIRL_FUSED_SLICES=1 (vLLM staged; compare with enginetpot) ~4 min
 #   trainhf    trainer rows at 8192 tokens for the modules a Qwen3-8B step runs (q = o shape, k/v, gate/up, down) ~2 min
 #   gpuall     every GPU test of the W8A16 kernels (tests/kernels/test_gpu_kernels.py -m gpu)               ~4 min

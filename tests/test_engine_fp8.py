@@ -125,12 +125,13 @@ def test_matched_engine_agrees_with_fp8_trainer_better_than_w8a8(engine_pool, ad
 
 
 def test_fused_slices_engine_layers_are_one_block_diagonal_call(engine_pool, adapter):
-    """EPIRL_FUSED_SLICES=1 (kept last in this file: a new engine): each fused layer is one `w8a16_lora` over the
-    whole layer with the slices' adapters as A_cat / B_bd — bitwise the trainer's SliceGroup call
+    """EPIRL_FUSED_SLICES=1 (kept last in this file: a new engine): each fused layer of ONE_CALL_LAYERS is one
+    `w8a16_lora` over the whole layer with the slices' adapters as A_cat / B_bd — bitwise the trainer's SliceGroup call
     (tests/kernels/test_fused_slices.py checks the group against the same call); plain layers are unchanged."""
     from epirl.engine import plugin
     from epirl.engine.lora_publish import modules_of
     from epirl.kernels.w8a16_lora.slices import fused_layer_call
+    from epirl.model.loading import ONE_CALL_LAYERS
 
     engine = engine_pool.get("w8a16", dtype=DTYPE, fused_slices=True)
     engine.publish(adapter, step=1)
@@ -148,8 +149,9 @@ def test_fused_slices_engine_layers_are_one_block_diagonal_call(engine_pool, ada
         # on the CPU reference one call and per-slice calls give the same bits: check that the engine holds the
         # block buffers (the one-call path) where it should
         state = plugin.punica.base_of(layers[name])._epirl_lora
-        assert (state.a_cat is not None) == (len(members) > 1), name
+        one_call = name.rpartition(".")[2] in ONE_CALL_LAYERS  # qkv_proj; gate_up_proj stays one call per slice
+        assert (state.a_cat is not None) == one_call, name
         expected = fused_layer_call(x, [views[m][0] for m in members], views[members[0]][1],
                                     [lora[m][0] for m in members], [lora[m][1] for m in members], SCALE,
-                                    one_call=len(members) > 1)
+                                    one_call=one_call)
         assert torch.equal(y, expected), f"{name}: max |Δ| {(y.float() - expected.float()).abs().max()}"

@@ -199,6 +199,14 @@ def _lora_tile_rows(R: int) -> int:
     return max(LORA_TILE_MIN, next_power_of_2(R))
 
 
+def _down_tile_rows(R: int) -> int:
+    """Rows of A per `lora_down` program: all r rows up to 128; above (the block-diagonal rank S·r of one call per
+    fused layer, kernels/w8a16_lora/slices.py), 64-row tiles side by side - one 256-row tile's pipeline needs
+    272 KiB of shared memory (H200: 227 KiB). Each xa column is its own dot over K in the same BK steps whatever
+    the tile's height, so the bits do not depend on this choice (tests/kernels/test_fused_slices_gpu.py)."""
+    return _lora_tile_rows(R) if R <= 128 else LORA_TILE_MIN
+
+
 def _epilogue_rows(R: int) -> int:
     return max(16, next_power_of_2(R)) if R else 16
 
@@ -244,7 +252,7 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
     xa_chunk, xa_subs, n_xa = xa_chunking(chunk_n or R, K)
     cfg = ws_config(op, chunk_n or R, K, M)
     if ticket_enabled():  # one launch (ws_splitk): at decode the launch pair's tail, in training a launch's host time
-        return launch_ticket(x, lora_a, out, R, xa_chunk, n_xa, dict(cfg, BN=_lora_tile_rows(R)), down=True,
+        return launch_ticket(x, lora_a, out, R, xa_chunk, n_xa, dict(cfg, BN=_down_tile_rows(R)), down=True,
                              launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks))
     _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
                                   launch_dependents=pdl)

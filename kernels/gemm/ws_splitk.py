@@ -13,7 +13,7 @@ One kernel, two roles (DOWN):
 - base: w = codes `[N, K]`, chunks of `configs.k_chunking(N, K)`, epilogue y = act(Σ·s_w + σ·xa·Bᵀ + bias);
   WAIT_PDL: launched as the programmatic dependent of the down-projection (PDL), its last programs wait for it
   before they read xa;
-- DOWN: w = A `[r, K]`, the sub-chunks of `configs.xa_chunking` (one row tile holds all r rows), the sum rounded to
+- DOWN: w = A `[r, K]`, the sub-chunks of `configs.xa_chunking` (row tiles of A side by side), the sum rounded to
   bf16 and stored as xa `[M, r]` (what `_xa_reduce_kernel` stored); LAUNCH_DEPENDENTS lets the base GEMM launch at
   once behind it.
 Counters live in a per-(device, stream, role) int32 workspace that starts zeroed and that every use leaves zeroed
@@ -130,8 +130,8 @@ def _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr,
 def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_scale=None, xa=None, lora_b=None,
                   lora_scale=1.0, bias=None, br=16, launch_dependents=False, wait_pdl=False, dot_f32=False,
                   even_k=False):
-    """One launch of `_ws_ticket_kernel` over `[n_rows, K]` rows of w (codes, or A with down=True, whose one row tile
-    of `cfg["BN"]` rows must hold all r rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down)."""
+    """One launch of `_ws_ticket_kernel` over `[n_rows, K]` rows of w (codes, or A with down=True, in row tiles
+    of `cfg["BN"]` rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down)."""
     M, K = x.shape
     BN, BM = cfg["BN"], cfg["BM"]
     tiles = cdiv(n_rows, BN) * cdiv(M, BM)
