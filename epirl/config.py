@@ -150,10 +150,11 @@ class TrainerConfig(Section):
     the TMA kernel for some tiles, so each table TMA call is checked bitwise against the pointer kernel on its
     first call per shape and every 1024 calls, and falls back with a warning on a difference (kernels/README.md)."""
     fused_slices: bool | None = None
-    """One W8A16 call per fused layer (q, k, v / gate, up) in both the matched engine and the FP8 trainer, instead of
-    one per slice: each slice's LoRA becomes a block of one block-diagonal rank-S·r term, same bits on both sides
-    (kernels/w8a16_lora/slices.py). None: as EPIRL_FUSED_SLICES says (off unless 1). Off by default until measured
-    on the GPU; the measured per-slice costs it removes are in BENCHMARKS.md (fourteenth session)."""
+    """One W8A16 call for the fused q, k, v layer (epirl.model.loading.ONE_CALL_LAYERS) in both the matched engine
+    and the FP8 trainer, instead of one per slice: each slice's LoRA becomes a block of one block-diagonal rank-S·r
+    term, same bits on both sides (kernels/w8a16_lora/slices.py). None: as EPIRL_FUSED_SLICES says (on unless 0).
+    On the H200 it cuts the matched engine's TPOT by 8-13 % and the trainer's qkv GEMMs from 1.15x to 0.92x bf16
+    (BENCHMARKS.md, fifteenth session); false runs one call per slice."""
 
 
 class LoRAConfig(Section):

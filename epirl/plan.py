@@ -67,7 +67,8 @@ def _w8a16_tiles(cfg: EpirlConfig, device: torch.device) -> str:
 
     tiles = (", W8A16 GEMM with TMA-load tiles (each checked against the pointer kernel)" if tma_enabled()
              else ", W8A16 GEMM with pointer-load tiles (TMA off: EPIRL_WS_TMA=0)")
-    return tiles + (", one call per fused layer (EPIRL_FUSED_SLICES=1)" if fused_slices_enabled() else "")
+    return tiles + (", q, k, v as one call" if fused_slices_enabled()
+                    else ", q, k, v as one call per slice (EPIRL_FUSED_SLICES=0)")
 
 
 def plan_lines(cfg: EpirlConfig, device: torch.device, problems: int, threads: str | None,

@@ -59,10 +59,14 @@
 #   gpufused   GPU tests of one call per fused layer (test_fused_slices_gpu.py)                            ~2 min
 #   benchfused one call per fused layer vs one per slice: decode (1 / 16 tokens) and training (4096 / 8192)   ~3 min
 #   stepfused  `step` with EPIRL_FUSED_SLICES=1 (q, k, v as one call: ONE_CALL_LAYERS)                  ~2 min
-#   enginefused the matched engine's TPOT with EPIRL_FUSED_SLICES=1 (vLLM staged; compare with enginetpot) ~4 min
+#   enginefused the matched engine's TPOT with EPIRL_FUSED_SLICES=1 beside the W8A8 engine's (vLLM staged; enginetpot:
+#              the same without it), then its qkv / down layers against the kernel, bitwise (eager engine)  ~9 min
 #   trainhf    trainer rows at 8192 tokens for the modules a Qwen3-8B step runs (q = o shape, k/v, gate/up, down) ~2 min
 #   gpuall     every GPU test of the W8A16 kernels (tests/kernels/test_gpu_kernels.py -m gpu)               ~4 min
 #   step1t     `step` with the backward on the calling thread (autograd multithreading off)           ~4 min
+#   desccache  the TMA descriptor cache (kernels/gemm/tma_desc_cache.py) off, then on: profile_host_launch.py q3_o rows,
+#              then the Qwen3-8B step (FP8 off; FP8 + bf16 on)                                                ~5 min
+#   stepq      `step` without the kernel table: FP8 and bf16 Qwen3-8B steps, 3 timed each                     ~2 min
 #   hostdiag   profile_host_launch.py rows (GC off, forward / backward timed apart, backward thread) + a CPU trace ~2 min
 #   train816   bench_kernels.py trainer rows at 8192 and 16384 tokens (kernel sums and walls, every shape)    ~3 min
 #   stepgaps   the idle GPU gaps of one Qwen3-8B training step (fp8, bf16), pinned on host ops (profile_step_gaps.py) ~4 min
@@ -155,11 +159,20 @@ PY
     stepfused) part stepfused 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
                 --kernel-table 25 --fused-slices --json "$OUT/bench_stepfused.json" ;;
     gpufused) part gpufused 300 python3 -P -m pytest -q -m gpu tests/kernels/test_fused_slices_gpu.py -p no:cacheprovider ;;
-    enginefused) part enginefused 300 bash -c "[ -f ~/vllm-env.sh ] && source ~/vllm-env.sh; EPIRL_FUSED_SLICES=1 \
-                timeout 230 python3 -P scripts/gpu_engine.py --tag fused --precisions w8a16 --sections tpot --skip-smollm2" ;;
+    enginefused) part enginefused 600 bash -c "[ -f ~/vllm-env.sh ] && source ~/vllm-env.sh; export EPIRL_FUSED_SLICES=1; \
+                timeout 230 python3 -P scripts/gpu_engine.py --tag fused --precisions w8a16 --sections tpot --skip-smollm2; \
+                timeout 230 python3 -P scripts/gpu_engine.py --tag w8a8 --precisions w8a8 --sections tpot --skip-smollm2; \
+                timeout 150 python3 -P scripts/gpu_engine.py --tag fusedbits --precisions w8a16 --sections layer --eager \
+                --skip-smollm2" ;;
     trainhf)  part trainhf 240 python3 -P scripts/bench_kernels.py --tokens 1 --train-tokens 8192 \
                 --shapes q3_o q3_kv q3_gate q3_down --json $OUT/bench_trainhf.json ;;
     gpuall)   part gpuall 420 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider ;;
+    desccache) part desccache 480 bash -c "EPIRL_TMA_DESC_CACHE=0 python3 -P scripts/profile_host_launch.py --shape q3_o \
+                --calls 40; python3 -P scripts/profile_host_launch.py --shape q3_o --calls 40; EPIRL_TMA_DESC_CACHE=0 \
+                python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum --bases fp8; \
+                python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum" ;;
+    stepq)    part stepq 240 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 3 --kernel-sum \
+                --json "$OUT/bench_stepq.json" ;;
     hostdiag) part hostdiag 200 python3 -P scripts/profile_host_launch.py --shape q3_o --trace --cprofile-step ;;
     train816) part train816 300 python3 -P scripts/bench_kernels.py --tokens 1 --train-tokens 8192 16384 \
                 --json $OUT/bench_train816.json ;;

@@ -102,12 +102,15 @@ class EnginePool:
         self.engines: dict[str, object] = {}
         self.start_s: dict[str, float] = {}
 
-    def get(self, precision: str, dtype: str = "bfloat16", fused_slices: bool = False):
-        """fused_slices: an engine started with EPIRL_FUSED_SLICES=1 (one call per fused layer; the switch is read
-        when the engine quantizes its layers)."""
+    def get(self, precision: str, dtype: str = "bfloat16", fused_slices: bool | None = None):
+        """fused_slices: an engine started with EPIRL_FUSED_SLICES=1 / 0 (one call per fused layer or per slice; the
+        switch is read when the engine quantizes its layers); None: as the process says (the default: one call)."""
         from epirl.engine import RolloutEngine
 
-        key = f"{precision}/{dtype}" + ("/fused-slices" if fused_slices else "")
+        from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
+
+        fused_slices = fused_slices_enabled() if fused_slices is None else fused_slices
+        key = f"{precision}/{dtype}" + ("" if fused_slices else "/per-slice")
         if key in self.engines:
             self.engines[key] = self.engines.pop(key)  # most recently used last
             return self.engines[key]

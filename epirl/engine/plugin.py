@@ -19,8 +19,8 @@ separate GEMM and a separate rounding — not the trainer's arithmetic). `regist
 that class and on every subclass that overrides it (`vllm_compat.lora_layers`): when the base layer's
 method is epirl's W8A16 one, the wrapper calls the custom op `epirl::w8a16_lora_slices`, i.e.
 `w8a16_lora(x, codes_i, s_w, A_i, B_i, σ)` once per logical slice (q, k, v / gate, up) — exactly the
-per-HF-module call the trainer makes — and vLLM's punica path is not run. With EPIRL_FUSED_SLICES=1
-(`trainer.fused_slices`, opt-in) a qkv_proj / gate_up_proj layer is instead one `w8a16_lora` call over the whole
+per-HF-module call the trainer makes — and vLLM's punica path is not run. A qkv_proj layer (ONE_CALL_LAYERS; unless
+EPIRL_FUSED_SLICES=0, `trainer.fused_slices=false`) is instead one `w8a16_lora` call over the whole
 layer, its slices' adapters held as one block-diagonal A_cat / B_bd (kernels/w8a16_lora/slices.py), the call the
 trainer's SliceGroup makes (kernels/lora_linear/sliced.py). It is patched at class level
 in `register()`, before vLLM builds the model, so that torch.compile and CUDA-graph capture see it;
@@ -167,9 +167,9 @@ def configure(rank: int, lora_scale: float) -> None:
 
 
 def _one_call(layer) -> bool:
-    """Whether this fused layer's LoRA runs as one block-diagonal call (EPIRL_FUSED_SLICES=1,
-    `kernels/w8a16_lora/slices.py`): only where each logical slice is one Hugging Face module (qkv_proj, gate_up_proj),
-    the layers the trainer groups the same way (`epirl.model.loading.group_fused_layer`, from the same list)."""
+    """Whether this fused layer's LoRA runs as one block-diagonal call (the default; EPIRL_FUSED_SLICES=0 turns it
+    off, `kernels/w8a16_lora/slices.py`): the layers of ONE_CALL_LAYERS (qkv_proj) whose logical slices are one
+    Hugging Face module each, which the trainer groups the same way (`epirl.model.loading.group_fused_layer`)."""
     from epirl.model.loading import ONE_CALL_LAYERS, PACKED_MODULES
 
     leaf = getattr(layer, "prefix", "").rpartition(".")[2]

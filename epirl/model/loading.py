@@ -42,7 +42,7 @@ PACKED_MODULES = {
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 _PACKED_NAME_OF = {member: packed for packed, members in PACKED_MODULES.items() for member in members}
-# The fused layers that run as one call (EPIRL_FUSED_SLICES=1): the matched engine (epirl.engine.plugin._one_call
+# The fused layers that run as one call (unless EPIRL_FUSED_SLICES=0): the matched engine (epirl.engine.plugin._one_call
 # reads this list) and the trainer, which groups its modules the same way (`group_fused_layer`). Only qkv_proj: on
 # the H200 (BENCHMARKS.md, fifteenth session) one call is 0.54-0.66x the per-slice calls at decode and 0.92x bf16
 # against 1.15x in training, but gate_up_proj as one call is 1.07x the per-slice calls at one token and
@@ -223,8 +223,8 @@ def group_fused_layer(model: nn.Module, names: list[str]) -> bool:
     try:
         attach_slice_group([model.get_submodule(n) for n in names])
     except ValueError as err:
-        raise ValueError(f"{parent}.{packed}: {err} (EPIRL_FUSED_SLICES=1 needs it as one call, as the engine "
-                         "runs it)") from None
+        raise ValueError(f"{parent}.{packed}: {err} (one call per fused layer, as the engine runs it; "
+                         "EPIRL_FUSED_SLICES=0 or trainer.fused_slices=false runs one call per slice)") from None
     return True
 
 

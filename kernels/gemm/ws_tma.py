@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .._host import cdiv
 from .scaled import _grouped_tile_ids, _load_tile
+from .tma_desc_cache import install as install_descriptor_cache
 from .widen import widen_e4m3
 from .ws_epilogue import _load_xa, _lora_b_tile, _ws_epilogue
 
@@ -201,6 +202,7 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
     """`_ws_single_kernel`'s launch with descriptors (`tma_ok(x, w)` must hold; same arguments otherwise)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    install_descriptor_cache()  # before the kernel's first launch builds its launcher (tma_desc_cache.py)
     BN, BM, BK = cfg["BN"], cfg["BM"], cfg["BK"]
     transposed = w.stride(1) != 1
     w_tma = cfg.get("tma", True) is True  # "x": the codes by pointers

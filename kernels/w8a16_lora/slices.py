@@ -1,5 +1,5 @@
-"""The slices of a fused layer (q, k, v / gate, up) in one W8A16 call: every slice's rank-r LoRA as one rank-S·r
-term with a block-diagonal B.
+"""The slices of a fused layer (q, k, v) in one W8A16 call: every slice's rank-r LoRA as one rank-S·r term with a
+block-diagonal B.
 
 vLLM fuses q, k, v (and gate, up) into one layer; the trainer holds them as separate Hugging Face modules over row
 views of the same codes and scale. One GEMM over the fused layer costs less than one per slice at both ends (H200,
@@ -17,9 +17,12 @@ S·r columns (padded to a power of two: 256 for a rank-64 qkv) instead of r, ~5 
 at K = 4096, and the backward's gB and dB run over the whole block matrix (~1 % each); against that, one launch
 instead of S and the fused layer's better-shaped GEMM.
 
-Opt-in until measured on the GPU (EPIRL_FUSED_SLICES=1, or `trainer.fused_slices=true`): the engine's fused layers
-and the trainer's module groups read the same switch, which must not change while an engine and a trainer share a
-process.
+Measured on the H200 (BENCHMARKS.md, fifteenth session), for the layers of `epirl.model.loading.ONE_CALL_LAYERS`
+(qkv_proj only: gate_up_proj as one call was slower): the qkv layer at one token 19.6 µs against 29.9 per slice; in
+training 0.92x bf16 against 1.15x; the matched engine's TPOT 4.80 / 5.95 ms at batch 1 / 32 against 5.24 / 6.82. So
+it is the default; EPIRL_FUSED_SLICES=0 (`trainer.fused_slices=false`) runs one call per slice. The engine's fused
+layers and the trainer's module groups read the same switch, which must not change while an engine and a trainer
+share a process.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ SLICES_ENV = "EPIRL_FUSED_SLICES"
 
 
 def fused_slices_enabled() -> bool:
-    """Whether fused layers run as one call (EPIRL_FUSED_SLICES=1) rather than one call per slice."""
-    return os.environ.get(SLICES_ENV, "0") == "1"
+    """Whether the fused layers of ONE_CALL_LAYERS run as one call (the default) rather than one call per slice
+    (EPIRL_FUSED_SLICES=0)."""
+    return os.environ.get(SLICES_ENV, "1") != "0"
 
 
 def set_fused_slices(on: bool) -> None:
