@@ -265,13 +265,13 @@ def test_w8a16_tma_sets_the_process_table(monkeypatch):
 
 def test_fused_slices_sets_the_process_switch(monkeypatch):
     """`trainer.fused_slices` is EPIRL_FUSED_SLICES for the process (read by the engine when it quantizes its layers
-    and by the trainer when it builds and runs its modules); unset, the environment decides (off unless 1)."""
+    and by the trainer when it builds and runs its modules); unset, the environment decides (on unless 0)."""
     from epirl.config import resolve_runtime
     from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
 
     monkeypatch.delenv("EPIRL_FUSED_SLICES", raising=False)
     resolve_runtime(load_config(None, ["trainer.device=cpu"]))
-    assert "EPIRL_FUSED_SLICES" not in os.environ and not fused_slices_enabled()
+    assert "EPIRL_FUSED_SLICES" not in os.environ and fused_slices_enabled()  # the default: qkv as one call
     for value, on in (("true", True), ("false", False)):
         resolve_runtime(load_config(None, ["trainer.device=cpu", f"trainer.fused_slices={value}"]))
         assert fused_slices_enabled() is on
@@ -291,3 +291,7 @@ def test_plan_says_which_w8a16_tiles_run(monkeypatch):
     assert _w8a16_tiles(fp8, cpu) == "" and _w8a16_tiles(load_config(None, []), cuda) == ""
     monkeypatch.setenv("EPIRL_WS_TMA", "0")
     assert "pointer-load tiles" in _w8a16_tiles(fp8, cuda)
+    monkeypatch.delenv("EPIRL_FUSED_SLICES", raising=False)
+    assert _w8a16_tiles(fp8, cuda).endswith("q, k, v as one call")
+    monkeypatch.setenv("EPIRL_FUSED_SLICES", "0")
+    assert "one call per slice" in _w8a16_tiles(fp8, cuda)

@@ -52,8 +52,8 @@ def _ws_partial_kernel(
     WAIT_AT_END: tl.constexpr = False, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
     EVEN_M: tl.constexpr = False,
 ):
-    """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS programs of each chunk compute the fp32
-    partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk) each: first in their chunk's
+    """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS x ⌈R / BRT⌉ programs of each chunk compute the
+    fp32 partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk, rank tile) each: first in their chunk's
     row of the grid, so that they are not the last to start. The others compute the chunk's partial of one base
     tile. WAIT_AT_END: launched as the PDL dependent of `lora_down` (whose xa it does not read): it waits for it
     only before it exits, so that its own dependent (the reduce, which reads xa) may rely on both."""
@@ -67,7 +67,7 @@ def _ws_partial_kernel(
     if HAS_BASE:
         n_down = 0
         if HAS_DOWN:
-            n_down = m_tiles * XA_SUBS
+            n_down = m_tiles * XA_SUBS * tl.cdiv(R, BRT)
         if pid >= n_down:
             rn, rm, mask_n, mask_m = _ws_tile_of(pid - n_down, N, M, BN, BM, GROUP_N)
             acc = _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, k_lo, k_lo + K_CHUNK, K, stride_wn, stride_wk,
@@ -88,12 +88,14 @@ def _ws_partial_kernel(
 def _down_partial(x_ptr, a_ptr, xa_part_ptr, pid, c, M, K, R, k_lo, XA_CHUNK, XA_SUBS, stride_xm, stride_xk,
                   stride_ar, stride_ak, DOT_F32: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                   BRT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr):
-    """Down program pid of base chunk c: the fp32 partial of xaᵀ = A·xᵀ over sub-chunk pid // m_tiles of the
-    chunk (from zero, A as the weight: same k-steps as a base tile) for token tile pid % m_tiles, stored as
-    partial c·XA_SUBS + sub (the order in which `_xa_from_parts` adds them)."""
+    """Down program pid of base chunk c: the fp32 partial of xaᵀ = A·xᵀ over one sub-chunk of the chunk (from zero,
+    A as the weight: same k-steps as a base tile) for one token tile and BRT rows of A (`_down_tile_rows`: all of
+    them up to r = 128), stored as partial c·XA_SUBS + sub (the order in which `_xa_from_parts` adds them)."""
     m_tiles = tl.cdiv(M, BM)
-    sub = pid // m_tiles
-    rr = tl.arange(0, BRT)
+    rest = pid // m_tiles
+    r_tiles = tl.cdiv(R, BRT)
+    sub = rest // r_tiles
+    rr = (rest % r_tiles) * BRT + tl.arange(0, BRT)
     rm = (pid % m_tiles) * BM + tl.arange(0, BM)
     mask_r = rr < R
     mask_m = rm < M
@@ -200,10 +202,11 @@ def _lora_tile_rows(R: int) -> int:
 
 
 def _down_tile_rows(R: int) -> int:
-    """Rows of A per `lora_down` program: all r rows up to 128; above (the block-diagonal rank S·r of one call per
-    fused layer, kernels/w8a16_lora/slices.py), 64-row tiles side by side - one 256-row tile's pipeline needs
-    272 KiB of shared memory (H200: 227 KiB). Each xa column is its own dot over K in the same BK steps whatever
-    the tile's height, so the bits do not depend on this choice (tests/kernels/test_fused_slices_gpu.py)."""
+    """Rows of A per down-projection program (`lora_down`, and the down partials the split-K launch fuses): all r
+    rows up to 128; above (the block-diagonal rank S·r of one call per fused layer, kernels/w8a16_lora/slices.py),
+    64-row tiles side by side - one 256-row tile's pipeline needs 272 KiB of shared memory (H200: 227 KiB). Each xa
+    column is its own dot over K in the same BK steps whatever the tile's height, so the bits do not depend on this
+    choice (tests/kernels/test_fused_slices_gpu.py; interpreter case `rank_tiled_down_projection`)."""
     return _lora_tile_rows(R) if R <= 128 else LORA_TILE_MIN
 
 
@@ -222,7 +225,8 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
                if lora_a is not None else None)
     dummy = part if part is not None else xa_part
     m_tiles = cdiv(M, cfg["BM"])
-    programs = cdiv(n_base, cfg["BN"]) * m_tiles + (m_tiles * xa_subs if lora_a is not None else 0)
+    down_rows = _down_tile_rows(R)
+    programs = cdiv(n_base, cfg["BN"]) * m_tiles + (m_tiles * xa_subs * cdiv(R, down_rows) if lora_a is not None else 0)
     w_ = w if w is not None else lora_a
     a_ = lora_a if lora_a is not None else w_
     _ws_partial_kernel[(programs, n_chunks)](
@@ -230,7 +234,7 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
         M, n_base, K, R, k_chunk, xa_chunk, xa_subs,
         x.stride(0), x.stride(1), w_.stride(0), w_.stride(1), a_.stride(0), a_.stride(1),
         HAS_BASE=n_base > 0, HAS_DOWN=lora_a is not None, DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"],
-        BK=cfg["BK"], BRT=_lora_tile_rows(R), GROUP_N=cfg.get("GROUP_N", 8), LAUNCH_DEPENDENTS=launch_dependents,
+        BK=cfg["BK"], BRT=down_rows, GROUP_N=cfg.get("GROUP_N", 8), LAUNCH_DEPENDENTS=launch_dependents,
         WAIT_AT_END=after_down, EVEN_K=even_k(K, k_chunk, n_chunks), EVEN_N=n_base % cfg["BN"] == 0,
         EVEN_M=M % cfg["BM"] == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -171,6 +171,31 @@ def case_fused_down_split_equals_single_pass():
     assert close_bf16(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
+def case_rank_tiled_down_projection():
+    # r = 192 (> 128: one call per qkv layer, rank 3 x 64) is taken in 64-row tiles of A by every down-projection path:
+    # lora_down in one launch (ws_splitk) and in two (EPIRL_WS_TICKET=0), and the down partials fused into the split-K
+    # launch; each rank tile equals that slice of A computed alone, and the split path the single pass, bitwise
+    from epirl.kernels.gemm import ws_splitk
+    from epirl.kernels.gemm.weight_stationary import _down_tile_rows
+    x, codes, scale, a, b, bias = problem(13, 600, 90, 192, seed=14)
+    assert _down_tile_rows(192) == 64 and _down_tile_rows(128) == 128 and k_chunking(90, 600)[1] == 3
+    xa = lora_down(x, a, chunk_n=90)
+    os.environ[ws_splitk.TICKET_ENV] = "0"
+    try:
+        assert torch.equal(lora_down(x, a, chunk_n=90), xa)
+    finally:
+        os.environ.pop(ws_splitk.TICKET_ENV)
+    for lo in (0, 64, 128):
+        assert torch.equal(xa[:, lo:lo + 64], lora_down(x, a[lo:lo + 64].contiguous(), chunk_n=90)), lo
+    assert close_bf16(xa, (x.float() @ a.float().t()).bfloat16())
+    args = dict(w_scale=scale, lora_b=b, lora_scale=0.7, bias=bias)
+    small = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
+    split = weight_stationary_gemm(x, codes, torch.bfloat16, config=small, lora_a=a, **args)  # down fused, 3 tiles
+    single = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(small, split=False), xa=xa, **args)
+    assert torch.equal(split, single)
+    assert close_bf16(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
+
+
 def case_one_chunk_layer_fuses_down_in_sub_chunks():
     # one base chunk (TARGET_PROGRAMS patched to 1: like gate_up) with LoRA: split-K computes the down-projection in
     # its first programs, over 5 sub-chunks of 256 (K = 1100: one 1280-deep chunk, the last sub-chunk ragged, and

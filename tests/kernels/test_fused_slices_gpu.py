@@ -1,6 +1,7 @@
-"""GPU tests (H200) of one call per fused layer (EPIRL_FUSED_SLICES=1, kernels/w8a16_lora/slices.py): the trainer's
-SliceGroup gives the one block-diagonal call the matched engine makes, bitwise, at every dispatch bucket; rows do
-not depend on M; the gradients match each slice's own backward; the TMA check passes for the fused shapes."""
+"""GPU tests (H200) of one call per fused layer (kernels/w8a16_lora/slices.py; the default for qkv_proj, and gate_up
+here too, which the kernels support though the model does not group it): the trainer's SliceGroup gives the one
+block-diagonal call the matched engine makes, bitwise, at every dispatch bucket; rows do not depend on M; the
+gradients match each slice's own backward; the rank-192 down-projection runs on every path."""
 
 import pytest
 import torch
@@ -64,3 +65,17 @@ def test_group_gradients_match_each_slices_backward(layer, monkeypatch):
             assert got.dtype == torch.float32 and torch.isfinite(got).all()
             assert ((got - want.float()).norm() / want.float().norm()).item() < 1e-2
     assert ((x.grad.float() - dx_want).norm() / dx_want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("switch", ["EPIRL_WS_TICKET", "EPIRL_WS_PDL"])
+def test_rank_192_down_projection_on_the_fallback_paths(switch, monkeypatch):
+    """The qkv one call's rank-192 down-projection on the paths the default skips: two launches per split-K
+    (EPIRL_WS_TICKET=0) and the down partials fused into the split-K launch (EPIRL_WS_PDL=0; also what a GPU without
+    PDL runs). Each takes A in 64-row tiles (one 256-row tile needs more shared memory than an H200 has) and gives
+    the default path's bits."""
+    codes, scale, members, a_cat, b_bd = fused_layer(LAYERS["qkv"], seed=2)
+    x = torch.randn(257, K, device=DEV).bfloat16()
+    want = [w8a16_lora(x[:M], codes, scale, a_cat, b_bd, SIGMA) for M in (1, 16, 257)]
+    monkeypatch.setenv(switch, "0")
+    for M, expected in zip((1, 16, 257), want):
+        assert torch.equal(w8a16_lora(x[:M], codes, scale, a_cat, b_bd, SIGMA), expected), M
