@@ -157,7 +157,7 @@ PY
                 -k "one_launch or tma_table or backward or module or invariance or allocates or lora_down" ;;
     benchfused) part benchfused 300 python3 -P scripts/bench_fused_slices.py --json "$OUT/bench_fused_slices.json" ;;
     stepfused) part stepfused 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum \
-                --kernel-table 25 --fused-slices --json "$OUT/bench_stepfused.json" ;;
+                --kernel-table 25 --fused-slices on --json "$OUT/bench_stepfused.json" ;;
     gpufused) part gpufused 300 python3 -P -m pytest -q -m gpu tests/kernels/test_fused_slices_gpu.py -p no:cacheprovider ;;
     enginefused) part enginefused 600 bash -c "[ -f ~/vllm-env.sh ] && source ~/vllm-env.sh; export EPIRL_FUSED_SLICES=1; \
                 timeout 230 python3 -P scripts/gpu_engine.py --tag fused --precisions w8a16 --sections tpot --skip-smollm2; \
