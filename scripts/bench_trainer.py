@@ -154,15 +154,15 @@ def main() -> None:
                         help="caller: run backward on the calling thread (torch.autograd.set_multithreading_enabled"
                              "(False)) instead of autograd's CUDA device thread")
     parser.add_argument("--fused-slices", choices=["on", "off"], default=None,
-                        help="on: the FP8 trainer runs each layer of ONE_CALL_LAYERS (q, k, v) as one call (the matched "
-                             "engine's call, kernels/w8a16_lora/slices.py); off: one call per slice; default: as "
-                             "EPIRL_FUSED_SLICES says (on unless 0)")
+                        help="on: the FP8 trainer runs each layer of ONE_CALL_LAYERS (q, k, v) as one call (the "
+                             "matched engine's call, kernels/w8a16_lora/slices.py); off: one call per slice; default: "
+                             "as EPIRL_FUSED_SLICES says (on unless 0)")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="with --kernel-sum: print the step's kernel time by group and its N largest kernels")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     from epirl.kernels.w8a16_lora.slices import fused_slices_enabled, set_fused_slices
-    if args.fused_slices is not None:  # read when the policy is built (the FP8 modules are grouped then) and per forward
+    if args.fused_slices is not None:  # read when the policy is built (its FP8 modules are grouped) and per forward
         set_fused_slices(args.fused_slices == "on")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.seqs} x {args.seq_len} tokens, micro-batch {args.micro_batch}, rank {args.rank}, "

@@ -12,6 +12,9 @@ padding and TF32 flags, and the kernel's descriptor metadata (box, swizzle, elem
 compiled kernel and argument, kept alive by it, compared by identity). So returning the map encoded for an equal key
 gives the kernel the bytes a fresh encode would. `install()` wraps the driver's function once per process (guarded:
 an unknown Triton layout leaves it alone); `EPIRL_TMA_DESC_CACHE=0` turns it off.
+
+Measured on the H200 (BENCHMARKS.md, fifteenth session): the TMA forward's host time per call 148.7 -> 93.6 µs;
+the Qwen3-8B training step 1.2 % shorter on average over four runs each way, within the noise of single runs.
 """
 
 from __future__ import annotations

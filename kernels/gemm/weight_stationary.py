@@ -52,11 +52,11 @@ def _ws_partial_kernel(
     WAIT_AT_END: tl.constexpr = False, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
     EVEN_M: tl.constexpr = False,
 ):
-    """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS x ⌈R / BRT⌉ programs of each chunk compute the
-    fp32 partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk, rank tile) each: first in their chunk's
-    row of the grid, so that they are not the last to start. The others compute the chunk's partial of one base
-    tile. WAIT_AT_END: launched as the PDL dependent of `lora_down` (whose xa it does not read): it waits for it
-    only before it exits, so that its own dependent (the reduce, which reads xa) may rely on both."""
+    """Program (p, chunk c). With HAS_DOWN the first m_tiles x XA_SUBS x ⌈R / BRT⌉ programs of each chunk compute
+    the fp32 partials of the LoRA down-projection xaᵀ = A·xᵀ, one (token tile, sub-chunk, rank tile) each: first in
+    their chunk's row of the grid, so that they are not the last to start. The others compute the chunk's partial
+    of one base tile. WAIT_AT_END: launched as the PDL dependent of `lora_down` (whose xa it does not read): it
+    waits for it only before it exits, so that its own dependent (the reduce, which reads xa) may rely on both."""
     if LAUNCH_DEPENDENTS:  # PDL: the reduce kernel may launch now; it reads nothing of ours before its gdc_wait
         tl.extra.cuda.gdc_launch_dependents()
     m_tiles = tl.cdiv(M, BM)
@@ -226,7 +226,8 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
     dummy = part if part is not None else xa_part
     m_tiles = cdiv(M, cfg["BM"])
     down_rows = _down_tile_rows(R)
-    programs = cdiv(n_base, cfg["BN"]) * m_tiles + (m_tiles * xa_subs * cdiv(R, down_rows) if lora_a is not None else 0)
+    down_programs = m_tiles * xa_subs * cdiv(R, down_rows) if lora_a is not None else 0
+    programs = cdiv(n_base, cfg["BN"]) * m_tiles + down_programs
     w_ = w if w is not None else lora_a
     a_ = lora_a if lora_a is not None else w_
     _ws_partial_kernel[(programs, n_chunks)](
