@@ -107,6 +107,7 @@ def _layer_bitwise(engine, adapter):
     from epirl.engine import plugin
     from epirl.engine.lora_publish import modules_of
     from epirl.kernels.w8a16_lora.slices import fused_layer_call
+    from epirl.model.loading import runs_as_one_call
 
     engine.publish(adapter, step=100)
     # Forward hooks do not fire inside CUDA-graph replay or compiled regions: run this with --eager.
@@ -118,9 +119,9 @@ def _layer_bitwise(engine, adapter):
     for name, subs in [(names[0], ["q_proj", "k_proj", "v_proj"]), (names[1], ["down_proj"])]:
         x, y = cap[name]
         parent = name.rsplit(".", 1)[0]
-        members = [f"{parent}.{s}" for s in subs]  # (one call for qkv with EPIRL_FUSED_SLICES=1, as the engine)
+        members = [f"{parent}.{s}" for s in subs]
         ref = fused_layer_call(x, [views[m][0] for m in members], views[members[0]][1], [lora[m][0] for m in members],
-                               [lora[m][1] for m in members], scale)
+                               [lora[m][1] for m in members], scale, one_call=runs_as_one_call(name.split(".")[-1]))
         row("w8a16", f"{name.split('.')[-1]} engine == kernel (M={x.shape[0]})",
             f"bitwise={torch.equal(y, ref)} max|Δ|={(y.float() - ref.float()).abs().max().item():.3g}")
 

@@ -47,7 +47,7 @@ import torch
 from epirl.engine import serving_lora
 from epirl.engine.naming import NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
-from epirl.kernels.w8a16_lora.slices import block_views, fused_slices_enabled
+from epirl.kernels.w8a16_lora.slices import block_views
 from epirl.engine.vllm_compat import lora_layers, model_access, punica, quantization
 from epirl.engine.vllm_compat.detect import on_cuda
 
@@ -170,11 +170,10 @@ def _one_call(layer) -> bool:
     """Whether this fused layer's LoRA runs as one block-diagonal call (the default; EPIRL_FUSED_SLICES=0 turns it
     off, `kernels/w8a16_lora/slices.py`): the layers of ONE_CALL_LAYERS (qkv_proj) whose logical slices are one
     Hugging Face module each, which the trainer groups the same way (`epirl.model.loading.group_fused_layer`)."""
-    from epirl.model.loading import ONE_CALL_LAYERS, PACKED_MODULES
+    from epirl.model.loading import PACKED_MODULES, runs_as_one_call
 
     leaf = getattr(layer, "prefix", "").rpartition(".")[2]
-    return (fused_slices_enabled() and leaf in ONE_CALL_LAYERS
-            and len(PACKED_MODULES[leaf]) == len(layer.logical_widths))
+    return runs_as_one_call(leaf) and len(PACKED_MODULES[leaf]) == len(layer.logical_widths)
 
 
 @torch.library.custom_op("epirl::w8a16_lora_slices", mutates_args=())

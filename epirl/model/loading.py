@@ -50,6 +50,12 @@ _PACKED_NAME_OF = {member: packed for packed, members in PACKED_MODULES.items() 
 # column-view outputs make the MLP's elementwise ops strided. Qwen3.5's in_proj_qkvz (four slices in two
 # modules) stays one call per slice on both sides.
 ONE_CALL_LAYERS = ("qkv_proj",)
+
+
+def runs_as_one_call(packed: str) -> bool:
+    """Whether the fused layer `packed` (vLLM's name: qkv_proj, gate_up_proj, ...) runs as one call in this process,
+    in the engine and in the trainer alike."""
+    return fused_slices_enabled() and packed in ONE_CALL_LAYERS
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -209,16 +215,15 @@ def install_fp8_projections(model: nn.Module, source, device: torch.device, dtyp
             trainable = name.rpartition(".")[2] in targets
             replace_module(model, name, _fp8_module(name, linear, codes_N_K, scale, trainable, rank, alpha,
                                                     seed, bias))
-        if fused_slices_enabled():
-            group_fused_layer(model, names)
+        group_fused_layer(model, names)
 
 
 def group_fused_layer(model: nn.Module, names: list[str]) -> bool:
     """Group the FP8 modules `names` (one fused layer, slice order) to run as one call, the engine's
-    (kernels/lora_linear/sliced.py), if the layer is one of `ONE_CALL_LAYERS`; a clear error if it cannot."""
+    (kernels/lora_linear/sliced.py), if it `runs_as_one_call`; a clear error if it cannot."""
     parent, _, leaf = names[0].rpartition(".")
     packed = _PACKED_NAME_OF.get(leaf)
-    if packed not in ONE_CALL_LAYERS or tuple(n.rpartition(".")[2] for n in names) != PACKED_MODULES[packed]:
+    if not runs_as_one_call(packed) or tuple(n.rpartition(".")[2] for n in names) != PACKED_MODULES[packed]:
         return False
     try:
         attach_slice_group([model.get_submodule(n) for n in names])

@@ -197,17 +197,13 @@ def even_k(K: int, k_chunk: int, n_chunks: int) -> bool:
     return k_chunk * n_chunks == K
 
 
-def _lora_tile_rows(R: int) -> int:
-    return max(LORA_TILE_MIN, next_power_of_2(R))
-
-
 def _down_tile_rows(R: int) -> int:
     """Rows of A per down-projection program (`lora_down`, and the down partials the split-K launch fuses): all r
     rows up to 128; above (the block-diagonal rank S·r of one call per fused layer, kernels/w8a16_lora/slices.py),
     64-row tiles side by side - one 256-row tile's pipeline needs 272 KiB of shared memory (H200: 227 KiB). Each xa
     column is its own dot over K in the same BK steps whatever the tile's height, so the bits do not depend on this
     choice (tests/kernels/test_fused_slices_gpu.py; interpreter case `rank_tiled_down_projection`)."""
-    return _lora_tile_rows(R) if R <= 128 else LORA_TILE_MIN
+    return max(LORA_TILE_MIN, next_power_of_2(R)) if R <= 128 else LORA_TILE_MIN
 
 
 def _epilogue_rows(R: int) -> int:

@@ -44,9 +44,9 @@ class Fp8SlicedLoRAFunction(torch.autograd.Function):
             r, row = a_cat.shape[0] // slices, 0
             for i, (width, dtypes) in enumerate(zip(ctx.widths, ctx.param_dtypes)):
                 if dtypes is not None and ctx.needs_input_grad[8 + i]:
-                    grads_ab[i] = d_a[i * r:(i + 1) * r].to(dtypes[0]).clone()
+                    grads_ab[i] = d_a[i * r:(i + 1) * r].to(dtypes[0], copy=True)
                 if dtypes is not None and ctx.needs_input_grad[8 + slices + i]:
-                    grads_ab[slices + i] = d_b[row:row + width, i * r:(i + 1) * r].to(dtypes[1]).clone()
+                    grads_ab[slices + i] = d_b[row:row + width, i * r:(i + 1) * r].to(dtypes[1], copy=True)
                 row += width
         return (dx, None, None, None, None, None, None, None, *grads_ab)
 

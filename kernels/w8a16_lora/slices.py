@@ -97,14 +97,12 @@ def block_views(a_cat: torch.Tensor, b_bd: torch.Tensor, widths: Sequence[int], 
 
 
 def fused_layer_call(x: torch.Tensor, codes: Sequence[torch.Tensor], scale: torch.Tensor, lora_a: Sequence,
-                     lora_b: Sequence, lora_scale: float, one_call: bool | None = None) -> torch.Tensor:
+                     lora_b: Sequence, lora_scale: float, *, one_call: bool) -> torch.Tensor:
     """A fused layer's output from its slices' codes `[N_i, K]` and adapters as the matched engine computes it:
-    one call with the block operands when `one_call` (default: EPIRL_FUSED_SLICES is on and there are several
-    slices), else one `w8a16_lora` per slice, concatenated. For checks (engine == kernel); the codes are copied."""
+    one call with the block operands when `one_call` (the engine's rule: `epirl.model.loading.runs_as_one_call`),
+    else one `w8a16_lora` per slice, concatenated. For checks (engine == kernel); the codes are copied."""
     from epirl.kernels import w8a16_lora
 
-    if one_call is None:
-        one_call = fused_slices_enabled() and len(codes) > 1
     if not one_call:
         return torch.cat([w8a16_lora(x, c, scale, a, b, lora_scale) for c, a, b in zip(codes, lora_a, lora_b)], -1)
     widths = [c.shape[0] for c in codes]
