@@ -71,6 +71,8 @@
 #   train816   bench_kernels.py trainer rows at 8192 and 16384 tokens (kernel sums and walls, every shape)    ~3 min
 #   stepgaps   the idle GPU gaps of one Qwen3-8B training step (fp8, bf16), pinned on host ops (profile_step_gaps.py) ~4 min
 #   hostprof   cProfile of the FP8 trainer linear's host side (q3_o, 1024 tokens): Python, autograd, launches ~1 min
+#   chunkprobe probe_k_chunking.py: the K chunking's program target (264 / 132 / 66) at decode (1 / 16 tokens) and in
+#              training (8192 tokens, forward and forward + backward vs bf16) on the step's four module shapes ~4 min
 set -o pipefail
 source scripts/device_env.sh
 t0=$(date +%s)
@@ -179,8 +181,10 @@ PY
     stepgaps) part stepgaps 300 python3 -P scripts/profile_step_gaps.py --shape qwen3-8b ;;
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
+    chunkprobe) part chunkprobe 420 python3 -P scripts/probe_k_chunking.py ${CHUNK_TARGETS:+--targets $CHUNK_TARGETS} \
+                --json $OUT/probe_k_chunking.json ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
