@@ -72,7 +72,10 @@
 #   stepgaps   the idle GPU gaps of one Qwen3-8B training step (fp8, bf16), pinned on host ops (profile_step_gaps.py) ~4 min
 #   hostprof   cProfile of the FP8 trainer linear's host side (q3_o, 1024 tokens): Python, autograd, launches ~1 min
 #   chunkprobe probe_k_chunking.py: the K chunking's program target (264 / 132 / 66) at decode (1 / 16 tokens) and in
-#              training (8192 tokens, forward and forward + backward vs bf16) on the step's four module shapes ~4 min
+#              training (8192 tokens, forward and forward + backward vs bf16) on the step's four module shapes, and
+#              each fwd + bwd's kernels (CHUNK_TARGETS="132": only that target)                            ~1 min
+#   enginebits the matched engine's TPOT at batch 1 / 32 (defaults), then its qkv / down layers against the kernel,
+#              bitwise (eager engine); no W8A8 engine (enginefused runs both)                              ~6 min
 set -o pipefail
 source scripts/device_env.sh
 t0=$(date +%s)
@@ -182,9 +185,13 @@ PY
     hostprof) part hostprof 120 python3 -P scripts/profile_trainer_linear.py --shapes q3_o --tokens 1024 --steps 1 \
                 --host-profile ;;
     chunkprobe) part chunkprobe 420 python3 -P scripts/probe_k_chunking.py ${CHUNK_TARGETS:+--targets $CHUNK_TARGETS} \
-                --json $OUT/probe_k_chunking.json ;;
+                --kernels --json $OUT/probe_k_chunking.json ;;
+    enginebits) part enginebits 420 bash -c "[ -f ~/vllm-env.sh ] && source ~/vllm-env.sh; \
+                timeout 230 python3 -P scripts/gpu_engine.py --tag main --precisions w8a16 --sections tpot --skip-smollm2; \
+                timeout 150 python3 -P scripts/gpu_engine.py --tag bits --precisions w8a16 --sections layer --eager \
+                --skip-smollm2" ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

@@ -48,10 +48,19 @@ def probe_row(name: str, target: int, layer, train_tokens: int, bf16_kernel_us: 
     x = torch.randn(train_tokens, K, device="cuda", dtype=torch.bfloat16)
     row["fwd_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, SIGMA), reps=5)
     step, params = bench.trainer_steps(K, N, train_tokens, w16, codes, scale, a, b)["fp8"]
-    row["train_kernel_us"] = sum(bench.kernel_us_per_step(step, 3, params)[0].values())
+    per_kernel = bench.kernel_us_per_step(step, 3, params)[0]
+    row["train_kernel_us"] = sum(per_kernel.values())
+    row["train_kernels"] = per_kernel
     row["train_vs_bf16"] = row["train_kernel_us"] / bf16_kernel_us
     row["tma_fallbacks"] = [str(k) for k, ok in ws_tma._CHECKED.items() if not ok]
     return row
+
+
+def print_kernels(name: str, fp8: dict, bf16: dict) -> None:
+    """The last target's FP8 fwd + bwd kernels beside the bf16 ones, µs per step, longest first."""
+    for tag, kernels in (("fp8", fp8), ("bf16", bf16)):
+        for kernel, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+            print(f"#   {name} {tag} {us:8.1f} µs  {kernel}", flush=True)
 
 
 def main() -> None:
@@ -59,9 +68,14 @@ def main() -> None:
     ap.add_argument("--targets", type=int, nargs="+", default=[264, 132, 66])
     ap.add_argument("--shapes", nargs="+", default=["q3_qkv", "q3_o", "q3_gate", "q3_down"], choices=list(SHAPES))
     ap.add_argument("--train-tokens", type=int, default=8192)
+    ap.add_argument("--min-chunks", type=int, default=None, help="configs.MIN_CHUNKS (default: the committed one)")
+    ap.add_argument("--kernels", action="store_true", help="also print each fwd + bwd's kernels (FP8 and bf16)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "probe_k_chunking.json"))
     args = ap.parse_args()
-    print(f"# {torch.cuda.get_device_name()}; committed TARGET_PROGRAMS = {configs.TARGET_PROGRAMS}", flush=True)
+    if args.min_chunks is not None:
+        configs.MIN_CHUNKS = args.min_chunks
+    print(f"# {torch.cuda.get_device_name()}; committed TARGET_PROGRAMS = {configs.TARGET_PROGRAMS}, "
+          f"MIN_CHUNKS = {configs.MIN_CHUNKS}", flush=True)
     rows = []
     print("| shape | target | chunks × depth | LoRA 1 / 16 tok µs | no LoRA 1 tok µs | LoRA +% | fwd µs "
           f"@{args.train_tokens} (bf16) | fwd+bwd kernel µs (bf16) | ×bf16 | TMA fallbacks |")
@@ -70,7 +84,8 @@ def main() -> None:
         K, N = SHAPES[name]
         layer = bench.make_layer(K, N)
         bf16_step, bf16_params = bench.trainer_steps(K, N, args.train_tokens, *layer)["bf16"]
-        bf16_us = sum(bench.kernel_us_per_step(bf16_step, 3, bf16_params)[0].values())
+        bf16_kernels = bench.kernel_us_per_step(bf16_step, 3, bf16_params)[0]
+        bf16_us = sum(bf16_kernels.values())
         w16, _, _, a, b = layer
         x = torch.randn(args.train_tokens, K, device="cuda", dtype=torch.bfloat16)
         bf16_fwd_us = graph_us(lambda: x @ w16.t() + SIGMA * ((x @ a.t()) @ b.t()), reps=5)
@@ -83,6 +98,8 @@ def main() -> None:
                   f"{r['lora_16_us']:.1f} | {r['nolora_1_us']:.1f} | {100 * (r['lora_1_us'] / r['nolora_1_us'] - 1):.0f} "
                   f"| {r['fwd_us']:.0f} ({bf16_fwd_us:.0f}) | {r['train_kernel_us']:.0f} ({bf16_us:.0f}) | {r['train_vs_bf16']:.3f} "
                   f"| {len(r['tma_fallbacks'])} |", flush=True)
+        if args.kernels:
+            print_kernels(name, rows[-1]["train_kernels"], bf16_kernels)
         del layer, w16, a, b
         torch.cuda.empty_cache()
     with open(args.json, "w") as f:

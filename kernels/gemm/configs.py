@@ -54,23 +54,30 @@ def tile_of(cfg: dict) -> tuple:
     return tuple(cfg[k] for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
 
 
-# The fixed K chunking: enough chunks that N/128 weight tiles x chunks give ~2 waves of 132 SMs at decode.
-# A function of (N, K) only; chunks are multiples of CHUNK_ALIGN so every BK in the table divides them.
-TARGET_PROGRAMS = 264
+# The fixed K chunking: enough chunks that N/128 weight tiles x chunks give about one wave of 132 SMs (two of the
+# 64-row decode tiles), and at least MIN_CHUNKS. A function of (N, K) only; chunks are multiples of CHUNK_ALIGN so
+# every BK in the table divides them. Each chunk end costs a training tile a pipeline drain and refill and the round
+# trip of its spilled running total, and a chunk feeds one more program per weight tile at decode: at 264 programs
+# (until 2026-12-03, 8 chunks for the 4096-row layers) the trainer's o forward was 1.19x cuBLAS's and q3_o's
+# fwd + bwd 1.08x bf16; at 132, 1.05x and 1.01x, with q3_o faster at decode too (12.9 -> 11.8 µs at one token;
+# scripts/probe_k_chunking.py, BENCHMARKS.md). MIN_CHUNKS: one chunk is where Triton 3.6 miscompiles the TMA
+# training tile (a race; the first-call check then falls back to the pointer kernel: q3_gate 1.02 -> 1.14x bf16).
+TARGET_PROGRAMS = 132
+MIN_CHUNKS = 2
 CHUNK_REF_BN = 128
 CHUNK_ALIGN = 256
 
 
 def k_chunking(N: int, K: int) -> tuple[int, int]:
     """(K_CHUNK, N_CHUNKS): each chunk is accumulated from zero and the chunks are added in order."""
-    return _k_chunking(N, K, TARGET_PROGRAMS)
+    return _k_chunking(N, K, TARGET_PROGRAMS, MIN_CHUNKS)
 
 
-@functools.lru_cache(maxsize=None)  # (the module constant is an argument: tests patch it)
-def _k_chunking(N: int, K: int, target_programs: int) -> tuple[int, int]:
+@functools.lru_cache(maxsize=None)  # (the module constants are arguments: tests patch them)
+def _k_chunking(N: int, K: int, target_programs: int, min_chunks: int = 1) -> tuple[int, int]:
     check_reduction(K)
     k_units = cdiv(K, CHUNK_ALIGN)
-    want = max(1, min(k_units, target_programs // max(1, cdiv(N, CHUNK_REF_BN))))
+    want = max(1, min(k_units, max(min_chunks, target_programs // max(1, cdiv(N, CHUNK_REF_BN)))))
     units = cdiv(k_units, want)
     return units * CHUNK_ALIGN, cdiv(k_units, units)
 
@@ -85,12 +92,12 @@ XA_CHUNK_MAX = 512
 def xa_chunking(N: int, K: int) -> tuple[int, int, int]:
     """(XA_CHUNK, SUBS, N_XA) of the LoRA down-projection of a layer `[N, K]`: SUBS sub-chunks of XA_CHUNK per
     base chunk of `k_chunking(N, K)`, N_XA = SUBS x base chunks in all (the trailing ones may lie past K)."""
-    return _xa_chunking(N, K, TARGET_PROGRAMS, XA_CHUNK_MAX)
+    return _xa_chunking(N, K, TARGET_PROGRAMS, MIN_CHUNKS, XA_CHUNK_MAX)
 
 
 @functools.lru_cache(maxsize=None)
-def _xa_chunking(N: int, K: int, target_programs: int, xa_chunk_max: int) -> tuple[int, int, int]:
-    k_chunk, n_chunks = _k_chunking(N, K, target_programs)
+def _xa_chunking(N: int, K: int, target_programs: int, min_chunks: int, xa_chunk_max: int) -> tuple[int, int, int]:
+    k_chunk, n_chunks = _k_chunking(N, K, target_programs, min_chunks)
     units = k_chunk // CHUNK_ALIGN
     max_units = max(1, xa_chunk_max // CHUNK_ALIGN)
     subs = next(s for s in range(1, units + 1) if units % s == 0 and units // s <= max_units)

@@ -8,6 +8,7 @@ and fp32 -> bf16 truncates instead of rounding to nearest (one ulp on about half
 4 ulps here where the GPU tests use 2.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -23,6 +24,22 @@ from epirl.kernels.lora_linear.triton import lora_linear_backward as tri_backwar
 from epirl.kernels.gemm.configs import k_chunking  # noqa: E402
 from epirl.kernels.gemm.scaled import lora_down_split, scaled_gemm_lora  # noqa: E402
 from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm  # noqa: E402
+
+
+@contextlib.contextmanager
+def one_chunk_layers(**more):
+    """k_chunking gives one chunk wherever K allows (TARGET_PROGRAMS and MIN_CHUNKS patched to 1: the one-chunk
+    code paths, which the committed constants keep for K <= 256 only), plus any other configs constants given."""
+    from epirl.kernels.gemm import configs
+    patch = dict(TARGET_PROGRAMS=1, MIN_CHUNKS=1, **more)
+    saved = {name: getattr(configs, name) for name in patch}
+    for name, value in patch.items():
+        setattr(configs, name, value)
+    try:
+        yield configs
+    finally:
+        for name, value in saved.items():
+            setattr(configs, name, value)
 
 
 def problem(M, K, N, r, seed=0):
@@ -107,10 +124,8 @@ def case_one_launch_split_k_equals_two_launch():
         assert torch.equal(g, w), i
     assert close_bf16(got[1], w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
     assert ws_splitk._COUNTERS and all(int(c.abs().sum()) == 0 for c in ws_splitk._COUNTERS.values())
-    # one chunk (TARGET_PROGRAMS patched to 1, like gate_up) and one down sub-chunk (K = 300): no partial, no ticket
-    import epirl.kernels.gemm.configs as configs
-    saved, configs.TARGET_PROGRAMS = configs.TARGET_PROGRAMS, 1
-    try:
+    # one chunk (one_chunk_layers) and one down sub-chunk (K = 300): no partial, no ticket
+    with one_chunk_layers() as configs:
         x, codes, scale, a, b, bias = problem(21, 300, 90, 8, seed=13)
         assert configs.k_chunking(90, 300)[1] == 1 and configs.xa_chunking(90, 300)[2] == 1
         xa = lora_down(x, a, chunk_n=90)  # the one-part down launch
@@ -120,8 +135,6 @@ def case_one_launch_split_k_equals_two_launch():
         # the base launch as the GPU's PDL decode path makes it for a one-chunk layer (without the PDL wait here)
         got = ws_splitk.launch_ticket(x, codes, torch.empty_like(want), 90, 512, 1, cfg, br=16, dot_f32=True, **kw)
         assert torch.equal(got, want)
-    finally:
-        configs.TARGET_PROGRAMS = saved
 
 
 def case_flattened_chunk_loop_equals_nested():
@@ -197,13 +210,10 @@ def case_rank_tiled_down_projection():
 
 
 def case_one_chunk_layer_fuses_down_in_sub_chunks():
-    # one base chunk (TARGET_PROGRAMS patched to 1: like gate_up) with LoRA: split-K computes the down-projection in
-    # its first programs, over 5 sub-chunks of 256 (K = 1100: one 1280-deep chunk, the last sub-chunk ragged, and
-    # XA_CHUNK_MAX patched to 256), and equals the single pass with lora_down, bitwise
-    from epirl.kernels.gemm import configs
-    saved = configs.TARGET_PROGRAMS, configs.XA_CHUNK_MAX
-    configs.TARGET_PROGRAMS, configs.XA_CHUNK_MAX = 1, 256
-    try:
+    # one base chunk (one_chunk_layers) with LoRA: split-K computes the down-projection in its first programs, over
+    # 5 sub-chunks of 256 (K = 1100: one 1280-deep chunk, the last sub-chunk ragged, and XA_CHUNK_MAX patched to
+    # 256), and equals the single pass with lora_down, bitwise
+    with one_chunk_layers(XA_CHUNK_MAX=256) as configs:
         x, codes, scale, a, b, bias = problem(13, 1100, 40, 8, seed=11)
         assert configs.k_chunking(40, 1100) == (1280, 1) and configs.xa_chunking(40, 1100) == (256, 5, 5)
         args = dict(w_scale=scale, lora_b=b, lora_scale=0.7, bias=bias)
@@ -216,8 +226,6 @@ def case_one_chunk_layer_fuses_down_in_sub_chunks():
         assert close_bf16(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
         parts = [x[:, k:k + 256].float() @ a[:, k:k + 256].float().t() for k in range(0, 1100, 256)]
         assert close_bf16(xa, sum(parts).bfloat16())  # the sub-chunks cover K exactly once
-    finally:
-        configs.TARGET_PROGRAMS, configs.XA_CHUNK_MAX = saved
 
 
 def case_tma_single_pass_equals_pointer_kernel():
@@ -244,18 +252,14 @@ def case_tma_single_pass_equals_pointer_kernel():
                                      op="dx")
         assert torch.equal(tma, ptr), mode
     assert not tma_ok(x[:, 1:], codes[:, 1:])  # unaligned rows: the caller falls back to the pointer kernel
-    # a one-chunk forward (the gate_up case: one K loop over the whole ragged K), same bits
-    import epirl.kernels.gemm.configs as configs
-    saved, configs.TARGET_PROGRAMS = configs.TARGET_PROGRAMS, 1
-    try:
+    # a one-chunk forward (one K loop over the whole ragged K), same bits
+    with one_chunk_layers() as configs:
         assert configs.k_chunking(88, 592) == (768, 1)
         ptr = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
         for mode in (True, "x"):
             tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=mode), allow_split=False,
                                          **args)
             assert torch.equal(tma, ptr), mode
-    finally:
-        configs.TARGET_PROGRAMS = saved
     # a table selecting TMA: the call is checked against the pointer kernel on its first call, then kept
     from epirl.kernels.gemm import ws_tma
     table = json.loads(json.dumps(configs.load_table()))
