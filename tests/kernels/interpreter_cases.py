@@ -209,6 +209,51 @@ def case_rank_tiled_down_projection():
     assert close_bf16(split, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
+def cancelling_down_problem(M, r, seed):
+    """x `[M, 600]`, A `[r, 600]` whose products cancel: columns 300.. repeat x's first 300 and A's negated, so
+    x·Aᵀ is 0 exactly and an fp32 sum ends on its rounding residue, which depends on the order of the adds (a bf16
+    output shows it; on random data the bf16 rounding hides a different order)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, 300, generator=g) * 30).bfloat16()
+    a = (torch.randn(r, 300, generator=g) * 30).bfloat16()
+    return torch.cat([x, x], 1), torch.cat([a, -a], 1)
+
+
+def case_single_pass_lora_down_equals_split():
+    # many tokens: lora_down runs one pass per (token tile, rank tile) over every sub-chunk (no fp32 partials); the bits
+    # equal the split-K paths' (one launch and two), at 64- and 32-token tiles, rank 8 and 192 (three 64-row tiles),
+    # K = 600 (the last sub-chunk ragged, past K); on random inputs and on cancelling ones, where a different order
+    # of the sub-chunk adds shows in the bits
+    from epirl.kernels.gemm import weight_stationary as ws, ws_splitk
+    saved = ws.DOWN_SINGLE_MIN_PROGRAMS
+    try:
+        for M, r, min_programs, tile in ((70, 8, 1, 64), (70, 8, 3, 32), (45, 192, 1, 64)):
+            x, codes, scale, a, b, bias = problem(M, 600, 90, r, seed=15)
+            for xi, ai in ((x, a), cancelling_down_problem(M, r, seed=16)):
+                ws.DOWN_SINGLE_MIN_PROGRAMS = 10 ** 9
+                split = lora_down(xi, ai, chunk_n=90)
+                os.environ[ws_splitk.TICKET_ENV] = "0"
+                try:
+                    two_launch = lora_down(xi, ai, chunk_n=90)
+                finally:
+                    os.environ.pop(ws_splitk.TICKET_ENV)
+                ws.DOWN_SINGLE_MIN_PROGRAMS = min_programs
+                launched = []
+                real = ws._down_single_pass
+                ws._down_single_pass = lambda *args: launched.append(args) or real(*args)
+                try:
+                    single = lora_down(xi, ai, chunk_n=90)
+                finally:
+                    ws._down_single_pass = real
+                assert len(launched) == 1, (M, r)  # the single pass ran
+                assert torch.equal(single, split) and torch.equal(single, two_launch), (M, r)
+            bm = 64 if -(-M // 64) * -(-r // ws._down_tile_rows(r)) >= min_programs else ws.DOWN_SINGLE_BM
+            assert bm == tile, (M, r, bm)  # the tile rule as documented
+            assert close_bf16(lora_down(x, a, chunk_n=90), (x.float() @ a.float().t()).bfloat16())
+    finally:
+        ws.DOWN_SINGLE_MIN_PROGRAMS = saved
+
+
 def case_one_chunk_layer_fuses_down_in_sub_chunks():
     # one base chunk (one_chunk_layers) with LoRA: split-K computes the down-projection in its first programs, over
     # 5 sub-chunks of 256 (K = 1100: one 1280-deep chunk, the last sub-chunk ragged, and XA_CHUNK_MAX patched to

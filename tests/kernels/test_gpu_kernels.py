@@ -218,8 +218,9 @@ def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
 def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
     """`ws_splitk` (each tile's last-arriving program reduces the chunk partials in chunk order; the down-projection
     likewise, as the PDL primary of the base GEMM) gives the two-launch split-K's bits at 1 / 16 / 64 tokens with and
-    without LoRA and bias (and the down-projection alone at 4096 tokens), also replayed five times from one CUDA graph
-    with new inputs (the counters reset themselves), and leaves every counter at zero."""
+    without LoRA and bias (and the down-projection alone at 4096 tokens, where one pass per token tile is the default),
+    also replayed five times from one CUDA graph with new inputs (the counters reset themselves), and leaves every
+    counter at zero."""
     from epirl.kernels.gemm import ws_splitk
     x, codes, scale, a, b, bias = problem(64, K, N, 64, seed=31)
     calls = [dict(w_scale=scale), dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0, bias=bias)]
@@ -230,11 +231,16 @@ def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
             monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
             got = weight_stationary_gemm(x[:M], codes, torch.bfloat16, **kw)
             assert torch.equal(got, want), (K, N, M, len(kw))
-    x_train = torch.randn(4096, K, device=DEV, dtype=torch.bfloat16)  # a training call's down-projection: one launch
+    # a training call's down-projection: one pass per token tile (no partials), and split-K in one launch and in two
+    from epirl.kernels.gemm import weight_stationary as ws
+    x_train = torch.randn(4096, K, device=DEV, dtype=torch.bfloat16)
+    single = lora_down(x_train, a, chunk_n=N)
+    monkeypatch.setattr(ws, "DOWN_SINGLE_MIN_PROGRAMS", 10 ** 9)
+    assert torch.equal(lora_down(x_train, a, chunk_n=N), single), (K, N, 4096, "one launch")
     monkeypatch.setenv(ws_splitk.TICKET_ENV, "0")
-    want = lora_down(x_train, a, chunk_n=N)
+    assert torch.equal(lora_down(x_train, a, chunk_n=N), single), (K, N, 4096, "two launches")
     monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
-    assert torch.equal(lora_down(x_train, a, chunk_n=N), want), (K, N, 4096)
+    monkeypatch.undo()  # the default single pass again (monkeypatch restores the constant and the environment)
     xs = x[:16].clone()
     out = torch.empty(16, N, device=DEV, dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
