@@ -269,6 +269,25 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
     return out
 
 
+def _split_two_launches(x, w, y, ws, xa, fused_a, b_, bias_, k_chunk, n_chunks, lora_scale, lora_strides, cfg, flags,
+                        pdl, after_down):
+    """Split-K as the partial kernel (with the down-projection's partials when fused_a, A, is given) and the reduce
+    kernel (EPIRL_WS_TICKET=0, or the fused down-projection without PDL)."""
+    M, K = x.shape
+    N = w.shape[0]
+    R = fused_a.shape[0] if fused_a is not None else (xa.shape[1] if xa is not None else 0)
+    xa_chunk, xa_subs, n_xa = xa_chunking(N, K) if fused_a is not None else (0, 1, 0)
+    part, xa_part = _launch_partials(x, w, fused_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
+                                     launch_dependents=pdl, after_down=after_down)
+    xa_ = xa if xa is not None else y
+    tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
+    _ws_reduce_kernel[(tiles,)](
+        part, xa_part if fused_a is not None else part, xa_, y, ws, b_, bias_, M, N, R, n_chunks, n_xa,
+        float(lora_scale), y.stride(0), y.stride(1), xa.stride(0) if xa is not None else 0,
+        xa.stride(1) if xa is not None else 0, *lora_strides, XA_PARTS=fused_a is not None, WAIT_PDL=pdl,
+        num_warps=4, **flags, **({"launch_pdl": True} if pdl else {}))
+
+
 def _down_single_pass(x, lora_a, out, xa_chunk, n_xa, rows):
     """`lora_down` for many tokens: one program per (token tile, rank tile) runs every sub-chunk of xa's K chunking
     (each from zero, added in order: `_ws_single_kernel` with A as the weight) and rounds once. The split-K paths
@@ -336,15 +355,8 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
                       even_k=even_k(K, k_chunk, n_chunks))
         return (y, xa) if return_xa else y
     if split:
-        xa_chunk, xa_subs, n_xa = xa_chunking(N, K) if fuse_down else (0, 1, 0)
-        part, xa_part = _launch_partials(x, w, lora_a if fuse_down else None, M, N, K, R, k_chunk, n_chunks, cfg,
-                                         xa_chunk, xa_subs, launch_dependents=pdl, after_down=down_first)
-        xa_ = xa if xa is not None else y
-        _ws_reduce_kernel[(tiles,)](
-            part, xa_part if fuse_down else part, xa_, y, ws, b_, bias_, M, N, R, n_chunks, n_xa, float(lora_scale),
-            y.stride(0), y.stride(1), xa.stride(0) if xa is not None else 0, xa.stride(1) if xa is not None else 0,
-            *lora_strides, XA_PARTS=fuse_down, WAIT_PDL=pdl, num_warps=4, **flags,
-            **({"launch_pdl": True} if pdl else {}))
+        _split_two_launches(x, w, y, ws, xa, lora_a if fuse_down else None, b_, bias_, k_chunk, n_chunks, lora_scale,
+                            lora_strides, cfg, flags, pdl, down_first)
         return (y, xa) if return_xa else y
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
