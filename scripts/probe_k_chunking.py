@@ -33,27 +33,40 @@ SIGMA = bench.ALPHA / bench.RANK
 
 
 def probe_row(name: str, target: int, layer, train_tokens: int, bf16_kernel_us: float) -> dict:
+    """One row: `layer` (bench_kernels.make_layer) timed with configs.TARGET_PROGRAMS = target (restored after)."""
     K, N = SHAPES[name]
     w16, codes, scale, a, b = layer
-    configs.TARGET_PROGRAMS = target
+    saved, configs.TARGET_PROGRAMS = configs.TARGET_PROGRAMS, target
     ws_tma._CHECKED.clear()
     ws_tma._CALLS.clear()
-    k_chunk, n_chunks = configs.k_chunking(N, K)
-    row = dict(shape=name, K=K, N=N, target=target, k_chunk=k_chunk, n_chunks=n_chunks)
-    for M in (1, 16):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        row[f"lora_{M}_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, SIGMA))
-        if M == 1:
-            row["nolora_1_us"] = graph_us(lambda: w8a16_lora(x, codes, scale))
-    x = torch.randn(train_tokens, K, device="cuda", dtype=torch.bfloat16)
-    row["fwd_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, SIGMA), reps=5)
-    step, params = bench.trainer_steps(K, N, train_tokens, w16, codes, scale, a, b)["fp8"]
-    per_kernel = bench.kernel_us_per_step(step, 3, params)[0]
-    row["train_kernel_us"] = sum(per_kernel.values())
-    row["train_kernels"] = per_kernel
-    row["train_vs_bf16"] = row["train_kernel_us"] / bf16_kernel_us
-    row["tma_fallbacks"] = [str(k) for k, ok in ws_tma._CHECKED.items() if not ok]
+    try:
+        k_chunk, n_chunks = configs.k_chunking(N, K)
+        row = dict(shape=name, K=K, N=N, target=target, k_chunk=k_chunk, n_chunks=n_chunks)
+        for M in (1, 16):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            row[f"lora_{M}_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, SIGMA))
+            if M == 1:
+                row["nolora_1_us"] = graph_us(lambda: w8a16_lora(x, codes, scale))
+        x = torch.randn(train_tokens, K, device="cuda", dtype=torch.bfloat16)
+        row["fwd_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, SIGMA), reps=5)
+        step, params = bench.trainer_steps(K, N, train_tokens, w16, codes, scale, a, b)["fp8"]
+        per_kernel = bench.kernel_us_per_step(step, 3, params)[0]
+        row["train_kernel_us"] = sum(per_kernel.values())
+        row["train_kernels"] = per_kernel
+        row["train_vs_bf16"] = row["train_kernel_us"] / bf16_kernel_us
+        row["tma_fallbacks"] = [str(k) for k, ok in ws_tma._CHECKED.items() if not ok]
+    finally:
+        configs.TARGET_PROGRAMS = saved
+        ws_tma._CHECKED.clear()  # (the check's key does not hold the chunking)
+        ws_tma._CALLS.clear()
     return row
+
+
+def format_row(r: dict) -> str:
+    return (f"| {r['shape']} | {r['target']} | {r['n_chunks']} × {r['k_chunk']} | {r['lora_1_us']:.1f} / "
+            f"{r['lora_16_us']:.1f} | {r['nolora_1_us']:.1f} | {100 * (r['lora_1_us'] / r['nolora_1_us'] - 1):.0f} "
+            f"| {r['fwd_us']:.0f} ({r['bf16_fwd_us']:.0f}) | {r['train_kernel_us']:.0f} ({r['bf16_kernel_us']:.0f}) "
+            f"| {r['train_vs_bf16']:.3f} | {len(r['tma_fallbacks'])} |")
 
 
 def print_kernels(name: str, fp8: dict, bf16: dict) -> None:
@@ -94,10 +107,7 @@ def main() -> None:
             r = probe_row(name, target, layer, args.train_tokens, bf16_us)
             r["bf16_kernel_us"], r["bf16_fwd_us"] = bf16_us, bf16_fwd_us
             rows.append(r)
-            print(f"| {name} | {target} | {r['n_chunks']} × {r['k_chunk']} | {r['lora_1_us']:.1f} / "
-                  f"{r['lora_16_us']:.1f} | {r['nolora_1_us']:.1f} | {100 * (r['lora_1_us'] / r['nolora_1_us'] - 1):.0f} "
-                  f"| {r['fwd_us']:.0f} ({bf16_fwd_us:.0f}) | {r['train_kernel_us']:.0f} ({bf16_us:.0f}) | {r['train_vs_bf16']:.3f} "
-                  f"| {len(r['tma_fallbacks'])} |", flush=True)
+            print(format_row(r), flush=True)
         if args.kernels:
             print_kernels(name, rows[-1]["train_kernels"], bf16_kernels)
         del layer, w16, a, b

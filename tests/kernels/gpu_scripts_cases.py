@@ -235,6 +235,27 @@ def case_bench_fused_slices_rows_and_tables(tmp):
     assert len(lines) == 3 and lines[2].split(" | ")[2] == "1 / 1 / 1", text.getvalue()
 
 
+def case_chunk_probe_row_restores_the_chunking(tmp):
+    # probe_k_chunking.py's row on a tiny layer at another program target (kernels in the interpreter): the chunking
+    # it reports is that target's, the committed constant and the TMA verdicts are restored, the table line prints
+    import probe_k_chunking as probe
+    from epirl.kernels.gemm import configs, ws_tma
+    probe.graph_us = wall_us
+    probe.bench.kernel_us_per_step = lambda step, steps, params=(): (step(), ({"k": 1.0}, 1))[1]
+    probe.SHAPES["tiny"] = (1100, 96)
+    committed = configs.TARGET_PROGRAMS
+    os.environ["EPIRL_KERNELS"] = "triton"
+    try:
+        row = probe.probe_row("tiny", 1, probe.bench.make_layer(1100, 96, dev="cpu"), 40, 2.0)
+    finally:
+        os.environ.pop("EPIRL_KERNELS")
+    assert (row["k_chunk"], row["n_chunks"]) == configs._k_chunking(96, 1100, 1, configs.MIN_CHUNKS) == (768, 2), row
+    assert configs.TARGET_PROGRAMS == committed and not ws_tma._CHECKED
+    assert row["train_vs_bf16"] == 0.5 and row["lora_1_us"] > 0 and row["tma_fallbacks"] == [], row
+    line = probe.format_row(dict(row, bf16_kernel_us=2.0, bf16_fwd_us=1.0))
+    assert line.startswith("| tiny | 1 | 2 × 768 |") and line.endswith("| 0.500 | 0 |"), line
+
+
 def main(names):
     import tempfile
     patch_cuda()
