@@ -5,11 +5,14 @@ chunks give about TARGET_PROGRAMS programs at decode; the bits of every W8A16 ca
 the trainer alike. More chunks feed more SMs at decode; each chunk end costs a training tile a pipeline drain and the
 round trip of its spilled running total. This times, for each target, the rows that trade off:
 - decode: `w8a16_lora` with rank-64 LoRA at 1 and 16 tokens, and without LoRA at 1 (CUDA-graph replays, L2 flushed);
-- training: the forward alone (graph replay; bf16 cuBLAS + LoRA beside it) and `Fp8LoRALinear` forward + backward (torch.profiler kernel sum) at
-  --train-tokens, beside a frozen bf16 Linear + LoRA.
+- training: the forward alone (graph replay; bf16 cuBLAS + LoRA beside it) and `Fp8LoRALinear` forward + backward
+  (torch.profiler kernel sum; --kernels lists its kernels) at --train-tokens, beside a frozen bf16 Linear + LoRA.
 Every TMA call is checked against the pointer kernel as in production (ws_tma.checked_tma_single); the verdicts are
 reset between targets (the check's key does not hold the chunking) and a fallback is printed.
+MIN_CHUNKS stays the committed one unless --min-chunks says otherwise (the sixteenth session's first run, which
+chose the committed values, predates it: one chunk where the target gave one).
 Usage: python scripts/probe_k_chunking.py [--targets 264 132 66] [--shapes q3_o q3_down] [--train-tokens 8192]
+       [--min-chunks 1] [--kernels]
 """
 
 from __future__ import annotations
