@@ -56,6 +56,8 @@ def runs_as_one_call(packed: str) -> bool:
     """Whether the fused layer `packed` (vLLM's name: qkv_proj, gate_up_proj, ...) runs as one call in this process,
     in the engine and in the trainer alike."""
     return fused_slices_enabled() and packed in ONE_CALL_LAYERS
+
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

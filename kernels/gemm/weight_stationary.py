@@ -269,13 +269,12 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
     return out
 
 
-def _split_two_launches(x, w, y, ws, xa, fused_a, b_, bias_, k_chunk, n_chunks, lora_scale, lora_strides, cfg, flags,
-                        pdl, after_down):
+def _split_two_launches(x, w, y, ws, xa, fused_a, b_, bias_, R, k_chunk, n_chunks, lora_scale, lora_strides, cfg,
+                        flags, pdl, after_down):
     """Split-K as the partial kernel (with the down-projection's partials when fused_a, A, is given) and the reduce
-    kernel (EPIRL_WS_TICKET=0, or the fused down-projection without PDL)."""
+    kernel (EPIRL_WS_TICKET=0, or the fused down-projection without PDL); R: the LoRA rank (0 without)."""
     M, K = x.shape
     N = w.shape[0]
-    R = fused_a.shape[0] if fused_a is not None else (xa.shape[1] if xa is not None else 0)
     xa_chunk, xa_subs, n_xa = xa_chunking(N, K) if fused_a is not None else (0, 1, 0)
     part, xa_part = _launch_partials(x, w, fused_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
                                      launch_dependents=pdl, after_down=after_down)
@@ -355,8 +354,8 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
                       even_k=even_k(K, k_chunk, n_chunks))
         return (y, xa) if return_xa else y
     if split:
-        _split_two_launches(x, w, y, ws, xa, lora_a if fuse_down else None, b_, bias_, k_chunk, n_chunks, lora_scale,
-                            lora_strides, cfg, flags, pdl, down_first)
+        _split_two_launches(x, w, y, ws, xa, lora_a if fuse_down else None, b_, bias_, R, k_chunk, n_chunks,
+                            lora_scale, lora_strides, cfg, flags, pdl, down_first)
         return (y, xa) if return_xa else y
     if xa is None and has_lora:
         xa = lora_down(x, lora_a, N, op)
