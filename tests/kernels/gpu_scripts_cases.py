@@ -256,6 +256,45 @@ def case_chunk_probe_row_restores_the_chunking(tmp):
     assert line.startswith("| tiny | 1 | 2 × 768 |") and line.endswith("| 0.500 | 0 |"), line
 
 
+def case_read_floor_kernel_reads_every_word(tmp):
+    # bench_read_floor.py's read kernel through read_once (the launch the benchmark times): 7 programs of whole
+    # BLOCKs over 10 000 words, the last one short; out[p] is the xor of exactly program p's slice
+    import numpy as np
+
+    import bench_read_floor as rf
+    n, programs, block = 10_000, 7, 256
+    buf = torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32)
+    out = torch.full((programs + 1,), 12345, dtype=torch.int32)
+    rf.read_once(buf, out, programs, block, num_warps=4)
+    wpp = rf.words_per_prog(n, programs, block)
+    assert wpp % block == 0 and (programs - 1) * wpp < n < programs * wpp, wpp  # ragged last program
+    want = [int(np.bitwise_xor.reduce(buf[p * wpp:(p + 1) * wpp].numpy())) for p in range(programs)]
+    assert out[:programs].tolist() == want and out[programs].item() == 12345, (out.tolist(), want)
+
+
+def case_read_floor_bench_prints_its_tables(tmp):
+    # the benchmark end to end on a tiny shape (read kernel and w8a16_lora in the interpreter, wall-clock timer):
+    # the sweep, the layer columns, the empty-kernel rows, the tables and the JSON
+    import bench_kernels as bench
+    import bench_read_floor as rf
+    rf.graph_us = wall_us
+    rf.make_layer = lambda K, N: bench.make_layer(K, N, dev="cpu")
+    rf.SHAPES = [("tiny", 256, 96)]  # rebound, not mutated: bench_kernels.SHAPES is the same list
+    rf.QUICK = dict(programs=[3, 5], blocks=[64], warps=[4])
+    sys.argv = ["bench_read_floor.py", "--quick", "--shapes", "tiny", "--json", str(tmp / "rf.json")]
+    os.environ["EPIRL_KERNELS"] = "triton"
+    try:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            rf.main()
+    finally:
+        os.environ.pop("EPIRL_KERNELS")
+    out = json.loads((tmp / "rf.json").read_text())
+    assert len(out["sweep"]) == 2 and [r["programs"] for r in out["empty"]] == rf.EMPTY_PROGRAMS, out
+    lines = [line for line in text.getvalue().splitlines() if line.startswith("| tiny |")]
+    assert len(lines) == 1 and len(lines[0].split(" | ")) == 12, text.getvalue()
+
+
 def main(names):
     import tempfile
     patch_cuda()
