@@ -78,8 +78,6 @@
 #              bitwise (eager engine); no W8A8 engine (enginefused runs both)                              ~6 min
 #   readfloor  bench_read_floor.py: the fastest any one kernel reads each layer's FP8 bytes once (programs x BLOCK
 #              x warps swept; graph replays, L2 flushed) beside w8a16 at 1 token, + an empty kernel's node cost ~3 min
-#   onelaunch  bench_kernels.py at 1 / 16 tokens with the decode LoRA call as a launch pair (EPIRL_WS_FUSED_DOWN=0),
-#              then as one launch (ws_splitk.launch_fused_down, the default)                              ~2 min
 set -o pipefail
 source scripts/device_env.sh
 t0=$(date +%s)
@@ -194,12 +192,9 @@ PY
                 timeout 230 python3 -P scripts/gpu_engine.py --tag main --precisions w8a16 --sections tpot --skip-smollm2; \
                 timeout 150 python3 -P scripts/gpu_engine.py --tag bits --precisions w8a16 --sections layer --eager \
                 --skip-smollm2" ;;
-    onelaunch) part onelaunch 240 bash -c "EPIRL_WS_FUSED_DOWN=0 python3 -P scripts/bench_kernels.py --tokens 1 16 \
-                --train-tokens --json $OUT/bench_pair.json; python3 -P scripts/bench_kernels.py --tokens 1 16 \
-                --train-tokens --json $OUT/bench_onelaunch.json" ;;
     readfloor) part readfloor 240 python3 -P scripts/bench_read_floor.py --json $OUT/read_floor.json ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor onelaunch)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

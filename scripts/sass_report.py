@@ -185,8 +185,7 @@ def wgmma_cases() -> list[tuple[str, callable]]:
     fp8 = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "part_ptr": "*fp32", "xa_part_ptr": "*fp32"}
     div = ("x_ptr", "w_ptr", "y_ptr", "xa_ptr", "b_ptr", "a_ptr", "part_ptr", "xa_part_ptr", "N", "K", "K_CHUNK",
            "XA_CHUNK", "stride_xm", "stride_wn", "stride_wk", "stride_ym", "stride_xam", "stride_bn", "stride_ar")
-    from epirl.kernels.gemm import ws_splitk
-    cases, fused_tiles = [], set()
+    cases = []
     table = configs.load_table()
     for op in ("fwd", "dx"):
         for shape, row in table[op].items():
@@ -202,16 +201,6 @@ def wgmma_cases() -> list[tuple[str, callable]]:
                                  LAUNCH_DEPENDENTS=True, WAIT_AT_END=True, stride_xk=1, stride_wk=1, stride_ak=1,
                                  **even, **_tile_consts(cfg))
                     kernel = ws._ws_partial_kernel
-                    if configs.tile_of(cfg) not in fused_tiles:  # the one-launch LoRA kernel, once per decode tile
-                        fused_tiles.add(configs.tile_of(cfg))
-                        fconst = dict(HAS_W_SCALE=True, HAS_BIAS=False, DOT_F32=False, BR=64, BRT=64,
-                                      BK_DOWN=ws_splitk.FUSED_DOWN_BK, GROUP_N=8, EVEN_R=True, stride_xk=1,
-                                      stride_wk=1, stride_ak=1, **even, **_tile_consts(cfg))
-                        cases.append((f"w8a16 one-launch LoRA {cfg['BN']}/{cfg['BM']}/{cfg['BK']}/"
-                                      f"{cfg['num_warps']}/{cfg['num_stages']}",
-                                      lambda c=fconst, g=cfg: compile_ptx(
-                                          ws_splitk._ws_fused_down_kernel, c, dict(fp8, cnt_ptr="*i32"),
-                                          g["num_warps"], g["num_stages"], div)))
                 else:
                     const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BR=64, GROUP_N=8,
                                  WAIT_PDL=False, stride_xk=1, stride_yn=1, **even, **_tile_consts(cfg))

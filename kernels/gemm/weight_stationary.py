@@ -35,7 +35,7 @@ from .._host import cdiv, next_power_of_2
 from .._dispatch import check_reduction, interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, tile_of, ws_config, xa_chunking
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
-from .ws_splitk import fused_down_fits, launch_fused_down, launch_ticket, ticket_enabled
+from .ws_splitk import launch_ticket, ticket_enabled
 from .ws_tma import checked_tma_single, launch_tma_single, tma_ok
 
 PDL_ENV = "EPIRL_WS_PDL"  # "0": launch the split-K reduce kernel plainly, not as a PDL dependent (on by default)
@@ -307,18 +307,6 @@ def _down_single_pass(x, lora_a, out, xa_chunk, n_xa, rows):
     return out
 
 
-def _one_launch_lora(x, w, lora_a, y, k_chunk, n_chunks, cfg, w_scale, lora_b, lora_scale, bias):
-    """A decode call with LoRA as one launch (`ws_splitk.launch_fused_down`): what `lora_down(pdl=True)` and the base
-    GEMM as its PDL dependent compute, in one kernel node. Returns xa."""
-    M, K = x.shape
-    N = w.shape[0]
-    xa_chunk, _, n_xa = xa_chunking(N, K)
-    R = lora_a.shape[0]
-    return launch_fused_down(x, w, lora_a, y, k_chunk, n_chunks, xa_chunk, n_xa, cfg, _down_tile_rows(R),
-                             w_scale=w_scale, lora_b=lora_b, lora_scale=lora_scale, bias=bias, br=_epilogue_rows(R),
-                             dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks))
-
-
 def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None, lora_b=None, lora_scale=1.0,
                            bias=None, config=None, allow_split=True, out=None, lora_a=None, op="fwd", return_xa=False):
     """y `[M, N]` for bf16 x `[M, K]` and w `[N, K]` (any strides), LoRA from xa (given) or lora_a (computed
@@ -338,10 +326,6 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     has_lora = xa is not None or lora_a is not None
     fuse_down = xa is None and has_lora and op == "fwd"
     pdl = split_pdl(x)
-    if (fuse_down and allow_split and M <= DOWN_FIRST_MAX_M
-            and fused_down_fits(x, cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]))):
-        xa = _one_launch_lora(x, w, lora_a, y, k_chunk, n_chunks, cfg, w_scale, lora_b, lora_scale, bias)
-        return (y, xa) if return_xa else y
     # Decode with the down-projection to compute and PDL: `lora_down` first (two small launches), the base GEMM as
     # its dependent, streaming the weights while xa is computed; a one-chunk layer (gate_up) then also takes the
     # split-K launch pair, which keeps the LoRA epilogue (B's registers) out of the streaming kernel (the profile:

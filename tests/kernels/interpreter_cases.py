@@ -137,35 +137,6 @@ def case_one_launch_split_k_equals_two_launch():
         assert torch.equal(got, want)
 
 
-def case_one_launch_lora_equals_launch_pair():
-    # ws_splitk.launch_fused_down: lora_down's programs first, the base tiles after, whose last arrivals wait for xa;
-    # the bits of lora_down + the one-launch base GEMM (the GPU decode pair), through weight_stationary_gemm (the
-    # GPU-only gate patched open): 3 chunks (the last short), 1 / 3 / 21 tokens (one and two token tiles), rank 8 and
-    # the rank-192 block of a fused layer (three 64-row xa tiles), bias or none; launched twice (counters reset), xa
-    # returned; the interpreter runs programs in order, so no base program ever spins here. The down programs' BK is
-    # set to lora_down's (128): the interpreter's numpy dots sum a 128-deep step otherwise than two 64-deep ones, the
-    # GPU's 16-deep wgmma chain does not (GPU test: the default FUSED_DOWN_BK, same bits)
-    from epirl.kernels.gemm import weight_stationary as ws, ws_splitk
-    cfg = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
-    fits, bk = ws.fused_down_fits, ws_splitk.FUSED_DOWN_BK
-    ws.fused_down_fits, ws_splitk.FUSED_DOWN_BK = (lambda x, tiles: True), 128
-    try:
-        for M, r, with_bias in [(1, 8, True), (3, 192, False), (21, 8, True), (21, 192, True)]:
-            x, codes, scale, a, b, bias = problem(M, 600, 90, r, seed=30 + M)
-            assert k_chunking(90, 600)[1] == 3
-            kw = dict(w_scale=scale, lora_b=b, lora_scale=0.7, bias=bias if with_bias else None)
-            xa_want = lora_down(x, a, chunk_n=90)
-            want = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, xa=xa_want, **kw)
-            for _ in range(2):
-                got, xa = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, lora_a=a, return_xa=True, **kw)
-                assert torch.equal(got, want) and torch.equal(xa, xa_want), (M, r)
-            assert close_bf16(got, w8a16_lora(x, codes, scale, a, b, 0.7, kw["bias"], backend="reference"))
-    finally:
-        ws.fused_down_fits, ws_splitk.FUSED_DOWN_BK = fits, bk
-    assert all(int(c.abs().sum()) == 0 for c in ws_splitk._COUNTERS.values())
-    assert any(key[2] == "fused" for key in ws_splitk._COUNTERS)
-
-
 def case_flattened_chunk_loop_equals_nested():
     # FLATTEN (one pipelined loop over every chunk's k-steps) runs the same adds in the same order: same bits, for the
     # pointer kernel and both TMA variants, over 2 chunks with a ragged last one

@@ -143,34 +143,6 @@ def test_one_launch_split_k_compiles_for_sm90(down, one_part):
     assert ("griddepcontrol.launch_dependents" in ptx) == down and ("griddepcontrol.wait" in ptx) == (not down)
 
 
-def test_one_launch_lora_compiles_for_sm90():
-    """`ws_splitk._ws_fused_down_kernel` (a decode call with LoRA in one launch): wgmma in both branches' K loops and
-    in the epilogue's LoRA dot; the two tickets (acq_rel), the xa-stored count (release), the spin that waits for it
-    (acquire), the tiles-done count (acq_rel), all at GPU scope; partials and xa read through L2; no PDL; no more
-    shared memory than the base kernel alone."""
-    from epirl.kernels.gemm.ws_splitk import _ws_fused_down_kernel, _ws_ticket_kernel
-    types = {"part_ptr": "*fp32", "xa_part_ptr": "*fp32", "w_scale_ptr": "*fp32", "cnt_ptr": "*i32",
-             "w_ptr": "*fp8e4nv"}
-    tile = dict(DOT_F32=False, BN=64, BM=16, BK=128, BR=64, GROUP_N=8, EVEN_K=True, EVEN_N=True, EVEN_M=False)
-    ptx = _ptx(_ws_fused_down_kernel, dict(tile, HAS_W_SCALE=True, HAS_BIAS=False, BRT=64, BK_DOWN=64, EVEN_R=True),
-               types, 4, 4)
-    atomics = [line for line in ptx.splitlines() if any(op in line for op in (" atom.", " red.", "ld.global.gpu"))]
-    assert ptx.count("wgmma.mma_async") >= 3
-    assert all(".gpu" in line for line in atomics), atomics
-    # the tickets and tiles-done: atom.acq_rel; the count (its result unused): red.release; the spin (an add of 0):
-    # ld.acquire, once per trip
-    assert sum("atom.global.gpu.acq_rel" in line for line in atomics) == 3, atomics
-    assert sum("red.global.gpu.release" in line for line in atomics) == 1, atomics
-    assert sum("ld.global.gpu.acquire" in line for line in atomics) == 1, atomics
-    assert "ld.global.cg" in ptx and "griddepcontrol" not in ptx
-    import sass_report
-    shared = [sass_report._compile(kernel, const, types, 4, 4).metadata.shared for kernel, const in (
-        (_ws_fused_down_kernel, dict(tile, HAS_W_SCALE=True, HAS_BIAS=False, BRT=64, BK_DOWN=64, EVEN_R=True)),
-        (_ws_ticket_kernel, dict(tile, DOWN=False, HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False,
-                                 LAUNCH_DEPENDENTS=False, WAIT_PDL=True)))]
-    assert shared[0] <= shared[1], shared
-
-
 @pytest.mark.parametrize("dx", [False, True], ids=["fwd", "dx"])
 def test_even_shapes_run_the_k_loop_without_load_masks(dx):
     """Every Qwen projection tiles evenly, and its K loop then loads without predicates (`_ws_chunk`: EVEN_K /
