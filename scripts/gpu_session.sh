@@ -50,7 +50,7 @@
 #   widen      the e4m3 -> bf16 widening (kernels/gemm/widen.py): its GPU tests (PTX vs conversion, bitwise: every
 #              code, whole GEMMs), then `kernelsq`'s bench with EPIRL_WIDEN=cvt (the conversion instructions) for
 #              the A/B against `kernelsq` (the default, PTX)                                              ~4 min
-#   tunedec    tune_w8a16.py on the decode buckets (16 / 32 / 64) into $OUT/ws_configs.json, then bench_kernels.py at
+#   tunedec    tune_w8a16.py on the decode buckets (TUNE_BUCKETS, default 16 / 32 / 64) into $OUT/ws_configs.json, then bench_kernels.py at
 #              1 / 16 / 32 tokens with that table (the committed one stays in effect for later parts)      ~5 min
 #   ticket     bench_kernels.py at 1 / 16 / 32 tokens with the two-launch split-K (EPIRL_WS_TICKET=0), then with the
 #              one-launch split-K of ws_splitk.py (the default)                                             ~2 min
@@ -152,7 +152,7 @@ PY
     widen)    part widen 420 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_widen.py -p no:cacheprovider; \
                 EPIRL_WIDEN=cvt python3 -P scripts/bench_kernels.py --tokens 1 16 32 --train-tokens 4096 \
                 --json $OUT/bench_kernels_cvt.json" ;;
-    tunedec)  part tunedec 420 bash -c "python3 -P scripts/tune_w8a16.py --buckets 16 32 64 --out $OUT/ws_configs.json \
+    tunedec)  part tunedec 540 bash -c "python3 -P scripts/tune_w8a16.py --buckets ${TUNE_BUCKETS:-16 32 64} --out $OUT/ws_configs.json \
                 && EPIRL_WS_CONFIGS=$OUT/ws_configs.json python3 -P scripts/bench_kernels.py --tokens 1 16 32 \
                 --train-tokens --json $OUT/bench_tunedec.json" ;;
     ticket)   part ticket 200 bash -c "EPIRL_WS_TICKET=0 python3 -P scripts/bench_kernels.py --tokens 1 16 32 --train-tokens \

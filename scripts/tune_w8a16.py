@@ -49,11 +49,15 @@ BIG = 1_000_000_000
 # bucket bound -> (representative token counts, candidate configs)
 FWD_BUCKETS = {
     16: ([1, 16], [cfg(64, 16, 128, 4, 4, True), cfg(64, 16, 256, 4, 3, True), cfg(128, 16, 128, 4, 4, True),
-                   cfg(128, 16, 128, 8, 4, True), cfg(64, 16, 128, 4, 6, True), cfg(64, 16, 128, 4, 4, False)]),
+                   cfg(128, 16, 128, 8, 4, True), cfg(64, 16, 128, 4, 6, True), cfg(64, 16, 128, 4, 4, False),
+                   # more bytes in flight per SM (the fastest plain read of a decode layer's bytes keeps ~64 KB in
+                   # flight per SM, scripts/bench_read_floor.py): 96 KB pipelines, still two CTAs an SM
+                   cfg(64, 16, 256, 4, 4, True), cfg(64, 16, 128, 4, 8, True), cfg(128, 16, 256, 8, 3, True)]),
     # the matched engine's batch 32 (BM 32 reads each weight tile once for the whole batch, as BM 64 does, with
     # half the wgmma width)
     32: ([32], [cfg(64, 32, 128, 4, 4, True), cfg(128, 32, 128, 8, 3, True), cfg(64, 32, 256, 4, 3, True),
-                cfg(64, 64, 128, 4, 4, True), cfg(128, 64, 128, 8, 3, True), cfg(64, 32, 128, 4, 4, False)]),
+                cfg(64, 64, 128, 4, 4, True), cfg(128, 64, 128, 8, 3, True), cfg(64, 32, 128, 4, 4, False),
+                cfg(64, 32, 256, 4, 4, True), cfg(64, 32, 128, 4, 6, True)]),
     64: ([64], [cfg(64, 64, 128, 4, 4, True), cfg(128, 64, 128, 8, 3, True), cfg(64, 64, 128, 4, 4, False),
                 cfg(64, 32, 128, 4, 4, True)]),
     256: ([256], [cfg(64, 64, 128, 4, 4, False), cfg(128, 64, 128, 4, 3, False), cfg(128, 128, 64, 8, 4, False),
