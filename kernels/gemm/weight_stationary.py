@@ -326,11 +326,11 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     has_lora = xa is not None or lora_a is not None
     fuse_down = xa is None and has_lora and op == "fwd"
     pdl = split_pdl(x)
-    # Decode with the down-projection to compute and PDL: `lora_down` first (two small launches), the base GEMM as
-    # its dependent, streaming the weights while xa is computed; a one-chunk layer (gate_up) then also takes the
-    # split-K launch pair, which keeps the LoRA epilogue (B's registers) out of the streaming kernel (the profile:
-    # the single pass with LoRA took 55 µs against 43.5 without, scripts/profile_decode_lora.py). Without PDL the
-    # down-projection rides in the split-K launch and the reduce sums its partials.
+    # Decode with the down-projection to compute and PDL: `lora_down` first (one launch), the base GEMM as its
+    # dependent, streaming the weights while xa is computed, split-K or single pass as the table says (both wait for
+    # xa only before their epilogue; until 2026-12-03 a decode call with LoRA always took split-K, which the table's
+    # single-pass entries - tuned with LoRA since - beat on the wide layers: gate_up without LoRA 30.5 vs 36 µs at one
+    # token, H200). Without PDL the down-projection rides in the split-K launch and the reduce sums its partials.
     down_first = fuse_down and pdl and M <= DOWN_FIRST_MAX_M
     if down_first:
         xa = lora_down(x, lora_a, N, op, pdl=True)
@@ -338,7 +338,7 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     elif return_xa and fuse_down:
         xa = lora_down(x, lora_a, N, op)
         fuse_down = False
-    split = allow_split and (down_first or (cfg.get("split", M <= 64) and (n_chunks > 1 or fuse_down)))
+    split = allow_split and cfg.get("split", M <= 64) and (n_chunks > 1 or fuse_down)
     R = (xa.shape[1] if xa is not None else lora_a.shape[0]) if has_lora else 0
     BR = _epilogue_rows(R)
     ws = w_scale if w_scale is not None else y
