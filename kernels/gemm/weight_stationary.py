@@ -35,7 +35,7 @@ from .._host import cdiv, next_power_of_2
 from .._dispatch import check_reduction, interpreting, pdl_supported
 from .configs import CHUNK_ALIGN, k_chunking, tile_of, ws_config, xa_chunking
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
-from .ws_splitk import launch_ticket, ticket_enabled, xa_flag_enabled
+from .ws_splitk import launch_ticket, ticket_enabled
 from .ws_tma import checked_tma_single, launch_tma_single, tma_ok
 
 PDL_ENV = "EPIRL_WS_PDL"  # "0": launch the split-K reduce kernel plainly, not as a PDL dependent (on by default)
@@ -242,12 +242,11 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
     return part, xa_part
 
 
-def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool = False, xa_flag: bool = False):
+def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool = False):
     """xa `[M, r]` = bf16(x · Aᵀ), batch invariant: the sub-chunks of `configs.xa_chunking` for the base layer
     `[chunk_n, K]` (default r), each from zero, added in order - the same bits as the down-projection fused into
     the split-K path. pdl: both launches let their dependents launch at once (the next kernel launched with
-    launch_pdl must gdc_wait before it reads xa). xa_flag (with pdl, one-launch split-K): xa is published on the
-    stream's xa-ready flag, which the next launch, a one-launch split-K base GEMM with xa_flag, must wait for."""
+    launch_pdl must gdc_wait before it reads xa)."""
     M, K = x.shape
     R = lora_a.shape[0]
     out = torch.empty(M, R, device=x.device, dtype=x.dtype)
@@ -256,15 +255,12 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
     k_chunk, n_chunks = k_chunking(chunk_n or R, K)
     xa_chunk, xa_subs, n_xa = xa_chunking(chunk_n or R, K)
     rows = _down_tile_rows(R)
-    if xa_flag and not (pdl and ticket_enabled()):
-        raise ValueError("lora_down(xa_flag=True) needs pdl=True and the one-launch split-K (EPIRL_WS_TICKET != 0)")
     if not pdl and cdiv(M, DOWN_SINGLE_BM) * cdiv(R, rows) >= DOWN_SINGLE_MIN_PROGRAMS:
         return _down_single_pass(x, lora_a, out, xa_chunk, n_xa, rows)
     cfg = ws_config(op, chunk_n or R, K, M)
     if ticket_enabled():  # one launch (ws_splitk): at decode the launch pair's tail, in training a launch's host time
         return launch_ticket(x, lora_a, out, R, xa_chunk, n_xa, dict(cfg, BN=rows), down=True,
-                             launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks),
-                             xa_flag=xa_flag)
+                             launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks))
     _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
                                   launch_dependents=pdl)
     BM = 32
@@ -336,14 +332,13 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     # single-pass entries - tuned with LoRA since - beat on the wide layers: gate_up without LoRA 30.5 vs 36 µs at one
     # token, H200). Without PDL the down-projection rides in the split-K launch and the reduce sums its partials.
     down_first = fuse_down and pdl and M <= DOWN_FIRST_MAX_M
-    down_apart = down_first or (return_xa and fuse_down)  # xa from its own launch, before the base GEMM
-    fuse_down = fuse_down and not down_apart
+    if down_first:
+        xa = lora_down(x, lora_a, N, op, pdl=True)
+        fuse_down = False
+    elif return_xa and fuse_down:
+        xa = lora_down(x, lora_a, N, op)
+        fuse_down = False
     split = allow_split and cfg.get("split", M <= 64) and (n_chunks > 1 or fuse_down)
-    one_launch = split and not fuse_down and ticket_enabled()
-    # the base GEMM (one-launch split-K) waits for lora_down's xa flag instead of its grid (ws_splitk._xa_published)
-    xa_flag = down_first and one_launch and xa_flag_enabled()
-    if down_apart:
-        xa = lora_down(x, lora_a, N, op, pdl=down_first, xa_flag=xa_flag)
     R = (xa.shape[1] if xa is not None else lora_a.shape[0]) if has_lora else 0
     BR = _epilogue_rows(R)
     ws = w_scale if w_scale is not None else y
@@ -353,10 +348,10 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     flags = dict(HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
                  DOT_F32=interpreting(), BN=cfg["BN"], BM=cfg["BM"], BR=BR, GROUP_N=cfg.get("GROUP_N", 8))
     tiles = cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"])
-    if one_launch:  # split-K in one launch, reduced by each tile's last program (ws_splitk)
+    if split and not fuse_down and ticket_enabled():  # one launch, reduced by each tile's last program (ws_splitk)
         launch_ticket(x, w, y, N, k_chunk, n_chunks, cfg, w_scale=w_scale, xa=xa, lora_b=lora_b if has_lora else None,
                       lora_scale=lora_scale, bias=bias, br=BR, wait_pdl=down_first, dot_f32=interpreting(),
-                      even_k=even_k(K, k_chunk, n_chunks), xa_flag=xa_flag)
+                      even_k=even_k(K, k_chunk, n_chunks))
         return (y, xa) if return_xa else y
     if split:
         _split_two_launches(x, w, y, ws, xa, lora_a if fuse_down else None, b_, bias_, R, k_chunk, n_chunks,

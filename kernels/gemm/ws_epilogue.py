@@ -11,14 +11,8 @@ from .scaled import _grouped_tile_ids_of, _load_tile
 from .widen import widen_e4m3
 
 # Partials (split-K chunks, LoRA-down sub-chunks) loaded at once when summed: the sum is a chain of dependent adds,
-# but the loads need not be; with one load per add, every partial paid a full L2 round trip in turn (decode). Tiles of
-# at most PART_UNROLL_SMALL_TILE elements (the 1-16-token decode tiles, 64 x 16) load 8 at a time: a decode
-# `lora_down` sums 8 (K = 4096) to 24 (K = 12288) sub-chunk partials at the end of the LoRA term's critical path.
-# Larger tiles 4: at 64 x 32 and 4 warps, 8 would take the ticket kernel from 168 to 224 registers (3 -> 2 CTAs an
-# SM); at 64 x 16, 128 -> 139 (sm_90a, triton 3.9), which every Qwen decode grid still fits in one wave.
+# but the loads need not be; with one load per add, every partial paid a full L2 round trip in turn (decode).
 PART_UNROLL = tl.constexpr(4)
-PART_UNROLL_SMALL = tl.constexpr(8)
-PART_UNROLL_SMALL_TILE = tl.constexpr(1024)
 
 
 @triton.jit
@@ -39,22 +33,11 @@ def _ws_tile_of(pid, N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.const
 @triton.jit
 def _sum_parts(ptr, part_stride, offs, mask, n_parts, BA: tl.constexpr, BB: tl.constexpr, CG: tl.constexpr):
     """fp32 [BA, BB]: partials ptr[c * part_stride + offs] for c < n_parts added in c order from +0.0, PART_UNROLL
-    (PART_UNROLL_SMALL for small tiles) loads in flight. A partial past the last adds +0.0, which leaves every sum
-    unchanged (a sum started at +0.0 is never -0.0): the same bits as one add per partial, whatever the unroll. CG: load
-    with .cg (L2 only)."""
-    if BA * BB <= PART_UNROLL_SMALL_TILE:
-        total = _sum_parts_by(ptr, part_stride, offs, mask, n_parts, BA, BB, CG, PART_UNROLL_SMALL)
-    else:
-        total = _sum_parts_by(ptr, part_stride, offs, mask, n_parts, BA, BB, CG, PART_UNROLL)
-    return total
-
-
-@triton.jit
-def _sum_parts_by(ptr, part_stride, offs, mask, n_parts, BA: tl.constexpr, BB: tl.constexpr, CG: tl.constexpr,
-                  UNROLL: tl.constexpr):
+    loads in flight. A partial past the last adds +0.0, which leaves every sum unchanged (a sum started at +0.0 is
+    never -0.0): the same bits as one add per partial. CG: load with .cg (L2 only)."""
     total = tl.zeros((BA, BB), dtype=tl.float32)
-    for c0 in range(0, n_parts, UNROLL):
-        for j in tl.static_range(UNROLL):
+    for c0 in range(0, n_parts, PART_UNROLL):
+        for j in tl.static_range(PART_UNROLL):
             in_parts = (offs * 0 + c0 + j) < n_parts  # a tensor (the interpreter masks by tensors)
             if CG:  # through L2 only (partials other programs of the same launch wrote)
                 total += tl.load(ptr + offs + (c0 + j) * part_stride, mask=mask & in_parts, other=0.0,

@@ -34,7 +34,6 @@ from .._host import cdiv
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile_of
 
 TICKET_ENV = "EPIRL_WS_TICKET"
-XA_FLAG_ENV = "EPIRL_WS_XA_FLAG"  # "0": a decode base GEMM waits for lora_down's grid (PDL) instead of its xa flag
 COUNTER_SLOTS = 1 << 16  # tiles per launch the workspace holds before it grows (decode: <= 1536 base tiles)
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
@@ -42,11 +41,6 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 def ticket_enabled() -> bool:
     """One-launch split-K (this module) unless EPIRL_WS_TICKET=0."""
     return os.environ.get(TICKET_ENV, "1") != "0"
-
-
-def xa_flag_enabled() -> bool:
-    """The xa-ready flag (`_xa_published`) for decode calls with LoRA, unless EPIRL_WS_XA_FLAG=0."""
-    return os.environ.get(XA_FLAG_ENV, "1") != "0"
 
 
 def _counters(device: torch.device, role: str, slots: int) -> torch.Tensor:
@@ -76,18 +70,16 @@ def _is_last_arrival(cnt_ptr, slot, n_parts):
 
 @triton.jit(do_not_specialize=["M"])
 def _ws_ticket_kernel(
-    x_ptr, w_ptr, part_ptr, cnt_ptr, flag_ptr, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr,
+    x_ptr, w_ptr, part_ptr, cnt_ptr, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr,
     M, N, K, R, K_CHUNK, N_PARTS, lora_scale,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
     DOWN: tl.constexpr, HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     GROUP_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, WAIT_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, ONE_PART: tl.constexpr = False, XA_FLAG: tl.constexpr = False,
+    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, ONE_PART: tl.constexpr = False,
 ):
     """Program (tile, part p): the fp32 partial of w[tile rows] · x[tile tokens]ᵀ over K[p·K_CHUNK, (p+1)·K_CHUNK)
-    into part[p], then, in the tile's last arrival, Σ_p part[p] in p order and the epilogue (DOWN: xa = bf16(Σ)).
-    XA_FLAG (DOWN: publish xa; else wait for it before the epilogue, and with WAIT_PDL still wait for the PDL primary
-    at the end): the xa-ready flag protocol of `_xa_published`."""
+    into part[p], then, in the tile's last arrival, Σ_p part[p] in p order and the epilogue (DOWN: xa = bf16(Σ))."""
     if LAUNCH_DEPENDENTS:  # PDL: the base GEMM behind the down-projection may launch now (it waits before xa)
         tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
@@ -98,8 +90,8 @@ def _ws_ticket_kernel(
     if ONE_PART:  # one chunk (gate_up): every program is its tile's only arrival; +0.0 + acc as _sum_parts adds it
         b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
         _ticket_finish(tl.zeros((BN, BM), dtype=tl.float32) + acc, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr,
-                       xa_ptr, bias_ptr, flag_ptr, R, lora_scale, stride_ym, stride_yn, stride_xam, stride_xar,
-                       DOWN, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BM, BR, WAIT_PDL, XA_FLAG)
+                       xa_ptr, bias_ptr, R, lora_scale, stride_ym, stride_yn, stride_xam, stride_xar,
+                       DOWN, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32, BM, BR, WAIT_PDL)
     else:
         offs = rm[None, :].to(tl.int64) * N + rn[:, None]
         mask = mask_n[:, None] & mask_m[None, :]
@@ -110,35 +102,22 @@ def _ws_ticket_kernel(
             b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
             # .cg: the other programs' partials are read from L2, never from a line this SM's L1 may hold
             total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, True)
-            _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, bias_ptr, flag_ptr, R,
-                           lora_scale, stride_ym, stride_yn, stride_xam, stride_xar, DOWN, HAS_W_SCALE, HAS_LORA,
-                           HAS_BIAS, DOT_F32, BM, BR, WAIT_PDL, XA_FLAG)
+            _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, bias_ptr, R, lora_scale,
+                           stride_ym, stride_yn, stride_xam, stride_xar, DOWN, HAS_W_SCALE, HAS_LORA, HAS_BIAS,
+                           DOT_F32, BM, BR, WAIT_PDL)
 
 
 @triton.jit
-def _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, bias_ptr, flag_ptr, R, lora_scale,
+def _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, bias_ptr, R, lora_scale,
                    stride_ym, stride_yn, stride_xam, stride_xar, DOWN: tl.constexpr,
                    HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_F32: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, WAIT_PDL: tl.constexpr,
-                   XA_FLAG: tl.constexpr):
-    """The reduce kernel's work on a tile's sum: DOWN, xa = bf16(Σ) (what `_xa_reduce_kernel` stores; XA_FLAG: then
-    published); else the epilogue of `_ws_reduce_kernel` with B's rows b (`_lora_b_tile`, loaded by the caller): the
-    wait for xa (PDL, or XA_FLAG's flag), scale, σ·LoRA, bias, round."""
+                   DOT_F32: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, WAIT_PDL: tl.constexpr):
+    """The reduce kernel's work on a tile's sum: DOWN, xa = bf16(Σ) (what `_xa_reduce_kernel` stores); else the
+    epilogue of `_ws_reduce_kernel` with B's rows b (`_lora_b_tile`, loaded by the caller): PDL wait for xa, scale,
+    σ·LoRA, bias, round."""
     if DOWN:
         tl.store(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rn[:, None] * stride_xar,
                  total.to(xa_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
-        if XA_FLAG:
-            _xa_published(flag_ptr)
-    elif XA_FLAG:
-        _wait_xa_flag(flag_ptr)
-        rr = tl.arange(0, BR)  # through L2: written by the other grid after this one started
-        xa_t = tl.load(xa_ptr + rm[None, :].to(tl.int64) * stride_xam + rr[:, None] * stride_xar,
-                       mask=(rr < R)[:, None] & mask_m[None, :], other=0.0, cache_modifier=".cg")
-        _ws_epilogue(total, xa_t, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, bias_ptr, lora_scale,
-                     stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
-        _tile_done(flag_ptr)
-        if WAIT_PDL:  # lora_down's grid complete before this one is, which later kernels may rely on (as without the
-            tl.extra.cuda.gdc_wait()  # flag); by now it has ended or is ending: its last program raised the flag
     else:
         if WAIT_PDL:
             tl.extra.cuda.gdc_wait()
@@ -148,43 +127,11 @@ def _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr,
                      stride_ym, stride_yn, HAS_W_SCALE, HAS_LORA, HAS_BIAS, DOT_F32)
 
 
-# The xa-ready flag (XA_FLAG), three int32 per (device, stream), zero between calls: [0] xa tiles stored, [1] base tiles
-# done, [2] xa ready. The base GEMM waits for it instead of for `lora_down`'s grid to complete (griddepcontrol.wait:
-# the grid's exit, then the release of its dependents). The spin is safe: a PDL dependent starts only once every
-# primary program has started (each triggers at its start), and the primary's programs wait on nothing.
-@triton.jit
-def _xa_published(flag_ptr):
-    """lora_down, an xa tile's last arrival after its stores: count the tile; the last tile counted (it has acquired
-    every other tile's stores) zeroes the count and raises the ready flag (release)."""
-    tl.debug_barrier()
-    if tl.atomic_add(flag_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.store(flag_ptr, 0)
-        tl.atomic_xchg(flag_ptr + 2, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait_xa_flag(flag_ptr):
-    ready = tl.atomic_add(flag_ptr + 2, 0, sem="acquire", scope="gpu")
-    while ready == 0:
-        ready = tl.atomic_add(flag_ptr + 2, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def _tile_done(flag_ptr):
-    """Base GEMM, a tile's last arrival after its epilogue: the last tile done (every tile is past its wait) lowers
-    the ready flag and zeroes the count for the next call."""
-    if tl.atomic_add(flag_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.store(flag_ptr + 1, 0)
-        tl.store(flag_ptr + 2, 0)
-
-
 def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_scale=None, xa=None, lora_b=None,
                   lora_scale=1.0, bias=None, br=16, launch_dependents=False, wait_pdl=False, dot_f32=False,
-                  even_k=False, xa_flag=False):
+                  even_k=False):
     """One launch of `_ws_ticket_kernel` over `[n_rows, K]` rows of w (codes, or A with down=True, in row tiles
-    of `cfg["BN"]` rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down). xa_flag: the down
-    launch publishes xa on the stream's xa-ready flag and the base launch (wait_pdl) waits for that flag instead of
-    for the down grid's completion; a down launch with it must be followed by its base launch with it."""
+    of `cfg["BN"]` rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down)."""
     M, K = x.shape
     BN, BM = cfg["BN"], cfg["BM"]
     tiles = cdiv(n_rows, BN) * cdiv(M, BM)
@@ -195,15 +142,14 @@ def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_sca
     R = xa.shape[1] if has_lora else 0
     xa_ = out if down else (xa if has_lora else out)
     lora_strides = (lora_b.stride(0), lora_b.stride(1)) if has_lora else (0, 0)
-    flag = _counters(x.device, "xa_flag", 3) if xa_flag else cnt
     _ws_ticket_kernel[(tiles, n_parts)](
-        x, w, part, cnt, flag, out, w_scale if w_scale is not None else out, xa_, lora_b if has_lora else out,
+        x, w, part, cnt, out, w_scale if w_scale is not None else out, xa_, lora_b if has_lora else out,
         bias if bias is not None else out, M, n_rows, K, R, k_chunk, n_parts, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         xa_.stride(0), xa_.stride(1), *lora_strides,
         DOWN=down, HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
         DOT_F32=dot_f32, BN=BN, BM=BM, BK=cfg["BK"], BR=br, GROUP_N=cfg.get("GROUP_N", 8),
         LAUNCH_DEPENDENTS=launch_dependents, WAIT_PDL=wait_pdl, EVEN_K=even_k, EVEN_N=n_rows % BN == 0,
-        EVEN_M=M % BM == 0, ONE_PART=one, XA_FLAG=xa_flag, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EVEN_M=M % BM == 0, ONE_PART=one, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if wait_pdl else {}))
     return out

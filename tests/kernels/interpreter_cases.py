@@ -137,44 +137,6 @@ def case_one_launch_split_k_equals_two_launch():
         assert torch.equal(got, want)
 
 
-def case_xa_flag_base_equals_plain_base():
-    # the decode pair with the xa-ready flag (ws_splitk._xa_published / _wait_xa_flag / _tile_done): lora_down's
-    # one-launch kernel publishes xa, the base one-launch split-K waits for the flag instead of the PDL primary (the
-    # GPU launches them as PDL primary and dependent; here in order, without PDL); the bits of the plain pair, for 3
-    # and 21 tokens (one and two token tiles), rank 8 and 192 (three xa tiles), 3 chunks and one (no partials, no
-    # ticket); twice in a row (the flag words reset themselves)
-    from epirl.kernels.gemm import ws_splitk
-    from epirl.kernels.gemm.configs import xa_chunking
-    from epirl.kernels.gemm.weight_stationary import _down_tile_rows, even_k
-    cfg = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
-
-    def pair(x, codes, scale, a, b, bias, flag):
-        M, K = x.shape
-        k_chunk, n_chunks = k_chunking(90, K)
-        xa_chunk, _, n_xa = xa_chunking(90, K)
-        ev = even_k(K, k_chunk, n_chunks)
-        xa = ws_splitk.launch_ticket(x, a, torch.empty(M, a.shape[0], dtype=x.dtype), a.shape[0], xa_chunk, n_xa,
-                                     dict(cfg, BN=_down_tile_rows(a.shape[0])), down=True, dot_f32=True, even_k=ev,
-                                     xa_flag=flag)
-        y = ws_splitk.launch_ticket(x, codes, torch.empty(M, 90, dtype=x.dtype), 90, k_chunk, n_chunks, cfg,
-                                    w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7, bias=bias, br=256 if
-                                    a.shape[0] > 64 else 64, dot_f32=True, even_k=ev, xa_flag=flag)
-        return xa, y
-
-    for chunks in (3, 1):
-        with (one_chunk_layers() if chunks == 1 else contextlib.nullcontext()):
-            for M, r in [(3, 8), (21, 192)]:
-                x, codes, scale, a, b, bias = problem(M, 600, 90, r, seed=40 + M)
-                assert k_chunking(90, 600)[1] == chunks
-                want = pair(x, codes, scale, a, b, bias, False)
-                for _ in range(2):
-                    got = pair(x, codes, scale, a, b, bias, True)
-                    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (chunks, M, r)
-                    flag = ws_splitk._COUNTERS[(torch.device("cpu"), 0, "xa_flag")]
-                    assert int(flag.abs().sum()) == 0, flag[:3]
-                assert close_bf16(got[1], w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
-
-
 def case_flattened_chunk_loop_equals_nested():
     # FLATTEN (one pipelined loop over every chunk's k-steps) runs the same adds in the same order: same bits, for the
     # pointer kernel and both TMA variants, over 2 chunks with a ragged last one
@@ -260,7 +222,7 @@ def cancelling_down_problem(M, r, seed, K=600):
 def case_single_pass_lora_down_equals_split():
     # many tokens: lora_down runs one pass per (token tile, rank tile) over every sub-chunk (no fp32 partials); the bits
     # equal the split-K paths' (one launch and two), at 64- and 32-token tiles, rank 8 and 192 (three 64-row tiles),
-    # K = 600 (3 sub-chunks, the last ragged, past K) and K = 2600 (11: the split paths sum them in two rounds of
+    # K = 600 (3 sub-chunks, the last ragged, past K) and K = 2600 (11: the split paths sum them in three rounds of
     # loads, `_sum_parts`); on random inputs and on cancelling ones, where a different order of the sub-chunk adds
     # shows in the bits
     from epirl.kernels.gemm import weight_stationary as ws, ws_splitk

@@ -262,44 +262,6 @@ def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
     assert all(int(c.abs().sum()) == 0 for c in ws_splitk._COUNTERS.values())
 
 
-@pytest.mark.parametrize("K,N,r", [(4096, 4096, 64), (4096, 6144, 192), (12288, 4096, 64)])
-def test_one_launch_xa_flag_same_bits_as_pdl_wait(K, N, r, monkeypatch):
-    """A decode call with LoRA whose base GEMM waits for lora_down's xa-ready flag (`ws_splitk._xa_published`, the
-    default) instead of for its grid (EPIRL_WS_XA_FLAG=0): the same bits, xa included, at 1 / 3 / 16 / 17 / 64 tokens
-    with and without bias, for rank 64 and the rank-192 block of a fused qkv layer; replayed from a CUDA graph with
-    new inputs; the flag path was taken and its words are back at zero."""
-    from epirl.kernels.gemm import ws_splitk
-    x, codes, scale, a, b, bias = problem(64, K, N, r, seed=41)
-
-    def call(xs, flag, bb=bias, out=None):
-        monkeypatch.setenv(ws_splitk.XA_FLAG_ENV, "1" if flag else "0")
-        return weight_stationary_gemm(xs, codes, torch.bfloat16, w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0,
-                                      bias=bb, out=out, return_xa=True)
-
-    for M in (1, 3, 16, 17, 64):
-        for bb in (bias, None):
-            want, xa_want = call(x[:M], False, bb)
-            got, xa = call(x[:M], True, bb)
-            assert torch.equal(xa, xa_want) and torch.equal(got, want), (K, N, r, M, bb is None)
-    assert any(key[2] == "xa_flag" for key in ws_splitk._COUNTERS), "the flag path was not taken"
-    xs = x[:16].clone()
-    out = torch.empty(16, N, device=DEV, dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        call(xs, True, out=out)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        call(xs, True, out=out)
-    for step in range(3):
-        xs.copy_(torch.randn_like(xs))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, call(xs, False)[0]), step
-    assert all(int(c.abs().sum()) == 0 for c in ws_splitk._COUNTERS.values())
-
-
 @pytest.mark.parametrize("K,N", [(4096, 6144), (12288, 4096)])
 def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
     """Even shapes run the K loops without load predicates (`_ws_chunk`'s EVEN_K / EVEN_N / EVEN_M; the

@@ -143,31 +143,6 @@ def test_one_launch_split_k_compiles_for_sm90(down, one_part):
     assert ("griddepcontrol.launch_dependents" in ptx) == down and ("griddepcontrol.wait" in ptx) == (not down)
 
 
-@pytest.mark.parametrize("down", [False, True], ids=["base", "down"])
-def test_xa_flag_protocol_compiles_for_sm90(down):
-    """The decode pair with the xa-ready flag (`ws_splitk._xa_published`): the down-projection lets its dependent launch,
-    takes its ticket, counts its xa tile (acq_rel) and raises the flag with a release exchange; the base GEMM takes
-    its ticket, spins on an acquire load of the flag (one before the loop, one per trip), counts its tile done
-    (acq_rel) and waits for the PDL primary only after all of that, all at GPU scope."""
-    from epirl.kernels.gemm.ws_splitk import _ws_ticket_kernel
-    types = {"part_ptr": "*fp32", "w_scale_ptr": "*fp32", "cnt_ptr": "*i32", "flag_ptr": "*i32"}
-    if not down:
-        types["w_ptr"] = "*fp8e4nv"
-    ptx = _ptx(_ws_ticket_kernel, dict(DOWN=down, HAS_W_SCALE=not down, HAS_LORA=not down, HAS_BIAS=False,
-                                       DOT_F32=False, BN=64, BM=16, BK=128, BR=64, GROUP_N=8, LAUNCH_DEPENDENTS=down,
-                                       WAIT_PDL=not down, EVEN_K=True, EVEN_N=True, EVEN_M=False, XA_FLAG=True),
-               types, 4, 4)
-    ops = [line.strip() for line in ptx.splitlines()
-           if any(op in line for op in (" atom.", " red.", "ld.global.gpu", "griddepcontrol"))]
-    kinds = [next(k for k in ("acq_rel.add", "release.exch", "acquire.b32", "launch_dependents", "wait") if k in op)
-             for op in ops]
-    if down:
-        assert kinds == ["launch_dependents", "acq_rel.add", "acq_rel.add", "release.exch"], ops
-    else:
-        assert kinds == ["acq_rel.add", "acquire.b32", "acquire.b32", "acq_rel.add", "wait"], ops
-    assert all(".gpu" in op for op in ops if "griddepcontrol" not in op), ops
-
-
 @pytest.mark.parametrize("dx", [False, True], ids=["fwd", "dx"])
 def test_even_shapes_run_the_k_loop_without_load_masks(dx):
     """Every Qwen projection tiles evenly, and its K loop then loads without predicates (`_ws_chunk`: EVEN_K /
