@@ -9,7 +9,8 @@ the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk
 with split-K, diagnostic only). Every candidate's output is checked bitwise against the first candidate's (a TMA
 twin's on two calls).
 Each candidate is timed on the call the engine and the trainer make, with a rank-64 LoRA: the forward computes
-its down-projection (fused into split-K or a separate launch, which is what `split` decides at decode), dX gets
+its down-projection (on the GPU at decode sizes a separate launch, with the base GEMM as its PDL dependent, split-K
+or single pass as `split` says - since 2026-12-03 also with LoRA; without PDL fused into split-K), dX gets
 gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 `--tma` adds TMA-load twins of the candidates (x and the codes through descriptors, and x alone; buckets >= 256;
 `kernels/gemm/ws_tma.py`; of the tiles
