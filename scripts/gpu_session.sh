@@ -50,8 +50,9 @@
 #   widen      the e4m3 -> bf16 widening (kernels/gemm/widen.py): its GPU tests (PTX vs conversion, bitwise: every
 #              code, whole GEMMs), then `kernelsq`'s bench with EPIRL_WIDEN=cvt (the conversion instructions) for
 #              the A/B against `kernelsq` (the default, PTX)                                              ~4 min
-#   tunedec    tune_w8a16.py on the decode buckets (TUNE_BUCKETS, default 16 / 32 / 64) into $OUT/ws_configs.json, then bench_kernels.py at
-#              1 / 16 / 32 tokens with that table (the committed one stays in effect for later parts)      ~5 min
+#   tunedec    tune_w8a16.py on the decode buckets (TUNE_BUCKETS, default 16 / 32 / 64) into $OUT/ws_configs.json,
+#              then bench_kernels.py at 1 / 16 / 32 tokens with that table (the committed one stays in effect for
+#              later parts)                                                                                ~2-5 min
 #   ticket     bench_kernels.py at 1 / 16 / 32 tokens with the two-launch split-K (EPIRL_WS_TICKET=0), then with the
 #              one-launch split-K of ws_splitk.py (the default)                                             ~2 min
 #   hostlaunch host µs per call of each piece of the FP8 trainer linear (profile_host_launch.py), q3_o + gate_up ~2 min
