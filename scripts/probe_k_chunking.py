@@ -11,8 +11,10 @@ Every TMA call is checked against the pointer kernel as in production (ws_tma.ch
 reset between targets (the check's key does not hold the chunking) and a fallback is printed.
 MIN_CHUNKS stays the committed one unless --min-chunks says otherwise (the sixteenth session's first run, which
 chose the committed values, predates it: one chunk where the target gave one).
+--xa-chunk-max does the same for the LoRA down-projection's sub-chunk depth (configs.XA_CHUNK_MAX): a decode
+`lora_down` program reads r x depth of A, and the base GEMM (its PDL dependent) waits for the last of them.
 Usage: python scripts/probe_k_chunking.py [--targets 264 132 66] [--shapes q3_o q3_down] [--train-tokens 8192]
-       [--min-chunks 1] [--kernels]
+       [--min-chunks 1] [--xa-chunk-max 512 256] [--kernels]
 """
 
 from __future__ import annotations
@@ -35,16 +37,22 @@ SHAPES = {name: (K, N) for name, K, N in bench.SHAPES + bench.TRAINER_SHAPES}
 SIGMA = bench.ALPHA / bench.RANK
 
 
-def probe_row(name: str, target: int, layer, train_tokens: int, bf16_kernel_us: float) -> dict:
-    """One row: `layer` (bench_kernels.make_layer) timed with configs.TARGET_PROGRAMS = target (restored after)."""
+def probe_row(name: str, target: int, layer, train_tokens: int, bf16_kernel_us: float,
+              xa_chunk_max: int | None = None) -> dict:
+    """One row: `layer` (bench_kernels.make_layer) timed with configs.TARGET_PROGRAMS = target and, if given,
+    configs.XA_CHUNK_MAX = xa_chunk_max (both restored after)."""
     K, N = SHAPES[name]
     w16, codes, scale, a, b = layer
     saved, configs.TARGET_PROGRAMS = configs.TARGET_PROGRAMS, target
+    saved_xa = configs.XA_CHUNK_MAX
+    configs.XA_CHUNK_MAX = xa_chunk_max or saved_xa
     ws_tma._CHECKED.clear()
     ws_tma._CALLS.clear()
     try:
         k_chunk, n_chunks = configs.k_chunking(N, K)
-        row = dict(shape=name, K=K, N=N, target=target, k_chunk=k_chunk, n_chunks=n_chunks)
+        xa_chunk, xa_subs, _ = configs.xa_chunking(N, K)
+        row = dict(shape=name, K=K, N=N, target=target, k_chunk=k_chunk, n_chunks=n_chunks, xa_chunk=xa_chunk,
+                   xa_subs=xa_subs)
         for M in (1, 16):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             row[f"lora_{M}_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, SIGMA))
@@ -60,13 +68,15 @@ def probe_row(name: str, target: int, layer, train_tokens: int, bf16_kernel_us: 
         row["tma_fallbacks"] = [str(k) for k, ok in ws_tma._CHECKED.items() if not ok]
     finally:
         configs.TARGET_PROGRAMS = saved
+        configs.XA_CHUNK_MAX = saved_xa
         ws_tma._CHECKED.clear()  # (the check's key does not hold the chunking)
         ws_tma._CALLS.clear()
     return row
 
 
 def format_row(r: dict) -> str:
-    return (f"| {r['shape']} | {r['target']} | {r['n_chunks']} × {r['k_chunk']} | {r['lora_1_us']:.1f} / "
+    return (f"| {r['shape']} | {r['target']} | {r['n_chunks']} × {r['k_chunk']} | {r['xa_subs']} × {r['xa_chunk']} "
+            f"| {r['lora_1_us']:.1f} / "
             f"{r['lora_16_us']:.1f} | {r['nolora_1_us']:.1f} | {100 * (r['lora_1_us'] / r['nolora_1_us'] - 1):.0f} "
             f"| {r['fwd_us']:.0f} ({r['bf16_fwd_us']:.0f}) | {r['train_kernel_us']:.0f} ({r['bf16_kernel_us']:.0f}) "
             f"| {r['train_vs_bf16']:.3f} | {len(r['tma_fallbacks'])} |")
@@ -85,6 +95,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["q3_qkv", "q3_o", "q3_gate", "q3_down"], choices=list(SHAPES))
     ap.add_argument("--train-tokens", type=int, default=8192)
     ap.add_argument("--min-chunks", type=int, default=None, help="configs.MIN_CHUNKS (default: the committed one)")
+    ap.add_argument("--xa-chunk-max", type=int, nargs="+", default=None,
+                    help="configs.XA_CHUNK_MAX values to probe per target (default: the committed one)")
     ap.add_argument("--kernels", action="store_true", help="also print each fwd + bwd's kernels (FP8 and bf16)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "probe_k_chunking.json"))
     args = ap.parse_args()
@@ -93,9 +105,9 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}; committed TARGET_PROGRAMS = {configs.TARGET_PROGRAMS}, "
           f"MIN_CHUNKS = {configs.MIN_CHUNKS}", flush=True)
     rows = []
-    print("| shape | target | chunks × depth | LoRA 1 / 16 tok µs | no LoRA 1 tok µs | LoRA +% | fwd µs "
+    print("| shape | target | chunks × depth | xa sub-chunks × depth | LoRA 1 / 16 tok µs | no LoRA 1 tok µs | LoRA +% | fwd µs "
           f"@{args.train_tokens} (bf16) | fwd+bwd kernel µs (bf16) | ×bf16 | TMA fallbacks |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.shapes:
         K, N = SHAPES[name]
         layer = bench.make_layer(K, N)
@@ -107,10 +119,11 @@ def main() -> None:
         bf16_fwd_us = graph_us(lambda: x @ w16.t() + SIGMA * ((x @ a.t()) @ b.t()), reps=5)
         del x
         for target in args.targets:
-            r = probe_row(name, target, layer, args.train_tokens, bf16_us)
-            r["bf16_kernel_us"], r["bf16_fwd_us"] = bf16_us, bf16_fwd_us
-            rows.append(r)
-            print(format_row(r), flush=True)
+            for xa_max in args.xa_chunk_max or [None]:
+                r = probe_row(name, target, layer, args.train_tokens, bf16_us, xa_max)
+                r["bf16_kernel_us"], r["bf16_fwd_us"] = bf16_us, bf16_fwd_us
+                rows.append(r)
+                print(format_row(r), flush=True)
         if args.kernels:
             print_kernels(name, rows[-1]["train_kernels"], bf16_kernels)
         del layer, w16, a, b

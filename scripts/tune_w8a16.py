@@ -21,7 +21,7 @@ separate matmuls) on the same shape beside the many-token bucket;
 pipelined loop (`_ws_single_kernel`'s FLATTEN; same bits). `--shapes`/`--buckets` tune a subset and merge it into
 the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--flatten] [--no-lora]
-       [--shapes q3_qkv ...] [--buckets 256 ...]
+       [--shapes q3_qkv ...] [--buckets 256 ...] [--big-tokens 4096 8192]
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=
                 chunked = time_config(op, x, codes, scale, best, {}) if lora else best_us
                 log.append(dict(shape=name, op=op, diagnostic="one_chunk", chunks=k_chunking(n_out, k_red)[1],
                                 us=one, chunked_us=chunked))
-                print(f"#   {name} {op} 4096 tok, no LoRA: {k_chunking(n_out, k_red)[1]} chunks {chunked:.1f} µs, "
+                print(f"#   {name} {op} {x.shape[0]} tok, no LoRA: {k_chunking(n_out, k_red)[1]} chunks {chunked:.1f} µs, "
                       f"one chunk {one:.1f} µs", flush=True)
         rows[op] = (f"{n_out}x{k_red}", row)
     del codes
@@ -246,9 +246,14 @@ def main():
     ap.add_argument("--tma", action="store_true", help="also TMA-load candidates for buckets >= 256")
     ap.add_argument("--tma-all", action="store_true", help="with --tma: twins of every tile, not only TMA_TUNER_TILES")
     ap.add_argument("--no-lora", action="store_true", help="time the base GEMM alone (no rank-64 LoRA)")
+    ap.add_argument("--big-tokens", type=int, nargs="+", default=None,
+                    help="token counts timed for the many-token bucket (default 4096; the trainer's steps run 8192)")
     ap.add_argument("--flatten", action="store_true",
                     help="also the flattened chunk loop twins of the chunked forwards' many-token candidates")
     args = ap.parse_args()
+    if args.big_tokens:
+        for buckets in (FWD_BUCKETS, DX_BUCKETS):
+            buckets[BIG] = (args.big_tokens, buckets[BIG][1])
     table = json.loads(json.dumps(load_table()))  # start from the table in effect (the TMA one unless EPIRL_WS_TMA=0)
     log = []
     t0 = time.time()
