@@ -80,7 +80,8 @@
 #   xaprobe    probe_k_chunking.py at the committed target with XA_CHUNK_MAX 512 / 256 (XA_MAXES): the LoRA
 #              down-projection's sub-chunk depth at decode and in training (PROBE_SHAPES)                    ~2 min
 #   tune8k     tune_w8a16.py --tma on the many-token bucket timed at 8192 tokens (TUNE_SHAPES: down, gate) into
-#              $OUT/ws_configs_8k.json (not used by later parts): fwd and dX each beside cuBLAS bf16        ~4 min
+#              $OUT/ws_configs_8k.json (not used by later parts): fwd and dX each beside cuBLAS bf16; TUNE_TMA_ALL=1:
+#              TMA twins of every tile; BIG_TOKENS: the token counts timed                                  ~4 min
 #   readfloor  bench_read_floor.py: the fastest any one kernel reads each layer's FP8 bytes once (programs x BLOCK
 #              x warps swept; graph replays, L2 flushed) beside w8a16 at 1 token, + an empty kernel's node cost ~3 min
 set -o pipefail
@@ -195,7 +196,8 @@ PY
                 --kernels --json $OUT/probe_k_chunking.json ;;
     xaprobe)  part xaprobe 420 python3 -P scripts/probe_k_chunking.py --targets 132 --xa-chunk-max ${XA_MAXES:-512 256} \
                 --shapes ${PROBE_SHAPES:-q3_qkv q3_o q3_down q3_gate} --json $OUT/probe_xa_chunk.json ;;
-    tune8k)   part tune8k 480 python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 --big-tokens 8192 \
+    tune8k)   part tune8k 480 python3 -P scripts/tune_w8a16.py --tma ${TUNE_TMA_ALL:+--tma-all} --buckets 1000000000 \
+                --big-tokens ${BIG_TOKENS:-8192} \
                 --shapes ${TUNE_SHAPES:-q3_down q35_gdn_qkvz} --out $OUT/ws_configs_8k.json ;;
     enginebits) part enginebits 420 bash -c "[ -f ~/vllm-env.sh ] && source ~/vllm-env.sh; \
                 timeout 230 python3 -P scripts/gpu_engine.py --tag main --precisions w8a16 --sections tpot --skip-smollm2; \
