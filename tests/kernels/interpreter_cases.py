@@ -152,25 +152,6 @@ def case_flattened_chunk_loop_equals_nested():
         assert torch.equal(got, want), tma
 
 
-def case_scratch_chunk_total_equals_registers():
-    # SCRATCH: the running total of the chunks through an fp32 scratch tile gives the register total's bits, forward
-    # (3 chunks, the last ragged; then 2 and 1) and with LoRA + bias, both TMA variants
-    import epirl.kernels.gemm.configs as configs
-    x, codes, scale, a, b, bias = problem(21, 592, 88, 8, seed=11)
-    assert configs.k_chunking(88, 592) == (256, 3)
-    cfg = dict(BN=64, BM=16, BK=64, num_warps=4, num_stages=2, split=False)
-    for k in (592, 330, 256):  # 3, 2 and 1 chunks (one chunk: no scratch)
-        xs, cs = x[:, :k].contiguous(), codes[:, :k].contiguous()
-        xa = lora_down(xs, a[:, :k].contiguous(), chunk_n=88)
-        for args in (dict(w_scale=scale), dict(w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7, bias=bias)):
-            want = weight_stationary_gemm(xs, cs, torch.bfloat16, config=dict(cfg, tma=True), allow_split=False,
-                                          **args)
-            for mode in (True, "x"):
-                got = weight_stationary_gemm(xs, cs, torch.bfloat16, config=dict(cfg, tma=mode, scratch=True),
-                                             allow_split=False, **args)
-                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (k, mode, sorted(args))
-
-
 def case_nan_poisoned_out_fully_written():
     for M in (3, 70):
         x, codes, scale, a, b, bias = problem(M, 100, 90, 8, seed=M)
