@@ -39,6 +39,7 @@ from .ws_splitk import launch_ticket, ticket_enabled
 from .ws_tma import checked_tma_single, launch_tma_single, tma_ok
 
 PDL_ENV = "EPIRL_WS_PDL"  # "0": launch the split-K reduce kernel plainly, not as a PDL dependent (on by default)
+DOWN_GROUP_ENV = "EPIRL_WS_DOWN_GROUP"
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
 DOWN_FIRST_MAX_M = 64  # the decode buckets: above, xa's launch is not worth hiding behind the base GEMM
 # `lora_down` as one pass per token tile (`_down_single_pass`) from this many programs at DOWN_SINGLE_BM tokens a tile
@@ -242,6 +243,20 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
     return part, xa_part
 
 
+def down_parts_per_program(cfg: dict, K: int, k_chunk: int, n_chunks: int, rows: int, xa_chunk: int,
+                           x_bytes: int) -> int:
+    """Sub-chunks of xa per `lora_down` program at decode, where the base GEMM (config `cfg`) runs as its PDL
+    dependent: as many as make a down program read about what a base program reads (its BN rows of codes over a
+    chunk, or over all of K for a single pass). The down programs start first and hold their SMs: 24 of 512-deep
+    sub-chunks beside q3_down's 128 one-CTA-an-SM base programs pushed 20 of those to a second round (LoRA +11 % at
+    one token); 4 programs of 6 sub-chunks leave every base program an SM. Same partials, same order, same bits
+    (`_ws_ticket_kernel`'s GROUPED). EPIRL_WS_DOWN_GROUP=0: one sub-chunk per program (for A/B timing)."""
+    if os.environ.get(DOWN_GROUP_ENV, "1") == "0":
+        return 1
+    base_depth = k_chunk if cfg.get("split", True) and n_chunks > 1 else K
+    return max(1, (cfg["BN"] * base_depth) // (rows * xa_chunk * x_bytes))
+
+
 def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool = False):
     """xa `[M, r]` = bf16(x · Aᵀ), batch invariant: the sub-chunks of `configs.xa_chunking` for the base layer
     `[chunk_n, K]` (default r), each from zero, added in order - the same bits as the down-projection fused into
@@ -259,8 +274,10 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
         return _down_single_pass(x, lora_a, out, xa_chunk, n_xa, rows)
     cfg = ws_config(op, chunk_n or R, K, M)
     if ticket_enabled():  # one launch (ws_splitk): at decode the launch pair's tail, in training a launch's host time
+        group = down_parts_per_program(cfg, K, k_chunk, n_chunks, rows, xa_chunk, x.element_size()) if pdl else 1
         return launch_ticket(x, lora_a, out, R, xa_chunk, n_xa, dict(cfg, BN=rows), down=True,
-                             launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks))
+                             launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks),
+                             parts_per_program=group)
     _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
                                   launch_dependents=pdl)
     BM = 32

@@ -76,15 +76,35 @@ def _ws_ticket_kernel(
     DOWN: tl.constexpr, HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     GROUP_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, WAIT_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, ONE_PART: tl.constexpr = False,
+    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, ONE_PART: tl.constexpr = False, PARTS_PER_PROGRAM=1,
+    GROUPED: tl.constexpr = False,
 ):
     """Program (tile, part p): the fp32 partial of w[tile rows] · x[tile tokens]ᵀ over K[p·K_CHUNK, (p+1)·K_CHUNK)
-    into part[p], then, in the tile's last arrival, Σ_p part[p] in p order and the epilogue (DOWN: xa = bf16(Σ))."""
+    into part[p], then, in the tile's last arrival, Σ_p part[p] in p order and the epilogue (DOWN: xa = bf16(Σ)).
+    GROUPED: program (tile, g) stores the partials of parts g·PARTS_PER_PROGRAM ... (g+1)·PARTS_PER_PROGRAM - 1, one
+    by one (each from zero, as its own program would), and the last of the tile's programs adds all N_PARTS in order:
+    the same partials and the same chain of adds, so the same bits, from fewer, longer programs."""
     if LAUNCH_DEPENDENTS:  # PDL: the base GEMM behind the down-projection may launch now (it waits before xa)
         tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     p = tl.program_id(1)
     rn, rm, mask_n, mask_m = _ws_tile_of(tile, N, M, BN, BM, GROUP_N)
+    if GROUPED:
+        offs = rm[None, :].to(tl.int64) * N + rn[:, None]
+        mask = mask_n[:, None] & mask_m[None, :]
+        for j in range(0, PARTS_PER_PROGRAM):
+            q = p * PARTS_PER_PROGRAM + j
+            if q < N_PARTS:
+                acc = _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, q * K_CHUNK, (q + 1) * K_CHUNK, K, stride_wn, stride_wk,
+                                stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N, EVEN_M)
+                tl.store(part_ptr + q.to(tl.int64) * M * N + offs, acc, mask=mask)
+        if _is_last_arrival(cnt_ptr, tile, tl.num_programs(1)):
+            b = _lora_b_tile(b_ptr, rn, mask_n, R, stride_bn, stride_br, HAS_LORA, BN, BR)
+            total = _sum_parts(part_ptr, M * N, offs, mask, N_PARTS, BN, BM, True)
+            _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr, bias_ptr, R, lora_scale,
+                           stride_ym, stride_yn, stride_xam, stride_xar, DOWN, HAS_W_SCALE, HAS_LORA, HAS_BIAS,
+                           DOT_F32, BM, BR, WAIT_PDL)
+        return
     acc = _ws_chunk(w_ptr, x_ptr, rn, rm, N, M, p * K_CHUNK, (p + 1) * K_CHUNK, K, stride_wn, stride_wk,
                     stride_xm, stride_xk, BN, BM, BK, DOT_F32, EVEN_K, EVEN_N, EVEN_M)
     if ONE_PART:  # one chunk (gate_up): every program is its tile's only arrival; +0.0 + acc as _sum_parts adds it
@@ -129,20 +149,22 @@ def _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr,
 
 def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_scale=None, xa=None, lora_b=None,
                   lora_scale=1.0, bias=None, br=16, launch_dependents=False, wait_pdl=False, dot_f32=False,
-                  even_k=False):
+                  even_k=False, parts_per_program=1):
     """One launch of `_ws_ticket_kernel` over `[n_rows, K]` rows of w (codes, or A with down=True, in row tiles
-    of `cfg["BN"]` rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down)."""
+    of `cfg["BN"]` rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down). parts_per_program > 1:
+    each program computes that many consecutive parts (GROUPED; same bits)."""
     M, K = x.shape
     BN, BM = cfg["BN"], cfg["BM"]
     tiles = cdiv(n_rows, BN) * cdiv(M, BM)
     one = n_parts == 1  # no partial, no ticket: the single pass with this kernel's epilogue (and PDL wait)
+    grouped = parts_per_program > 1 and not one
     part = out if one else torch.empty(n_parts, M, n_rows, device=x.device, dtype=torch.float32)
     cnt = out if one else _counters(x.device, "down" if down else "base", tiles)
     has_lora = lora_b is not None
     R = xa.shape[1] if has_lora else 0
     xa_ = out if down else (xa if has_lora else out)
     lora_strides = (lora_b.stride(0), lora_b.stride(1)) if has_lora else (0, 0)
-    _ws_ticket_kernel[(tiles, n_parts)](
+    _ws_ticket_kernel[(tiles, cdiv(n_parts, parts_per_program) if grouped else n_parts)](
         x, w, part, cnt, out, w_scale if w_scale is not None else out, xa_, lora_b if has_lora else out,
         bias if bias is not None else out, M, n_rows, K, R, k_chunk, n_parts, float(lora_scale),
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
@@ -150,6 +172,7 @@ def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_sca
         DOWN=down, HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
         DOT_F32=dot_f32, BN=BN, BM=BM, BK=cfg["BK"], BR=br, GROUP_N=cfg.get("GROUP_N", 8),
         LAUNCH_DEPENDENTS=launch_dependents, WAIT_PDL=wait_pdl, EVEN_K=even_k, EVEN_N=n_rows % BN == 0,
-        EVEN_M=M % BM == 0, ONE_PART=one, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EVEN_M=M % BM == 0, ONE_PART=one, PARTS_PER_PROGRAM=parts_per_program if grouped else 1, GROUPED=grouped,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if wait_pdl else {}))
     return out

@@ -256,6 +256,37 @@ def case_single_pass_lora_down_equals_split():
         ws.DOWN_SINGLE_MIN_PROGRAMS = saved
 
 
+def case_grouped_down_programs_equal_one_part_each():
+    # decode `lora_down` with several sub-chunks per program (ws_splitk GROUPED: each partial stored on its own, the
+    # last program adds all in order) gives the one-part-per-program bits: K = 2600 (11 sub-chunks, the last ragged),
+    # 1-11 parts a program (11 = one program), on random and on cancelling inputs, rank 8 and 192 (three row tiles)
+    from epirl.kernels.gemm import weight_stationary as ws
+    from epirl.kernels.gemm.configs import k_chunking, xa_chunking, ws_config
+    from epirl.kernels.gemm.ws_splitk import launch_ticket
+    for M, r in ((5, 8), (3, 192)):
+        x, _, _, a, _, _ = problem(M, 2600, 90, r, seed=21)
+        for xi, ai in ((x, a), cancelling_down_problem(M, r, seed=22, K=2600)):
+            k_chunk, n_chunks = k_chunking(90, 2600)
+            xa_chunk, _, n_xa = xa_chunking(90, 2600)
+            assert n_xa == 11, n_xa
+            cfg = dict(ws_config("fwd", 90, 2600, M), BN=ws._down_tile_rows(r))
+            outs = [launch_ticket(xi, ai, torch.empty(M, r, dtype=xi.dtype), r, xa_chunk, n_xa, cfg, down=True,
+                                  dot_f32=True, even_k=False, parts_per_program=g) for g in (1, 2, 3, 4, 11)]
+            for g, out in zip((2, 3, 4, 11), outs[1:]):
+                assert torch.equal(out, outs[0]), (M, r, g)
+            assert torch.equal(outs[0], lora_down(xi, ai, chunk_n=90)), (M, r)  # the split path lora_down takes
+    # the rule: a down program reads about what a base program reads (bf16 A rows x sub-chunk vs fp8 codes)
+    rule = ws.down_parts_per_program
+    assert rule(dict(BN=128, split=True), 12288, 3072, 4, 64, 512, 2) == 6  # q3_down: 24 sub-chunks -> 4 programs
+    assert rule(dict(BN=64, split=True), 4096, 1024, 4, 64, 512, 2) == 1  # q3_o: as before
+    assert rule(dict(BN=64, split=False), 4096, 2048, 2, 64, 512, 2) == 4  # a single pass reads all of K
+    os.environ[ws.DOWN_GROUP_ENV] = "0"
+    try:
+        assert rule(dict(BN=128, split=True), 12288, 3072, 4, 64, 512, 2) == 1
+    finally:
+        os.environ.pop(ws.DOWN_GROUP_ENV)
+
+
 def case_one_chunk_layer_fuses_down_in_sub_chunks():
     # one base chunk (one_chunk_layers) with LoRA: split-K computes the down-projection in its first programs, over
     # 5 sub-chunks of 256 (K = 1100: one 1280-deep chunk, the last sub-chunk ragged, and XA_CHUNK_MAX patched to

@@ -218,7 +218,9 @@ def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
 def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
     """`ws_splitk` (each tile's last-arriving program reduces the chunk partials in chunk order; the down-projection
     likewise, as the PDL primary of the base GEMM) gives the two-launch split-K's bits at 1 / 16 / 64 tokens with and
-    without LoRA and bias (and the down-projection alone at 4096 tokens, where one pass per token tile is the default),
+    without LoRA and bias (at decode with PDL the down-projection's programs each take several sub-chunks, GROUPED:
+    `down_parts_per_program`; the two-launch path takes one each) (and the down-projection alone at 4096 tokens, where
+    one pass per token tile is the default),
     also replayed five times from one CUDA graph with new inputs (the counters reset themselves), and leaves every
     counter at zero."""
     from epirl.kernels.gemm import ws_splitk

@@ -19,7 +19,7 @@ CASES = ["w8a16_masks_epilogue", "out_view_equals_fresh_output", "w8a16_batch_in
          "tma_single_pass_equals_pointer_kernel", "one_chunk_layer_fuses_down_in_sub_chunks",
          "unmasked_loops_equal_masked", "w8a8_gemm_on_reference_codes", "quant_scales", "backward",
          "fused_slices_group_equals_one_call", "rank_tiled_down_projection",
-         "single_pass_lora_down_equals_split"]
+         "single_pass_lora_down_equals_split", "grouped_down_programs_equal_one_part_each"]
 SCRIPT = Path(__file__).with_name("interpreter_cases.py")
 
 
