@@ -77,8 +77,9 @@
 #              each fwd + bwd's kernels (CHUNK_TARGETS="132": only that target)                            ~1 min
 #   enginebits the matched engine's TPOT at batch 1 / 32 (defaults), then its qkv / down layers against the kernel,
 #              bitwise (eager engine); no W8A8 engine (enginefused runs both)                              ~6 min
-#   downgroup  the decode GPU tests, then bench_kernels.py at 1 / 16 tokens with one sub-chunk per `lora_down`
-#              program (EPIRL_WS_DOWN_GROUP=0) and with the default grouping (down_parts_per_program)       ~5 min
+#   downgroup  the decode GPU tests, then bench_kernels.py at 1 / 16 tokens (GROUP_SHAPES) with one sub-chunk per
+#              `lora_down` program (EPIRL_WS_DOWN_GROUP=0) and with the default grouping (down_parts_per_program),
+#              alternated twice                                                                               ~5 min
 #   xaprobe    probe_k_chunking.py at the committed target with XA_CHUNK_MAX 512 / 256 (XA_MAXES): the LoRA
 #              down-projection's sub-chunk depth at decode and in training (PROBE_SHAPES)                    ~2 min
 #   tune8k     tune_w8a16.py --tma on the many-token bucket timed at 8192 tokens (TUNE_SHAPES: down, gate) into
@@ -196,11 +197,10 @@ PY
                 --host-profile ;;
     chunkprobe) part chunkprobe 420 python3 -P scripts/probe_k_chunking.py ${CHUNK_TARGETS:+--targets $CHUNK_TARGETS} \
                 --kernels --json $OUT/probe_k_chunking.json ;;
-    downgroup) part downgroup 480 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
+    downgroup) part downgroup 540 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
                 -p no:cacheprovider -k 'one_launch or split_k_with_pdl or lora_down or decode_path or invariance'; \
-                EPIRL_WS_DOWN_GROUP=0 python3 -P scripts/bench_kernels.py --tokens 1 16 --train-tokens \
-                --json $OUT/bench_group0.json; python3 -P scripts/bench_kernels.py --tokens 1 16 --train-tokens \
-                --json $OUT/bench_group1.json" ;;
+                for g in 0 1 0 1; do EPIRL_WS_DOWN_GROUP=\$g python3 -P scripts/bench_kernels.py --tokens 1 16 \
+                --train-tokens --shapes ${GROUP_SHAPES:-q3_qkv q3_o q3_gate_up q3_down} --json $OUT/bench_group\$g.json; done" ;;
     xaprobe)  part xaprobe 420 python3 -P scripts/probe_k_chunking.py --targets 132 --xa-chunk-max ${XA_MAXES:-512 256} \
                 --shapes ${PROBE_SHAPES:-q3_qkv q3_o q3_down q3_gate} --json $OUT/probe_xa_chunk.json ;;
     tune8k)   part tune8k 480 python3 -P scripts/tune_w8a16.py --tma ${TUNE_TMA_ALL:+--tma-all} --buckets 1000000000 \

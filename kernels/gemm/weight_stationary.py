@@ -257,7 +257,7 @@ def down_parts_per_program(cfg: dict, K: int, k_chunk: int, n_chunks: int, rows:
     return max(1, (cfg["BN"] * base_depth) // (rows * xa_chunk * x_bytes))
 
 
-def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool = False):
+def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool = False, keep: list | None = None):
     """xa `[M, r]` = bf16(x · Aᵀ), batch invariant: the sub-chunks of `configs.xa_chunking` for the base layer
     `[chunk_n, K]` (default r), each from zero, added in order - the same bits as the down-projection fused into
     the split-K path. pdl: both launches let their dependents launch at once (the next kernel launched with
@@ -277,9 +277,11 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
         group = down_parts_per_program(cfg, K, k_chunk, n_chunks, rows, xa_chunk, x.element_size()) if pdl else 1
         return launch_ticket(x, lora_a, out, R, xa_chunk, n_xa, dict(cfg, BN=rows), down=True,
                              launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks),
-                             parts_per_program=group)
+                             parts_per_program=group, keep=keep)
     _, xa_part = _launch_partials(x, None, lora_a, M, 0, K, R, k_chunk, n_chunks, cfg, xa_chunk, xa_subs,
                                   launch_dependents=pdl)
+    if keep is not None:
+        keep.append(xa_part)
     BM = 32
     _xa_reduce_kernel[(cdiv(M, BM),)](xa_part, out, M, R, n_xa, BR=_epilogue_rows(R), BM=BM, PDL=pdl,
                                       num_warps=4, **({"launch_pdl": True} if pdl else {}))
@@ -349,8 +351,14 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     # single-pass entries - tuned with LoRA since - beat on the wide layers: gate_up 38.3 -> 32.4 µs at one token,
     # H200). Without PDL the down-projection rides in the split-K launch and the reduce sums its partials.
     down_first = fuse_down and pdl and M <= DOWN_FIRST_MAX_M
+    # The down-projection's fp32 partials, held until the base GEMM is launched: that launch lets the base kernel run
+    # beside lora_down's kernels (PDL), which the caching allocator does not know, so a workspace freed when lora_down
+    # returns could be handed to the base GEMM's partials while lora_down still reads it (seen on the H200 in CUDA-graph
+    # replays once the down programs ran as long as the base ones). Any later allocation is for a kernel that starts
+    # after the base grid ends, which its last programs' gdc_wait puts after lora_down's.
+    down_workspace: list = []
     if down_first:
-        xa = lora_down(x, lora_a, N, op, pdl=True)
+        xa = lora_down(x, lora_a, N, op, pdl=True, keep=down_workspace)
         fuse_down = False
     elif return_xa and fuse_down:
         xa = lora_down(x, lora_a, N, op)

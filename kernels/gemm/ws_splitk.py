@@ -149,16 +149,19 @@ def _ticket_finish(total, b, rn, rm, mask_n, mask_m, y_ptr, w_scale_ptr, xa_ptr,
 
 def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_scale=None, xa=None, lora_b=None,
                   lora_scale=1.0, bias=None, br=16, launch_dependents=False, wait_pdl=False, dot_f32=False,
-                  even_k=False, parts_per_program=1):
+                  even_k=False, parts_per_program=1, keep=None):
     """One launch of `_ws_ticket_kernel` over `[n_rows, K]` rows of w (codes, or A with down=True, in row tiles
     of `cfg["BN"]` rows) and x `[M, K]`: out is y `[M, n_rows]` (base) or xa `[M, r]` (down). parts_per_program > 1:
-    each program computes that many consecutive parts (GROUPED; same bits)."""
+    each program computes that many consecutive parts (GROUPED; same bits). keep: a list the fp32 partials' workspace
+    is appended to, for a caller that must hold it while a PDL dependent may still overlap this kernel."""
     M, K = x.shape
     BN, BM = cfg["BN"], cfg["BM"]
     tiles = cdiv(n_rows, BN) * cdiv(M, BM)
     one = n_parts == 1  # no partial, no ticket: the single pass with this kernel's epilogue (and PDL wait)
     grouped = parts_per_program > 1 and not one
     part = out if one else torch.empty(n_parts, M, n_rows, device=x.device, dtype=torch.float32)
+    if keep is not None:
+        keep.append(part)
     cnt = out if one else _counters(x.device, "down" if down else "base", tiles)
     has_lora = lora_b is not None
     R = xa.shape[1] if has_lora else 0
