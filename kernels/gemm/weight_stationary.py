@@ -246,12 +246,14 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
 def down_parts_per_program(cfg: dict, K: int, k_chunk: int, n_chunks: int, rows: int, xa_chunk: int,
                            x_bytes: int) -> int:
     """Sub-chunks of xa per `lora_down` program at decode, where the base GEMM (config `cfg`) runs as its PDL
-    dependent: as many as make a down program read about what a base program reads (its BN rows of codes over a
-    chunk, or over all of K for a single pass). The down programs start first and hold their SMs: 24 of 512-deep
-    sub-chunks beside q3_down's 128 one-CTA-an-SM base programs pushed 20 of those to a second round (LoRA +11 % at
-    one token); 4 programs of 6 sub-chunks leave every base program an SM. Same partials, same order, same bits
+    dependent. Behind an 8-warp base tile (one CTA an SM) the down programs, which start first, each hold an SM a base
+    program then waits for: 24 one-sub-chunk programs beside q3_down's 128 base programs. There a down program takes as
+    many sub-chunks as make it read about what a base program reads (its BN rows of codes over a chunk, or over all of
+    K for a single pass): q3_down 4 programs of 6, LoRA +14 -> +10 % at 16 tokens (24.2 -> 23.2 µs, H200, two runs
+    each way). Behind 4-warp tiles, two or three CTAs an SM, a down CTA finds room and longer programs only lengthen
+    xa's chain (q3_qkv +0.3 µs grouped): one sub-chunk each. Same partials, same order, same bits
     (`_ws_ticket_kernel`'s GROUPED). EPIRL_WS_DOWN_GROUP=0: one sub-chunk per program (for A/B timing)."""
-    if os.environ.get(DOWN_GROUP_ENV, "1") == "0":
+    if os.environ.get(DOWN_GROUP_ENV, "1") == "0" or cfg["num_warps"] < 8:
         return 1
     base_depth = k_chunk if cfg.get("split", True) and n_chunks > 1 else K
     return max(1, (cfg["BN"] * base_depth) // (rows * xa_chunk * x_bytes))

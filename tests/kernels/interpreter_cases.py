@@ -275,14 +275,17 @@ def case_grouped_down_programs_equal_one_part_each():
             for g, out in zip((2, 3, 4, 11), outs[1:]):
                 assert torch.equal(out, outs[0]), (M, r, g)
             assert torch.equal(outs[0], lora_down(xi, ai, chunk_n=90)), (M, r)  # the split path lora_down takes
-    # the rule: a down program reads about what a base program reads (bf16 A rows x sub-chunk vs fp8 codes)
+    # the rule: behind one-CTA-an-SM base tiles (8 warps) a down program reads about what a base program reads (bf16
+    # A rows x sub-chunk vs fp8 codes); behind 4-warp tiles one sub-chunk a program
     rule = ws.down_parts_per_program
-    assert rule(dict(BN=128, split=True), 12288, 3072, 4, 64, 512, 2) == 6  # q3_down: 24 sub-chunks -> 4 programs
-    assert rule(dict(BN=64, split=True), 4096, 1024, 4, 64, 512, 2) == 1  # q3_o: as before
-    assert rule(dict(BN=64, split=False), 4096, 2048, 2, 64, 512, 2) == 4  # a single pass reads all of K
+    big = dict(BN=128, split=True, num_warps=8)
+    assert rule(big, 12288, 3072, 4, 64, 512, 2) == 6  # q3_down: 24 sub-chunks -> 4 programs
+    assert rule(dict(big, BN=64), 4096, 1024, 4, 64, 512, 2) == 1  # as long already
+    assert rule(dict(big, split=False), 4096, 2048, 2, 64, 512, 2) == 8  # a single pass reads all of K
+    assert rule(dict(big, num_warps=4), 12288, 3072, 4, 64, 512, 2) == 1  # q3_qkv's 4-warp tiles: as before
     os.environ[ws.DOWN_GROUP_ENV] = "0"
     try:
-        assert rule(dict(BN=128, split=True), 12288, 3072, 4, 64, 512, 2) == 1
+        assert rule(big, 12288, 3072, 4, 64, 512, 2) == 1
     finally:
         os.environ.pop(ws.DOWN_GROUP_ENV)
 
