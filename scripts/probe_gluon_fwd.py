@@ -1,0 +1,154 @@
+"""The warp-specialized Gluon training forward (`kernels/gemm/ws_gluon.py`) against the Triton kernels and cuBLAS.
+
+On the GPU, per shape at --tokens (default 8192), with a rank-64 LoRA from a given xa (as the trainer's forward calls
+the base GEMM after `lora_down`) and the weight scale: the table's Triton kernel (TMA where the table says), the
+pointer kernel, and each Gluon config (BM / BK / stages); every output compared bitwise with the pointer kernel's
+(count of differing elements), times in µs (CUDA-graph replay, L2 flushed: `gpu_timing.graph_us`) and the ratio to
+cuBLAS bf16 on a bf16 copy of the weight + the same LoRA as separate matmuls.
+
+    python scripts/probe_gluon_fwd.py [--shapes q3_down ...] [--tokens 8192] [--configs 128/64/4 192/64/3]
+
+Without a GPU, `--compile-only` compiles each Gluon config for sm_90a with the installed Triton (Gluon's API is
+experimental: the H200 image has 3.6) and prints registers, spills and the k-loop's instruction mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPES = {"q3_down": (12288, 4096), "q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_gate": (4096, 12288),
+          "q35_gdn_qkvz": (4096, 12288), "k256": (256, 4096), "k512": (512, 4096), "k1024": (1024, 4096)}
+
+
+def parse_config(text: str) -> dict:
+    bm, bk, stages = map(int, text.split("/"))
+    return dict(BM=bm, BK=bk, num_stages=stages, GROUP_N=8)
+
+
+def compile_only(configs: list[dict], br: int = 64) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from epirl.kernels.gemm import ws_gluon
+    from sass_report import KEYS, loop_report, report
+
+    fn = ws_gluon._ws_gluon_kernel
+    for c in configs:
+        BM, BK = c["BM"], c["BK"]
+
+        def desc(dtype, shape, gdtype):
+            layout = gl.NVMMASharedLayout.get_default_for(shape, gdtype)
+            return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
+        sig = dict(x_desc=desc("bf16", [BM, BK], gl.bfloat16), w_desc=desc("fp8e4nv", [128, BK], gl.float8e4nv),
+                   xa_desc=desc("bf16", [BM, br], gl.bfloat16), b_desc=desc("bf16", [128, br], gl.bfloat16),
+                   y_ptr="*bf16", w_scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K_CHUNK="i32",
+                   N_CHUNKS="i32", lora_scale="fp32", stride_ym="i32")
+        const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, BM=BM, BK=BK, BR=br, STAGES=c["num_stages"],
+                     GROUP_N=8)
+        for k in const:
+            sig[k] = "constexpr"
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "N", "K_CHUNK", "stride_ym")}
+        k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4))
+        rep = report(k.asm["cubin"])
+        loops = loop_report(k.asm["cubin"])
+        print(f"# {BM}/{BK}/{c['num_stages']}: regs {rep['regs']}, stack {rep['stack']} B, shared "
+              f"{k.metadata.shared} B; loops (instructions / HGMMA / spill): "
+              + ", ".join(f"{r['instructions']}/{r['HGMMA']}/{r['spill']}" for r in loops))
+        print("#   innermost: " + ", ".join(f"{key} {rep[key]}" for key in ["loop"] + KEYS if rep.get(key)))
+        if os.environ.get("GLUON_DUMP"):
+            with open(os.environ["GLUON_DUMP"], "w") as f:
+                f.write(k.asm["ptx"])
+
+
+def run_gpu(shapes: list[str], tokens: int, configs: list[dict]) -> None:
+    import torch
+
+    from bench_kernels import graph_us, make_layer
+    from epirl.kernels.gemm.configs import k_chunking, ws_config
+    from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm
+    from epirl.kernels.gemm.ws_gluon import gluon_ok, launch_gluon_fwd
+
+    print(f"# {torch.cuda.get_device_name()}; {tokens} tokens, rank-64 LoRA from a given xa, weight scale")
+    print("| shape | kernel | µs | ×cuBLAS | wrong elements |")
+    print("|---|---|---|---|---|")
+    for name in shapes:
+        K, N = SHAPES[name]
+        _, codes, scale, a, b = make_layer(K, N)
+        x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
+        xa = lora_down(x, a.to(torch.bfloat16), N)
+        b16 = b.to(torch.bfloat16)
+        sigma = 2.0
+        w16 = (codes.float() * scale).bfloat16()
+        cublas = graph_us(lambda: x @ w16.t() + sigma * (xa @ b16.t()))
+        print(f"| {name} | cuBLAS bf16 + LoRA | {cublas:.1f} | 1.00 | – |", flush=True)
+        lora = dict(xa=xa, lora_b=b16, lora_scale=sigma)
+        table = dict(ws_config("fwd", N, K, tokens))
+        pointer = dict(table, tma=False)
+        want = weight_stationary_gemm(x, codes, w_scale=scale, config=pointer, **lora)
+        bits = want.view(torch.int16)
+        rows = [("pointer " + "/".join(str(pointer[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages")),
+                 lambda out, c=pointer: weight_stationary_gemm(x, codes, w_scale=scale, config=c, out=out, **lora))]
+        if table.get("tma"):
+            rows.append(("table TMA", lambda out, c=table: weight_stationary_gemm(x, codes, w_scale=scale, config=c,
+                                                                                   out=out, **lora)))
+        k_chunk, n_chunks = k_chunking(N, K)
+        for c in configs:
+            if not gluon_ok(x, codes, xa, b16, k_chunk, c["BK"]):
+                print(f"| {name} | gluon {c} | – | – | not applicable |")
+                continue
+            rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}",
+                         lambda out, c=c: launch_gluon_fwd(x, codes, out, scale, xa, b16, sigma, None, k_chunk,
+                                                           n_chunks, c, 64)))
+        for label, run in rows:
+            out = torch.full_like(want, float("nan"))
+            try:
+                run(out)
+                torch.cuda.synchronize()
+            except Exception as err:  # a config that does not compile or launch here: say so, go on
+                print(f"| {name} | {label} | – | – | {type(err).__name__}: {str(err)[:120]} |", flush=True)
+                continue
+            wrong = int((out.view(torch.int16) != bits).sum())
+            us = graph_us(lambda: run(out))
+            run(out)
+            wrong = max(wrong, int((out.view(torch.int16) != bits).sum()))
+            print(f"| {name} | {label} | {us:.1f} | {us / cublas:.2f} | {wrong} |", flush=True)
+            if wrong:
+                print("#   " + where_wrong(out, want), flush=True)
+
+
+def where_wrong(out, want) -> str:
+    """Which rows of the 128-row weight tiles (warpgroup 0: 0-63, 1: 64-127) and which tokens hold the wrong
+    elements, and how far off they are."""
+    import torch
+    bad = out.view(torch.int16) != want.view(torch.int16)
+    rows = bad.nonzero()[:, 1] % 128
+    toks = bad.any(dim=1).nonzero().flatten()
+    rel = ((out.float() - want.float()).abs()[bad] / want.float().abs().max()).max().item()
+    return (f"wrong in warpgroup 0 rows {int((rows < 64).sum())}, warpgroup 1 rows {int((rows >= 64).sum())}; "
+            f"tokens {toks.numel()} (first {toks[:4].tolist()}); NaN {int(out.isnan().sum())}; max |diff| / max|y| "
+            f"{rel:.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--configs", nargs="+", default=["128/64/4", "128/64/5", "192/64/3", "192/64/4"])
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    configs = [parse_config(c) for c in args.configs]
+    if args.compile_only:
+        compile_only(configs)
+    else:
+        run_gpu(args.shapes, args.tokens, configs)
+
+
+if __name__ == "__main__":
+    main()
