@@ -87,6 +87,10 @@
 #              TMA twins of every tile; BIG_TOKENS: the token counts timed                                  ~4 min
 #   readfloor  bench_read_floor.py: the fastest any one kernel reads each layer's FP8 bytes once (programs x BLOCK
 #              x warps swept; graph replays, L2 flushed) beside w8a16 at 1 token, + an empty kernel's node cost ~3 min
+#   gluon      the Gluon forward's GPU tests (bitwise vs the pointer kernel; every table config; invariance across M),
+#              then the Qwen3-8B step with it off (EPIRL_WS_GLUON=0) and on, alternated (GLUON_STEPS rounds, default 1) ~6 min
+#   gluonprobe probe_gluon_fwd.py: the table's kernel, the pointer kernel and Gluon configs (GLUON_CONFIGS) at 4096 and
+#              8192 tokens on the training shapes, bits and µs beside cuBLAS bf16 + LoRA                      ~2 min
 set -o pipefail
 source scripts/device_env.sh
 t0=$(date +%s)
@@ -201,6 +205,13 @@ PY
                 -p no:cacheprovider -k 'one_launch or split_k_with_pdl or lora_down or decode_path or invariance'; \
                 for g in 0 1 0 1; do EPIRL_WS_DOWN_GROUP=\$g python3 -P scripts/bench_kernels.py --tokens 1 16 \
                 --train-tokens --shapes ${GROUP_SHAPES:-q3_qkv q3_o q3_gate_up q3_down} --json $OUT/bench_group\$g.json; done" ;;
+    gluon)    part gluontests 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
+                -k "gluon or every_table_config or tma_table or module_forward"
+              for round in $(seq ${GLUON_STEPS:-1}); do for g in 0 1; do
+                EPIRL_WS_GLUON=$g part step_gluon$g 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 \
+                  --kernel-sum --kernel-table 25 --json "$OUT/bench_step_gluon$g.json"; done; done ;;
+    gluonprobe) for t in 8192 4096; do part gluonprobe$t 240 python3 -P scripts/probe_gluon_fwd.py --tokens $t \
+                --shapes q3_qkv q3_o q3_gate q3_down q35_attn_qkv --configs ${GLUON_CONFIGS:-256/64/4 256/64/3}; done ;;
     xaprobe)  part xaprobe 420 python3 -P scripts/probe_k_chunking.py --targets 132 --xa-chunk-max ${XA_MAXES:-512 256} \
                 --shapes ${PROBE_SHAPES:-q3_qkv q3_o q3_down q3_gate} --json $OUT/probe_xa_chunk.json ;;
     tune8k)   part tune8k 480 python3 -P scripts/tune_w8a16.py --tma ${TUNE_TMA_ALL:+--tma-all} --buckets 1000000000 \

@@ -9,7 +9,8 @@ cuBLAS bf16 on a bf16 copy of the weight + the same LoRA as separate matmuls.
     python scripts/probe_gluon_fwd.py [--shapes q3_down ...] [--tokens 8192] [--configs 128/64/4 192/64/3]
 
 Without a GPU, `--compile-only` compiles each Gluon config for sm_90a with the installed Triton (Gluon's API is
-experimental: the H200 image has 3.6) and prints registers, spills and the k-loop's instruction mix.
+experimental: the H200 image has 3.6) and prints registers, spills, the loops and the A-operand race check
+(`scripts/sass_report.py --gluon`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = {"q3_down": (12288, 4096), "q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_gate": (4096, 12288),
+          "q3_gate_up": (4096, 24576), "q35_attn_qkv": (4096, 10240),
           "q35_gdn_qkvz": (4096, 12288), "k256": (256, 4096), "k512": (512, 4096), "k1024": (1024, 4096)}
 
 
@@ -29,42 +31,18 @@ def parse_config(text: str) -> dict:
     return dict(BM=bm, BK=bk, num_stages=stages, GROUP_N=8)
 
 
-def compile_only(configs: list[dict], br: int = 64) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
+def compile_only(configs: list[dict]) -> None:
+    """Each config compiled for sm_90a (`sass_report.compile_gluon`): registers, stack, wgmma serialization, loops
+    and A-operand races (`sass_report --gluon` prints the same)."""
+    from sass_report import compile_gluon, loop_report, ptxas_notes, report, wgmma_register_hazards
 
-    from epirl.kernels.gemm import ws_gluon
-    from sass_report import KEYS, loop_report, report
-
-    fn = ws_gluon._ws_gluon_kernel
     for c in configs:
-        BM, BK = c["BM"], c["BK"]
-
-        def desc(dtype, shape, gdtype):
-            layout = gl.NVMMASharedLayout.get_default_for(shape, gdtype)
-            return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
-        sig = dict(x_desc=desc("bf16", [BM, BK], gl.bfloat16), w_desc=desc("fp8e4nv", [128, BK], gl.float8e4nv),
-                   xa_desc=desc("bf16", [BM, br], gl.bfloat16), b_desc=desc("bf16", [128, br], gl.bfloat16),
-                   y_ptr="*bf16", w_scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K_CHUNK="i32",
-                   N_CHUNKS="i32", lora_scale="fp32", stride_ym="i32")
-        const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, BM=BM, BK=BK, BR=br, STAGES=c["num_stages"],
-                     GROUP_N=8)
-        for k in const:
-            sig[k] = "constexpr"
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "N", "K_CHUNK", "stride_ym")}
-        k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=4))
-        rep = report(k.asm["cubin"])
-        loops = loop_report(k.asm["cubin"])
-        print(f"# {BM}/{BK}/{c['num_stages']}: regs {rep['regs']}, stack {rep['stack']} B, shared "
-              f"{k.metadata.shared} B; loops (instructions / HGMMA / spill): "
-              + ", ".join(f"{r['instructions']}/{r['HGMMA']}/{r['spill']}" for r in loops))
-        print("#   innermost: " + ", ".join(f"{key} {rep[key]}" for key in ["loop"] + KEYS if rep.get(key)))
-        if os.environ.get("GLUON_DUMP"):
-            with open(os.environ["GLUON_DUMP"], "w") as f:
-                f.write(k.asm["ptx"])
+        k = compile_gluon(c)
+        rep, notes = report(k.asm["cubin"]), ptxas_notes(k.asm["ptx"])
+        loops = ", ".join(f"{r['instructions']}/{r['HGMMA']}/{r['spill']}" for r in loop_report(k.asm["cubin"]))
+        print(f"# {c['BM']}/{c['BK']}/{c['num_stages']}: regs {rep['regs']}, stack {rep['stack']} B, shared "
+              f"{k.metadata.shared} B, wgmma serialized: {notes['serialized'] or 'no'}, A-operand races "
+              f"{len(wgmma_register_hazards(k.asm['cubin']))}; loops (instructions / HGMMA / spill): {loops}")
 
 
 def run_gpu(shapes: list[str], tokens: int, configs: list[dict]) -> None:
@@ -100,7 +78,7 @@ def run_gpu(shapes: list[str], tokens: int, configs: list[dict]) -> None:
                                                                                    out=out, **lora)))
         k_chunk, n_chunks = k_chunking(N, K)
         for c in configs:
-            if not gluon_ok(x, codes, xa, b16, k_chunk, c["BK"]):
+            if not gluon_ok(x, codes, want, xa, b16, k_chunk, n_chunks, c, 64):
                 print(f"| {name} | gluon {c} | – | – | not applicable |")
                 continue
             rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}",
@@ -140,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--configs", nargs="+", default=["128/64/4", "128/64/5", "192/64/3", "192/64/4"])
+    ap.add_argument("--configs", nargs="+", default=["256/64/4", "256/64/3", "128/64/4", "128/128/3"])
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]

@@ -15,6 +15,12 @@ LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
 the TMA-load kernel's loops (instructions, HGMMA, spill instructions per body, innermost first): what the flattened
 chunk loop (FLATTEN) does to it.
 
+    python scripts/sass_report.py --gluon [256/64/4 ...]
+
+the warp-specialized Gluon forward (`kernels/gemm/ws_gluon.py`) in table configs: registers, whether ptxas serialized
+its wgmmas, its loops, and the instructions that write an in-flight register-A wgmma's operand (`wgmma_register_hazards`:
+how that kernel first went wrong on the H200).
+
     python scripts/sass_report.py --wgmma
 
 compiles every wgmma kernel of epirl.kernels in the configs the committed tables select and says, per kernel,
@@ -236,6 +242,81 @@ def wgmma_cases() -> list[tuple[str, callable]]:
     return cases
 
 
+def compile_gluon(cfg: dict, br: int = 64):
+    """`ws_gluon._ws_gluon_kernel` (the warp-specialized forward) for sm_90a with LoRA, in a table "gluon" config
+    (BM / BK / num_stages): the compiled kernel (`.asm["ptx"]`, `["cubin"]`)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from epirl.kernels.gemm import ws_gluon
+    fn = ws_gluon._ws_gluon_kernel
+    BM, BK = cfg["BM"], cfg["BK"]
+
+    def desc(dtype: str, shape: list, gdtype) -> str:
+        return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, gdtype)!r}>"
+    sig = dict(x_desc=desc("bf16", [BM, BK], gl.bfloat16), w_desc=desc("fp8e4nv", [ws_gluon.BN, BK], gl.float8e4nv),
+               xa_desc=desc("bf16", [BM, br], gl.bfloat16), b_desc=desc("bf16", [ws_gluon.BN, br], gl.bfloat16),
+               y_ptr="*bf16", w_scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K_CHUNK="i32",
+               N_CHUNKS="i32", lora_scale="fp32", stride_ym="i32")
+    const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, BM=BM, BK=BK, BR=br, STAGES=cfg["num_stages"],
+                 GROUP_N=8)
+    sig.update({k: "constexpr" for k in const})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "N", "K_CHUNK", "stride_ym")}
+    return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4))
+
+
+def _written_registers(text: str) -> set[int]:
+    """Registers an instruction writes: its first operand where that is a destination (not a store, barrier,
+    branch, wgmma or synchronization), widened by the load width (.64: 2 registers, .128: 4)."""
+    op = _opname(text)
+    if op.startswith(("ST", "BAR", "BRA", "HGMMA", "SYNCS", "WARPGROUP", "EXIT", "RET", "UTMA", "MEMBAR", "FENCE",
+                      "DEPBAR", "NOP", "CALL", "ARRIVES", "RED", "ATOM")):
+        return set()
+    words = text.split(";")[0].split()
+    operands = " ".join(words[2:] if words[0].startswith("@") else words[1:])
+    m = re.match(r"R(\d+)\b", operands)
+    if not m:
+        return set()
+    width = 4 if ".128" in text.split()[0 if not words[0].startswith("@") else 1] else (
+        2 if ".64" in text.split()[0 if not words[0].startswith("@") else 1] else 1)
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def wgmma_register_hazards(cubin: bytes) -> list[str]:
+    """Instructions that write a register a register-A wgmma still in flight reads (its A fragment, 4 registers
+    from the HGMMA's second operand): the wgmma reads its A operand asynchronously, so such a write races with it.
+    Each loop body is walked twice (the second pass sees what the loop carries around), tracking the HGMMA groups
+    (closed by `gsb0`) that `WARPGROUP.DEPBAR.LE gsb0, N` leaves pending."""
+    _, ops, loops = _sass(cubin)
+    hazards = []
+    for lo, hi in loops:
+        body = [(a, t) for a, t in ops if lo <= a <= hi]
+        if not any(_opname(t) == "HGMMA" for _, t in body):
+            continue
+        pending: list[set] = []
+        group: set = set()
+        for sweep in range(2):
+            for addr, text in body:
+                op = _opname(text)
+                if op == "HGMMA":
+                    m = re.search(r"HGMMA\S*\s+R\d+,\s+R(\d+),", text)
+                    if m:
+                        group |= set(range(int(m.group(1)), int(m.group(1)) + 4))
+                    if "gsb0" in text:
+                        pending.append(group)
+                        group = set()
+                elif op == "WARPGROUP" and "DEPBAR" in text:
+                    keep = int(re.search(r"gsb0,\s*0x([0-9a-f]+)", text).group(1), 16)
+                    pending = pending[len(pending) - keep:] if keep else []
+                else:
+                    hit = _written_registers(text) & set().union(*pending) if pending else set()
+                    if hit and sweep == 1:
+                        hazards.append(f"{addr:#06x} {text.split(';')[0].strip()} writes R{min(hit)} of an "
+                                       f"in-flight wgmma's A operand")
+    return hazards
+
+
 def wgmma_report() -> list[dict]:
     rows = []
     for name, build in wgmma_cases():
@@ -255,7 +336,21 @@ def main():
     ap.add_argument("--wgmma", action="store_true", help="every wgmma kernel: serialized by ptxas (C7515)?")
     ap.add_argument("--tma", choices=["full", "x"], help="the TMA-load kernel (ws_tma.py), chunked: its loops")
     ap.add_argument("--flatten", action="store_true", help="with --tma: the flattened chunk loop (FLATTEN)")
+    ap.add_argument("--gluon", nargs="*", metavar="BM/BK/STAGES",
+                    help="the warp-specialized Gluon forward (ws_gluon.py): loops, serialization, A-register races")
     args = ap.parse_args()
+    if args.gluon is not None:
+        print(f"triton {triton.__version__}, sm_90a, Gluon forward\n\n| BM/BK/stages | regs | stack B | wgmma "
+              f"serialized | loops, innermost first: instructions / HGMMA / LDL+STL | A-register races |\n"
+              f"|---|---|---|---|---|---|")
+        for text in args.gluon or ["256/64/4", "128/64/4"]:
+            bm, bk, stages = map(int, text.split("/"))
+            k = compile_gluon(dict(BM=bm, BK=bk, num_stages=stages))
+            r, notes = report(k.asm["cubin"]), ptxas_notes(k.asm["ptx"])
+            loops = ", ".join(f"{d['instructions']} / {d['HGMMA']} / {d['spill']}" for d in loop_report(k.asm["cubin"]))
+            print(f"| {text} | {r['regs']} | {r['stack']} | {notes['serialized'] or 'no'} | {loops} | "
+                  f"{len(wgmma_register_hazards(k.asm['cubin']))} |", flush=True)
+        return
     if args.tma:
         print(f"triton {triton.__version__}, sm_90a, TMA kernel ({args.tma}), {'dX' if args.dx else 'forward'}, "
               f"{'flattened' if args.flatten else 'nested'} chunk loop\n\n| BN/BM/BK/warps/stages | regs | stack B | "

@@ -265,7 +265,9 @@ def main():
         tma = "all" if args.tma and args.tma_all else args.tma
         for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora,
                                          args.flatten).items():
-            table[op].setdefault(key, {}).update(row)
+            old = table[op].setdefault(key, {})
+            # the tuner does not time the Gluon forward: an entry's "gluon" stays (a copy: candidates are shared)
+            old.update({b: dict(c, gluon=old[b]["gluon"]) if "gluon" in old.get(b, {}) else c for b, c in row.items()})
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned
 

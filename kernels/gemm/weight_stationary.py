@@ -26,6 +26,7 @@ The σ·LoRA + y step is an explicit `tl.fma` (no compiler-chosen contraction).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
@@ -40,6 +41,8 @@ from .ws_tma import checked_tma_single, launch_tma_single, tma_ok
 
 PDL_ENV = "EPIRL_WS_PDL"  # "0": launch the split-K reduce kernel plainly, not as a PDL dependent (on by default)
 DOWN_GROUP_ENV = "EPIRL_WS_DOWN_GROUP"
+GLUON_ENV = "EPIRL_WS_GLUON"  # "0": a table entry's Gluon forward off (its TMA / pointer config runs instead)
+_GLUON: dict = {}  # "module": ws_gluon once imported; "broken": why it cannot run in this process
 LORA_TILE_MIN = 64  # rows of a LoRA-down program: >= 64 keeps it on wgmma like the base tiles
 DOWN_FIRST_MAX_M = 64  # the decode buckets: above, xa's launch is not worth hiding behind the base GEMM
 # `lora_down` as one pass per token tile (`_down_single_pass`) from this many programs at DOWN_SINGLE_BM tokens a tile
@@ -259,6 +262,50 @@ def down_parts_per_program(cfg: dict, K: int, k_chunk: int, n_chunks: int, rows:
     return max(1, (cfg["BN"] * base_depth) // (rows * xa_chunk * x_bytes))
 
 
+def _gluon_forward(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, gluon_cfg, br, pointer,
+                   checked) -> bool:
+    """y from the Gluon forward (`ws_gluon`) of a table entry's "gluon" config, if it can run this call: checked
+    against the pointer kernel (`pointer(out)`) on its first call per key and every RECHECK_EVERY calls, as a table TMA
+    entry is (`checked`; an explicit config runs it as it is). False: the caller runs its Triton kernels."""
+    gluon_mod = _gluon() if x.is_cuda else None
+    if gluon_mod is None or not gluon_mod.gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, gluon_cfg, br):
+        return False
+
+    def gluon(out):
+        try:
+            return gluon_mod.launch_gluon_fwd(x, w, out, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks,
+                                              gluon_cfg, br)
+        except Exception as err:  # Gluon is experimental: an API this Triton moved fails here, not silently
+            _GLUON["broken"] = f"{type(err).__name__}: {str(err)[:200]}"
+            warnings.warn(f"W8A16 Gluon forward unavailable on this Triton ({_GLUON['broken']}); the table's Triton "
+                          f"kernels run instead ({GLUON_ENV}=0 turns it off)")
+            return pointer(out)
+
+    if checked:
+        M, N = y.shape
+        key = ("fwd-gluon", N, x.shape[1], tuple(sorted(gluon_cfg.items())), xa is not None, bias is not None,
+               M.bit_length())
+        checked_tma_single(key, y, gluon, pointer)
+    else:
+        gluon(y)
+    return True
+
+
+def _gluon():
+    """`ws_gluon` (the warp-specialized Gluon forward a table entry's "gluon" asks for), or None: turned off
+    (EPIRL_WS_GLUON=0), a Triton without Gluon's Hopper API, or one whose first launch failed here."""
+    if os.environ.get(GLUON_ENV, "1") == "0" or "broken" in _GLUON:
+        return None
+    if "module" not in _GLUON:
+        try:
+            from . import ws_gluon
+        except (ImportError, AttributeError) as err:
+            _GLUON["broken"] = f"{type(err).__name__}: {err}"
+            return None
+        _GLUON["module"] = ws_gluon
+    return _GLUON["module"]
+
+
 def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool = False, keep: list | None = None):
     """xa `[M, r]` = bf16(x · Aᵀ), batch invariant: the sub-chunks of `configs.xa_chunking` for the base layer
     `[chunk_n, K]` (default r), each from zero, added in order - the same bits as the down-projection fused into
@@ -402,6 +449,10 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         return launch_tma_single(x, w, out, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
                                  lora_strides, cfg, flags)
 
+    gluon_cfg = cfg.get("gluon") if op == "fwd" and not wait_down else None  # the warp-specialized forward
+    if gluon_cfg and _gluon_forward(x, w, y, w_scale, xa if has_lora else None, lora_b if has_lora else None,
+                                    lora_scale, bias, k_chunk, n_chunks, gluon_cfg, BR, pointer, config is None):
+        return (y, xa) if return_xa else y
     if not (cfg.get("tma") and tma_ok(x, w) and not wait_down):
         pointer(y)
     elif config is None:  # a table TMA entry (on unless EPIRL_WS_TMA=0), checked per key (ws_tma.checked_tma_single)

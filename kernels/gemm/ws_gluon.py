@@ -1,23 +1,36 @@
-"""The weight-stationary training forward, warp-specialized in Gluon (issue 12): same k-steps, same bits — measured
-slower than the Triton TMA kernel on the H200 and removed right after this commit (BENCHMARKS.md § Kernels,
-2026-12-04 nineteenth session); kept in history with `scripts/probe_gluon_fwd.py` for whoever takes it up.
+"""The weight-stationary training forward, warp-specialized in Gluon (issue 12): same k-steps, same bits, and no
+race by construction.
 
-Why it was tried: the Triton TMA kernel (`ws_tma.py`) runs the 8192-token Qwen3-8B down forward at ~620 TFLOP/s
-against cuBLAS bf16's ~720; its k-loop holds 6 CTA-wide `BAR.SYNC`s per 64-deep step (sm_90a SASS). Here two consumer
-warpgroups, each owning 64 of the tile's 128 weight rows, wait only on mbarriers: warpgroup 0 also issues the TMA loads
-of a ring of STAGES codes / x buffers (after its own wgmma of the step before is done), warpgroup 1 frees each buffer
-once its wgmma has read it. (A separate one-warp loader partition made the kernel three warpgroups, 168 registers a
-thread, and ptxas serialized every wgmma: C7512.)
+Why: the Triton TMA kernel (`ws_tma.py`) is miscompiled by Triton 3.6 for some compiles: wrong tiles that change from
+run to run (a race on its stage buffers; on 2026-12-04 two of the table's own 128x256 tiles gave 2048 and 4096 wrong
+outputs of up to 1e29 in probe runs), so each table TMA entry is checked against the pointer kernel on its first call
+and every `ws_tma.RECHECK_EVERY` calls, and a race between checks goes unseen. Its k-loop also holds 6 CTA-wide
+`BAR.SYNC`s per 64-deep step. Here the synchronization is explicit, the way CUTLASS splits a mixed-input GEMM:
+- two consumer warpgroups (`gl.warp_specialize`), each owning 64 of the tile's 128 weight rows, wait only on the
+  mbarriers of a ring of STAGES codes `[128, BK]` / x `[BM, BK]` buffers filled by TMA;
+- warpgroup 0 also issues the loads: once its own wgmma of step i - 1 is done (`warpgroup_mma_wait(1)`) and warpgroup
+  1 has freed that step's buffer (an mbarrier arrive after its own wait), step i + STAGES - 1 goes into it. (A
+  separate one-warp loader partition makes the kernel three warpgroups, 168 registers a thread, and ptxas then
+  serializes every wgmma: C7512.)
+- a warpgroup loads its codes from shared memory into wgmma's register A layout, widens them (`widen.py`'s PTX) and
+  issues the wgmma asynchronously, one in flight while it prepares the next. The wgmma reads those registers
+  asynchronously: k-steps therefore go in pairs with A registers of their own (a one-step loop reused them in the
+  PTX itself, and the next step's codes overwrote an in-flight wgmma's operand: wrong values on the H200;
+  `scripts/sass_report.py --gluon` lists any instruction that writes an in-flight operand, and a CPU test holds it
+  at none).
 
-Bits: the K chunks of `configs.k_chunking`, each from zero in 16-deep bf16 wgmma k-steps, added into the running total
-in chunk order from +0.0, then `_ws_epilogue`'s op order (scale, explicit fma with σ·(B·xa), bias, round): the pointer
-kernel's bits on every shape probed. One loop over all k-steps with the chunk end as a branch: the nested chunk loop
-gave warpgroup 1 wrong values from the second chunk on (Triton 3.6).
+Bits: the K chunks of `configs.k_chunking`, each from zero in 16-deep bf16 wgmma k-steps in k order, added into the
+running total in chunk order from +0.0, then `_ws_epilogue`'s op order (scale, explicit fma with σ·(B·xa) - B's rows
+and xa through TMA, B as wgmma's shared-memory operand -, bias, round): the pointer kernel's bits
+(tests/kernels/test_gpu_kernels.py, H200). Registers: a warpgroup holds its [64, BM] chunk accumulator and running
+total; at BM = 256 the total spills at chunk ends only.
+
+Used where a table entry carries "gluon" (the forward's many-token bucket; `weight_stationary._gluon_forward`, checked
+per key like a TMA entry), off with EPIRL_WS_GLUON=0; on an API this Triton lacks it warns once and the Triton kernels
+run. Gluon is Triton's experimental tile-level language: this module is imported only on such a CUDA call.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from triton.experimental import gluon
@@ -28,12 +41,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._host import cdiv
 from .widen import _WIDEN_ASM
 
+# Gluon is experimental and renames things between Triton releases: the TMA load is `async_copy_global_to_shared`
+# in 3.6 (the H200 image) and `async_load` from 3.7 on
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 weight rows of the tile
 CONSUMERS = 2
 BN = ROWS_PER_WARPGROUP * CONSUMERS
-# setmaxnreg budgets of the worker partitions (the second consumer warpgroup, the loader warp): the loader needs few
-CONSUMER_REGS = gl.constexpr(int(os.environ.get("EPIRL_GLUON_REGS", "256")))
-LOAD_SYNC = gl.constexpr(os.environ.get("EPIRL_GLUON_SYNC", "0") == "1")
+# registers (setmaxnreg) of the worker partition, warpgroup 1: two warpgroups of 256 fill the register file
+CONSUMER_REGS = gl.constexpr(256)
 
 
 @gluon.jit
@@ -54,39 +70,60 @@ def _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, t, n_s
         # loads do not wait
         mbarrier.wait(free.index(s), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [off_n, t * BK], ready.index(s), w_smem.index(s))
-        tma.async_copy_global_to_shared(x_desc, [off_m, t * BK], ready.index(s), x_smem.index(s))
+        _tma_load(w_desc, [off_n, t * BK], ready.index(s), w_smem.index(s))
+        _tma_load(x_desc, [off_m, t * BK], ready.index(s), x_smem.index(s))
 
 
 @gluon.jit
-def _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_steps, steps, off_n, off_m, acc_layout: gl.constexpr,
+def _hold(a):
+    """A use of registers a that the compiler must keep (an opaque copy). Placed after the wait that completes the
+    wgmma reading them, it keeps them live until then, so that ptxas cannot hand them to the next step's codes while
+    that wgmma is in flight. (With the k-steps in pairs ptxas keeps them apart today without it - the same SASS,
+    the copies vanish -; the hold makes that a requirement, not a register allocator's choice.)"""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=gl.bfloat16, is_pure=False, pack=2)
+
+
+@gluon.jit
+def _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_prev, i, n_steps, off_n, off_m, release,
+          a_layout: gl.constexpr, WG: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """k-step i into acc: (acc, A registers of its wgmma, still in flight). Waits for step i - 1's wgmma, holds that
+    step's A registers a_prev until then, and warpgroup 0 loads step i + STAGES - 1 into step i - 1's buffer,
+    warpgroup 1 frees that buffer (if `release`)."""
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    codes = w_smem.index(s).slice(WG * 64, 64).load(a_layout)
+    a = _widen(codes)
+    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+    # at most this step's wgmma in flight: the previous step's is done, its buffer free for this warpgroup (its
+    # codes were read into registers before its wgmma was issued, by every warp of the warpgroup)
+    acc, a = warpgroup_mma_wait(1, deps=(acc, a))
+    _hold(a_prev)
+    if WG == 0:
+        _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, i + STAGES - 1, n_steps, BK, STAGES)
+    else:
+        mbarrier.arrive(free.index((i + STAGES - 1) % STAGES), pred=release)
+    return acc, a
+
+
+@gluon.jit
+def _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_n, off_m, acc_layout: gl.constexpr,
               a_layout: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """Σ over the K chunks in order (+0.0 first) of each chunk's k-steps from zero: the running total [64, BM].
-    One loop over every k-step; a chunk ends every `steps` steps. a_prev: the A registers of the wgmma still in
-    flight, passed through each wait so that the compiler keeps them until it completes. Warpgroup 0 also loads:
-    after step i - 1's wgmma is done, step i + STAGES - 1 into that step's buffer; warpgroup 1 frees it."""
+    Steps go in pairs (`steps` is even) with A registers of their own, so that the in-flight wgmma's operand and the
+    next step's are distinct registers in the PTX itself."""
+    n_steps = n_chunks * steps
     total = gl.zeros([64, BM], gl.float32, acc_layout)
-    acc = gl.zeros([64, BM], gl.float32, acc_layout)
-    a_prev = gl.zeros([64, BK], gl.bfloat16, a_layout)
-    for i in range(n_steps):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        codes = w_smem.index(s).slice(WG * 64, 64).load(a_layout)
-        a = _widen(codes)
-        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-        # at most this step's wgmma in flight: the previous step's is done, its buffer free for this warpgroup (its
-        # codes were read into registers before its wgmma was issued, by every warp of the warpgroup)
-        acc, a, a_prev = warpgroup_mma_wait(1, deps=(acc, a, a_prev))
-        if WG == 0:
-            _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, i + STAGES - 1, n_steps, BK,
-                       STAGES)
-        else:
-            mbarrier.arrive(free.index((i + STAGES - 1) % STAGES), pred=i > 0)
-        a_prev = a
-        if (i + 1) % steps == 0:  # the chunk's last step: its sum joins the total, the next chunk starts from zero
-            acc, a_prev = warpgroup_mma_wait(0, deps=(acc, a_prev))
-            total = total + acc
-            acc = gl.zeros([64, BM], gl.float32, acc_layout)
+    a_odd = gl.zeros([64, BK], gl.bfloat16, a_layout)
+    for c in range(n_chunks):
+        acc = gl.zeros([64, BM], gl.float32, acc_layout)
+        for j in range(0, steps, 2):
+            i = c * steps + j
+            acc, a_even = _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_odd, i, n_steps, off_n, off_m,
+                                i > 0, a_layout, WG, BK, STAGES)
+            acc, a_odd = _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_even, i + 1, n_steps, off_n,
+                               off_m, True, a_layout, WG, BK, STAGES)
+        acc, a_odd = warpgroup_mma_wait(0, deps=(acc, a_odd))
+        total = total + acc
     return total
 
 
@@ -104,12 +141,12 @@ def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, 
     if WG == 0:
         if HAS_LORA:
             mbarrier.expect(xa_bar, xa_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(xa_desc, [off_m, 0], xa_bar, xa_smem)
-            tma.async_copy_global_to_shared(b_desc, [off_n, 0], xa_bar, b_smem)
+            _tma_load(xa_desc, [off_m, 0], xa_bar, xa_smem)
+            _tma_load(b_desc, [off_n, 0], xa_bar, b_smem)
         for t in gl.static_range(STAGES - 1):
             _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, t, n_steps, BK, STAGES)
-    total = _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_steps, steps, off_n, off_m, acc_layout, a_layout,
-                      WG, BM, BK, STAGES)
+    total = _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_n, off_m, acc_layout,
+                      a_layout, WG, BM, BK, STAGES)
     rn = off_n + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
     mask_n = rn < N
@@ -169,20 +206,31 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
     ], [4], [CONSUMER_REGS])
 
 
-def gluon_ok(x: torch.Tensor, w: torch.Tensor, xa: torch.Tensor | None, lora_b: torch.Tensor | None, k_chunk: int,
-             bk: int) -> bool:
-    """Whether the Gluon forward can run this call: x, codes, xa and B row-major with 16-byte aligned rows (TMA), BK
-    dividing the chunk."""
-    def aligned(t):
-        return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-                and t.data_ptr() % 16 == 0)
-    return (x.is_cuda and aligned(x) and aligned(w) and (xa is None or (aligned(xa) and aligned(lora_b)))
-            and k_chunk % bk == 0)
+SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 CTA may use
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """2-D, unit column stride, 16-byte aligned base and rows (TMA's rules)."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def gluon_ok(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: int) -> bool:
+    """Whether `launch_gluon_fwd` can run this call: CUDA bf16 x and e4m3 codes, x / codes / xa / B row-major and
+    TMA-aligned, y with unit column stride, the chunks tiling K in an even number of BK steps each (`_mainloop`
+    takes them in pairs), and the ring plus the LoRA tiles within a CTA's shared memory."""
+    BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
+    smem = stages * (BN * BK + BM * BK * x.element_size()) + (BM + BN) * br * 2 + 1024
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn and _row_major(x)
+            and _row_major(w) and y.stride(1) == 1 and (xa is None or (_row_major(xa) and _row_major(lora_b)))
+            and k_chunk * n_chunks == x.shape[1] and k_chunk % (2 * BK) == 0 and BM in (128, 256)
+            and smem <= SMEM_LIMIT)
 
 
 def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, cfg, br):
     """y `[M, N]` = the W8A16 forward of x `[M, K]` and codes w `[N, K]` with xa (bf16 `[M, r]`, given) and B
-    `[N, r]`; cfg: BM (tokens per tile, ≤ 192), BK, num_stages, GROUP_N. Same bits as `weight_stationary_gemm`."""
+    `[N, r]` (`gluon_ok` must hold); cfg: BM (tokens per tile: 128 or 256), BK, num_stages, GROUP_N (default 8); br:
+    r padded as the Triton kernels' epilogue pads it. The bits of `weight_stationary_gemm`'s other kernels."""
     M, K = x.shape
     N = w.shape[0]
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]

@@ -15,6 +15,9 @@ def test_every_table_entry_is_complete_and_divides_the_chunk():
                 assert int(bound) > 0 and set(CONFIG_KEYS) <= set(cfg), (op, shape, bound)
                 assert CHUNK_ALIGN % cfg["BK"] == 0, (op, shape, bound, cfg)
                 assert cfg["BN"] >= 64 and cfg["num_warps"] >= 4, "wgmma needs a 64-row warpgroup tile"
+                if "gluon" in cfg:  # the Gluon forward takes k-steps in pairs: a chunk must hold an even number
+                    N, K = map(int, shape.split("x"))
+                    assert k_chunking(N, K)[0] % (2 * cfg["gluon"]["BK"]) == 0, (shape, bound, cfg)
 
 
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 12288), (1024, 4096), (90, 600), (24576, 4096)])
@@ -150,3 +153,34 @@ def test_host_integer_helpers_match_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 16, 64, 128, 256, 1000):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+@pytest.mark.parametrize("op,gluon,ok", [
+    ("fwd", {"BM": 256, "BK": 64, "num_stages": 4}, True),
+    ("fwd", {"BM": 128, "BK": 128, "num_stages": 3, "GROUP_N": 4}, True),
+    ("fwd", {"BM": 192, "BK": 64, "num_stages": 4}, False),  # not a power of two: Gluon's block shapes
+    ("fwd", {"BM": 256, "BK": 64}, False),                    # no ring depth
+    ("fwd", {"BM": 256, "BK": 64, "num_stages": 4, "warps": 8}, False),
+    ("dx", {"BM": 256, "BK": 64, "num_stages": 4}, False),    # the Gluon kernel is the forward only
+])
+def test_table_gluon_entries_are_checked_when_the_table_loads(tmp_path, op, gluon, ok):
+    """A table entry's "gluon" (the warp-specialized forward, kernels/gemm/ws_gluon.py) is validated with the table:
+    a bad one is one line naming the entry, before any kernel runs; the committed table's pass."""
+    import json
+
+    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+
+    table = json.loads(TMA_TABLE_PATH.read_text())
+    assert any("gluon" in c for row in table["fwd"].values() for c in row.values())
+    table[op]["default"]["1000000000"]["gluon"] = gluon
+    path = tmp_path / "ws_gluon.json"
+    path.write_text(json.dumps(table))
+    load_table.cache_clear()
+    try:
+        if ok:
+            assert load_table(str(path))[op]["default"]["1000000000"]["gluon"] == gluon
+        else:
+            with pytest.raises(RuntimeError, match=rf"ws_gluon\.json: {op}\.default\.1000000000\.gluon: "):
+                load_table(str(path))
+    finally:
+        load_table.cache_clear()

@@ -148,7 +148,7 @@ def _table_configs(op):
     seen = {}
     for row in load_table()[op].values():
         for cfg in row.values():
-            seen[tuple(sorted(cfg.items()))] = dict(cfg)
+            seen[repr(sorted(cfg.items()))] = dict(cfg)  # (repr: a "gluon" entry holds a dict)
     return list(seen.values())
 
 
@@ -331,6 +331,35 @@ def test_tma_twins_of_the_training_tiles_give_the_pointer_kernels_bits(K, N):
             got_dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale,
                                             config=dict(cfg, tma=True), op="dx")
             assert torch.equal(got_dx, want_dx), (K, N, M, stages, "dx")
+
+
+@pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (4096, 12288)])
+def test_gluon_forward_gives_the_pointer_kernels_bits(K, N):
+    """The warp-specialized Gluon forward (kernels/gemm/ws_gluon.py, a table entry's "gluon") gives the pointer
+    kernel's bits: rank 64 with bias, rank 16 without, no LoRA, at token counts that fill its 256-token tiles and
+    that leave the last one ragged (257, 4113), into a NaN-filled output; through the table (checked against the
+    pointer kernel per key) and with the entry as an explicit config (the kernel as it is), each called twice (its
+    first version raced: wrong values that changed from run to run)."""
+    from epirl.kernels.gemm import weight_stationary as ws
+    from epirl.kernels.gemm.configs import k_chunking, ws_config
+    x, codes, scale, a, b, bias = problem(4113, K, N, 64, seed=K + 2 * N)
+    table_cfg = dict(ws_config("fwd", N, K, 4096))
+    assert "gluon" in table_cfg, (K, N)
+    pointer = {k: v for k, v in table_cfg.items() if k not in ("gluon", "tma")}
+    k_chunk, n_chunks = k_chunking(N, K)
+    for M in (257, 4113):
+        xs = x[:M]
+        for r, with_bias in ((64, True), (16, False), (0, True)):
+            lora = dict(xa=lora_down(xs, a[:r], chunk_n=N), lora_b=b[:, :r].contiguous(), lora_scale=2.0) if r else {}
+            args = dict(w_scale=scale, bias=bias if with_bias else None, **lora)
+            assert ws._gluon().gluon_ok(xs, codes, torch.empty(M, N, device=DEV), lora.get("xa"), lora.get("lora_b"),
+                                        k_chunk, n_chunks, table_cfg["gluon"], max(16, r) if r else 16)
+            want = weight_stationary_gemm(xs, codes, torch.bfloat16, config=pointer, **args)
+            for cfg in (None, table_cfg, None, table_cfg):
+                out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+                got = weight_stationary_gemm(xs, codes, torch.bfloat16, config=cfg, out=out, **args)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (K, N, M, r, cfg is None)
+    assert "broken" not in ws._GLUON, ws._GLUON
 
 
 @pytest.mark.parametrize("M", [1, 17, 64, 257, 4096])

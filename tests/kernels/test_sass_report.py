@@ -180,3 +180,43 @@ def test_wgmma_kernels_keep_their_wgmmas_in_flight(name):
     assert notes["serialized"] in ("", ALLOWED_SERIALIZED.get(name, "")), notes
     if name.startswith("w8a16"):
         assert notes["loop_spill"] == 0, notes
+
+
+def _gluon_configs() -> list[str]:
+    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+    import json
+    table = json.loads(TMA_TABLE_PATH.read_text())
+    return sorted({"{BM}/{BK}/{num_stages}".format(**c["gluon"]) for row in table["fwd"].values()
+                   for c in row.values() if "gluon" in c})
+
+
+@pytest.mark.parametrize("cfg", _gluon_configs())
+def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operands(cfg):
+    """The warp-specialized Gluon forward in each config the table gives it: ptxas does not serialize its wgmmas, its
+    k-step loop (two steps a trip) does not spill, and no instruction writes a register of an in-flight wgmma's A
+    operand - the race that gave its first version wrong values on the H200 (one step a trip: the next step's codes
+    were loaded into the registers the previous step's wgmma was still reading)."""
+    import sass_report
+    pytest.importorskip("triton.experimental.gluon")
+    if not _have_tools():
+        pytest.skip("this triton ships no ptxas/cuobjdump")
+    bm, bk, stages = map(int, cfg.split("/"))
+    k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages))
+    assert sass_report.ptxas_notes(k.asm["ptx"])["serialized"] == "", cfg
+    loops = sass_report.loop_report(k.asm["cubin"])
+    assert loops[0]["HGMMA"] == 8 and loops[0]["spill"] == 0, loops[0]
+    assert sass_report.wgmma_register_hazards(k.asm["cubin"]) == []
+
+
+def test_register_hazard_check_flags_a_write_to_an_in_flight_operand(monkeypatch):
+    """`wgmma_register_hazards` on SASS text: a load into R88 while the wgmma reading R88-R91 is still pending (the
+    DEPBAR keeps one group in flight) is flagged once; after `DEPBAR.LE gsb0, 0x0` it is not."""
+    import sass_report
+
+    def body(wait):
+        return [(0x10, "LDS.U16 R88, [R10+0x100] ;"), (0x20, "WARPGROUP.ARRIVE ;"),
+                (0x30, "HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR8], R24, gsb0 ;"),
+                (0x40, f"WARPGROUP.DEPBAR.LE gsb0, 0x{wait} ;"), (0x50, "@P0 BRA 0x10 ;")]
+    for wait, flagged in ((1, 1), (0, 0)):
+        monkeypatch.setattr(sass_report, "_sass", lambda cubin, b=body(wait): ("", b, [(0x10, 0x50)]))
+        assert len(sass_report.wgmma_register_hazards(b"")) == flagged, wait
