@@ -101,7 +101,7 @@ part() {  # name, limit in s, command...: runs it, logs to $OUT/<name>.log, prin
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "== [$name] exit $rc at $(( $(date +%s) - t0 )) s"
-  grep -E "^\||passed|failed|^#|^TPOT|^benchmark|Error|W8A16 TMA kernel" "$OUT/$name.log" | grep -v "^# \[" | cut -c1-220 | tail -n 60
+  grep -E "^\||passed|failed|^#|^TPOT|^benchmark|Error|W8A16 TMA kernel|W8A16 Gluon" "$OUT/$name.log" | grep -v "^# \[" | cut -c1-220 | tail -n 60
 }
 
 for name in "$@"; do

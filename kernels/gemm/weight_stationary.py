@@ -285,7 +285,7 @@ def _gluon_forward(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_ch
         M, N = y.shape
         key = ("fwd-gluon", N, x.shape[1], tuple(sorted(gluon_cfg.items())), xa is not None, bias is not None,
                M.bit_length())
-        checked_tma_single(key, y, gluon, pointer)
+        checked_tma_single(key, y, gluon, pointer, kernel=f"Gluon forward ({GLUON_ENV}=0 turns it off)")
     else:
         gluon(y)
     return True

@@ -157,7 +157,8 @@ _CALLS: dict[tuple, int] = {}
 RECHECK_EVERY = 1024
 
 
-def checked_tma_single(key: tuple, y: torch.Tensor, run_tma, run_pointer) -> torch.Tensor:
+def checked_tma_single(key: tuple, y: torch.Tensor, run_tma, run_pointer,
+                       kernel: str = "TMA kernel (EPIRL_WS_TMA=0 turns it off)") -> torch.Tensor:
     """y from the TMA kernel (`run_tma(out)`) while it gives the pointer kernel's bits (`run_pointer(out)`), else from
     the pointer kernel. A key's first call runs the pointer kernel once and the TMA kernel twice (the miscompiles
     seen were races: a different count each run) and compares their bits; every RECHECK_EVERY-th call runs the
@@ -190,9 +191,9 @@ def checked_tma_single(key: tuple, y: torch.Tensor, run_tma, run_pointer) -> tor
         worst = float((y.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
         since = ("on its first call" if verdict is None
                  else f"at call {calls}, after passing at call {calls - RECHECK_EVERY or 1}")
-        warnings.warn(f"W8A16 TMA kernel {key}: {bad} of {y.numel()} elements differ from the pointer kernel {since} "
-                      f"(max |diff| {worst:.2e} of max |y|: a Triton miscompile of this tile); using the pointer "
-                      f"kernel for it from now on (EPIRL_WS_TMA=0 turns the TMA kernel off)")
+        warnings.warn(f"W8A16 {kernel.split(' (')[0]} {key}: {bad} of {y.numel()} elements differ from the pointer "
+                      f"kernel {since} (max |diff| {worst:.2e} of max |y|: a miscompile of this tile); using the "
+                      f"pointer kernel for it from now on (the {kernel})")
         y.copy_(want)
     return y
 
