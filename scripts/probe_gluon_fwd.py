@@ -27,8 +27,9 @@ SHAPES = {"q3_down": (12288, 4096), "q3_qkv": (4096, 6144), "q3_o": (4096, 4096)
 
 
 def parse_config(text: str) -> dict:
-    bm, bk, stages = map(int, text.split("/"))
-    return dict(BM=bm, BK=bk, num_stages=stages, GROUP_N=8)
+    """BM/BK/STAGES[/GROUP_N] (GROUP_N: weight-row tiles swept together over the token tiles, default 8)."""
+    bm, bk, stages, *group = map(int, text.split("/"))
+    return dict(BM=bm, BK=bk, num_stages=stages, GROUP_N=group[0] if group else 8)
 
 
 def compile_only(configs: list[dict]) -> None:
@@ -81,7 +82,7 @@ def run_gpu(shapes: list[str], tokens: int, configs: list[dict]) -> None:
             if not gluon_ok(x, codes, want, xa, b16, k_chunk, n_chunks, c, 64):
                 print(f"| {name} | gluon {c} | – | – | not applicable |")
                 continue
-            rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}",
+            rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}/{c['GROUP_N']}",
                          lambda out, c=c: launch_gluon_fwd(x, codes, out, scale, xa, b16, sigma, None, k_chunk,
                                                            n_chunks, c, 64)))
         for label, run in rows:
