@@ -18,8 +18,8 @@ chunk loop (FLATTEN) does to it.
     python scripts/sass_report.py --gluon [256/64/4 ...]
 
 the warp-specialized Gluon forward (`kernels/gemm/ws_gluon.py`) in table configs: registers, whether ptxas serialized
-its wgmmas, its loops, and the instructions that write an in-flight register-A wgmma's operand (`wgmma_register_hazards`:
-how that kernel first went wrong on the H200).
+its wgmmas, its loops, and the instructions that write an in-flight register-A wgmma's operand
+(`wgmma_register_hazards`: how that kernel first went wrong on the H200).
 
     python scripts/sass_report.py --wgmma
 

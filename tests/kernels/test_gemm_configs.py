@@ -161,6 +161,7 @@ def test_host_integer_helpers_match_triton():
     ("fwd", {"BM": 192, "BK": 64, "num_stages": 4}, False),  # not a power of two: Gluon's block shapes
     ("fwd", {"BM": 256, "BK": 64}, False),                    # no ring depth
     ("fwd", {"BM": 256, "BK": 64, "num_stages": 4, "warps": 8}, False),
+    ("fwd", {"BM": 256, "BK": 64, "num_stages": 4, "GROUP_N": 0}, False),
     ("dx", {"BM": 256, "BK": 64, "num_stages": 4}, False),    # the Gluon kernel is the forward only
 ])
 def test_table_gluon_entries_are_checked_when_the_table_loads(tmp_path, op, gluon, ok):
