@@ -89,6 +89,9 @@
 #              x warps swept; graph replays, L2 flushed) beside w8a16 at 1 token, + an empty kernel's node cost ~3 min
 #   gluon      the Gluon forward's GPU tests (bitwise vs the pointer kernel; every table config; invariance across M),
 #              then the Qwen3-8B step with it off (EPIRL_WS_GLUON=0) and on, alternated (GLUON_STEPS rounds, default 1) ~6 min
+#              (bench_trainer imports pydantic, which a bare device lacks: carry `.whl/` holding its py3.12 wheels -
+#              pip download pydantic --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl -
+#              and device_env.sh installs them)
 #   gluonprobe probe_gluon_fwd.py: the table's kernel, the pointer kernel and Gluon configs (GLUON_CONFIGS) at 4096 and
 #              8192 tokens on the training shapes, bits and µs beside cuBLAS bf16 + LoRA                      ~2 min
 set -o pipefail

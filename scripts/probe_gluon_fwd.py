@@ -1,12 +1,12 @@
 """The warp-specialized Gluon training forward (`kernels/gemm/ws_gluon.py`) against the Triton kernels and cuBLAS.
 
 On the GPU, per shape at --tokens (default 8192), with a rank-64 LoRA from a given xa (as the trainer's forward calls
-the base GEMM after `lora_down`) and the weight scale: the table's Triton kernel (TMA where the table says), the
-pointer kernel, and each Gluon config (BM / BK / stages); every output compared bitwise with the pointer kernel's
+the base GEMM after `lora_down`) and the weight scale: the table entry's Triton kernel (TMA where it says; its
+"gluon" left out), the pointer kernel, and each Gluon config (BM / BK / stages [/ GROUP_N]); every output compared bitwise with the pointer kernel's
 (count of differing elements), times in µs (CUDA-graph replay, L2 flushed: `gpu_timing.graph_us`) and the ratio to
 cuBLAS bf16 on a bf16 copy of the weight + the same LoRA as separate matmuls.
 
-    python scripts/probe_gluon_fwd.py [--shapes q3_down ...] [--tokens 8192] [--configs 128/64/4 192/64/3]
+    python scripts/probe_gluon_fwd.py [--shapes q3_down ...] [--tokens 8192] [--configs 256/64/4/16 256/64/4 ...]
 
 Without a GPU, `--compile-only` compiles each Gluon config for sm_90a with the installed Triton (Gluon's API is
 experimental: the H200 image has 3.6) and prints registers, spills, the loops and the A-operand race check
@@ -69,14 +69,15 @@ def run_gpu(shapes: list[str], tokens: int, configs: list[dict]) -> None:
         print(f"| {name} | cuBLAS bf16 + LoRA | {cublas:.1f} | 1.00 | – |", flush=True)
         lora = dict(xa=xa, lora_b=b16, lora_scale=sigma)
         table = dict(ws_config("fwd", N, K, tokens))
-        pointer = dict(table, tma=False)
+        triton_cfg = {k: v for k, v in table.items() if k != "gluon"}  # the entry's Triton kernels (an explicit
+        pointer = dict(triton_cfg, tma=False)                          # config with "gluon" runs the Gluon kernel)
         want = weight_stationary_gemm(x, codes, w_scale=scale, config=pointer, **lora)
         bits = want.view(torch.int16)
         rows = [("pointer " + "/".join(str(pointer[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages")),
                  lambda out, c=pointer: weight_stationary_gemm(x, codes, w_scale=scale, config=c, out=out, **lora))]
         if table.get("tma"):
-            rows.append(("table TMA", lambda out, c=table: weight_stationary_gemm(x, codes, w_scale=scale, config=c,
-                                                                                   out=out, **lora)))
+            rows.append(("TMA (the table's)", lambda out, c=triton_cfg: weight_stationary_gemm(
+                x, codes, w_scale=scale, config=c, out=out, **lora)))
         k_chunk, n_chunks = k_chunking(N, K)
         for c in configs:
             if not gluon_ok(x, codes, want, xa, b16, k_chunk, n_chunks, c, 64):

@@ -132,7 +132,8 @@ def report(cubin: bytes) -> dict:
 def ptxas_notes(ptx: str) -> dict:
     """What Triton's own ptxas makes of this PTX for sm_90a: whether it serialized the wgmmas and why (C7515: a
     non-wgmma instruction defines an accumulator inside a pipeline stage; C7512: too few registers), registers,
-    spill bytes, and the spill instructions (LDL/STL) inside the innermost loop."""
+    spill bytes, the spill instructions (LDL/STL) inside the innermost loop, and the instructions that write an
+    in-flight register-A wgmma's operand (`wgmma_register_hazards`)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,11 +146,13 @@ def ptxas_notes(ptx: str) -> dict:
         if out.returncode != 0:
             raise RuntimeError(f"ptxas failed: {log[-500:]}")
         with open(src + ".o", "rb") as f:
-            loop = report(f.read())
+            cubin = f.read()
+        loop = report(cubin)
     why = [code for code in ("C7515", "C7512", "C7510", "C7514") if code in log]
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     return dict(serialized=",".join(why), regs=int(re.search(r"Used (\d+) registers", log).group(1)),
-                spill=sum(spills), loop_spill=loop["LDL"] + loop["STL"])
+                spill=sum(spills), loop_spill=loop["LDL"] + loop["STL"],
+                operand_races=len(wgmma_register_hazards(cubin)))
 
 
 def _compile(fn, const: dict, ptr_types: dict, warps: int, stages: int, divisible=()):
@@ -323,7 +326,7 @@ def wgmma_report() -> list[dict]:
         r = dict(kernel=name, **ptxas_notes(build()))
         rows.append(r)
         print(f"| {name} | {('**' + r['serialized'] + '**') if r['serialized'] else 'no'} | {r['regs']} | "
-              f"{r['spill']} | {r['loop_spill']} |", flush=True)
+              f"{r['spill']} | {r['loop_spill']} | {r['operand_races']} |", flush=True)
     return rows
 
 
@@ -362,7 +365,8 @@ def main():
             print(f"| {tile} | {r['regs']} | {r['stack']} | {loops} |", flush=True)
         return
     if args.wgmma:
-        print(f"triton {triton.__version__}, sm_90a\n\n| kernel, config | wgmma serialized | regs | spill B | LDL+STL in the K loop |\n|---|---|---|---|---|")
+        print(f"triton {triton.__version__}, sm_90a\n\n| kernel, config | wgmma serialized | regs | spill B | LDL+STL in "
+              f"the K loop | writes to an in-flight wgmma operand |\n|---|---|---|---|---|---|")
         wgmma_report()
         return
     print(f"triton {triton.__version__}, sm_90a, {'dX' if args.dx else 'forward'}, "
