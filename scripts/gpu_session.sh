@@ -94,6 +94,8 @@
 #              and device_env.sh installs them)
 #   gluonprobe probe_gluon_fwd.py: the table's kernel, the pointer kernel and Gluon configs (GLUON_CONFIGS) at 4096 and
 #              8192 tokens on the training shapes, bits and µs beside cuBLAS bf16 + LoRA                      ~2 min
+#   racecount  race_count.py: RACE_CALLS calls (default 200) of each W8A16 kernel (pointer, TMA, Gluon, decode, dX) on
+#              RACE_SHAPES, each bitwise against the pointer kernel: how often each races under this Triton  ~3 min
 set -o pipefail
 source scripts/device_env.sh
 t0=$(date +%s)
@@ -215,6 +217,8 @@ PY
                   --kernel-sum --kernel-table 25 --json "$OUT/bench_step_gluon$g.json"; done; done ;;
     gluonprobe) for t in 8192 4096; do part gluonprobe$t 240 python3 -P scripts/probe_gluon_fwd.py --tokens $t \
                 --shapes q3_qkv q3_o q3_gate q3_down q35_attn_qkv --configs ${GLUON_CONFIGS:-256/64/4 256/64/3}; done ;;
+    racecount) part racecount 540 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} \
+                --shapes ${RACE_SHAPES:-q3_qkv q3_o q3_down q3_gate} ;;
     xaprobe)  part xaprobe 420 python3 -P scripts/probe_k_chunking.py --targets 132 --xa-chunk-max ${XA_MAXES:-512 256} \
                 --shapes ${PROBE_SHAPES:-q3_qkv q3_o q3_down q3_gate} --json $OUT/probe_xa_chunk.json ;;
     tune8k)   part tune8k 480 python3 -P scripts/tune_w8a16.py --tma ${TUNE_TMA_ALL:+--tma-all} --buckets 1000000000 \

@@ -275,6 +275,32 @@ def case_chunk_probe_row_restores_the_chunking(tmp):
     assert line.startswith("| tiny | 1 | 2 × 768 | 3 × 256 |") and line.endswith("| 0.500 | 0 |"), line
 
 
+def case_race_count_finds_no_wrong_call(tmp):
+    # race_count.py on a tiny layer in the interpreter (the pointer kernels only: TMA and Gluon need a GPU): every
+    # kernel row, no call with a wrong element, and a kernel made to race on its second call is counted
+    import race_count as rc
+    rc.SHAPES = {"tiny": (512, 96)}
+    sys.argv = ["race_count.py", "--calls", "2", "--tokens", "40", "--decode-tokens", "3"]
+    os.environ["EPIRL_KERNELS"] = "triton"
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            rc.main()
+        calls = iter(range(3))
+
+        def flaky(out):  # the reference, then a clean call, then one with a wrong element
+            out.fill_(1.0)
+            if next(calls) == 2:
+                out[0, 0] = 3.0
+        counted = rc.count(flaky, flaky, 2, (4, 8), "cpu")
+    finally:
+        os.environ.pop("EPIRL_KERNELS")
+    rows = [line for line in text.getvalue().splitlines() if line.startswith("| tiny |")]
+    assert [r.split(" | ")[1] for r in rows] == ["fwd pointer", "dx pointer", "decode 3 tok"], text.getvalue()
+    assert all(" | 0 / 2 | 0 | " in r for r in rows), rows
+    assert counted == (1, 1, 2.0), counted  # one call, one element, |3 - 1| / max |y| = 2
+
+
 def case_read_floor_kernel_reads_every_word(tmp):
     # bench_read_floor.py's read kernel through read_once (the launch the benchmark times): 7 programs of whole
     # BLOCKs over 10 000 words, the last one short; out[p] is the xor of exactly program p's slice
