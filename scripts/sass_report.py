@@ -277,12 +277,11 @@ def _written_registers(text: str) -> set[int]:
                       "DEPBAR", "NOP", "CALL", "ARRIVES", "RED", "ATOM")):
         return set()
     words = text.split(";")[0].split()
-    operands = " ".join(words[2:] if words[0].startswith("@") else words[1:])
-    m = re.match(r"R(\d+)\b", operands)
+    at = 1 if words[0].startswith("@") else 0  # a predicate guard comes first
+    m = re.match(r"R(\d+)\b", " ".join(words[at + 1:]))
     if not m:
         return set()
-    width = 4 if ".128" in text.split()[0 if not words[0].startswith("@") else 1] else (
-        2 if ".64" in text.split()[0 if not words[0].startswith("@") else 1] else 1)
+    width = 4 if ".128" in words[at] else 2 if ".64" in words[at] else 1
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
