@@ -17,13 +17,17 @@ relative to max |y|, and the Triton version (run it under two Tritons to compare
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import triton
 
-from epirl.kernels import quantize_weight_fp8
 from epirl.kernels.gemm.configs import ws_config
 from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import make_layer  # noqa: E402  (the rank-64 layer every bench script times)
 
 SHAPES = {"q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_down": (12288, 4096), "q3_gate": (4096, 12288)}
 
@@ -97,12 +101,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name in args.shapes:
         K, N = SHAPES[name]
-        g = torch.Generator(device=device).manual_seed(K + N)
-        codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g, device=device) * 0.02)
-        x = torch.randn(args.tokens, K, generator=g, device=device).bfloat16()
-        gy = torch.randn(args.tokens, N, generator=g, device=device).bfloat16()
-        a = (torch.randn(64, K, generator=g, device=device) / K ** 0.5).bfloat16()
-        b = (torch.randn(N, 64, generator=g, device=device) * 0.05).bfloat16()
+        _, codes, scale, a, b = make_layer(K, N, dev=device)
+        x = torch.randn(args.tokens, K, device=device).bfloat16()
+        gy = torch.randn(args.tokens, N, device=device).bfloat16()
         decode_x = x[:args.decode_tokens].contiguous()
         for label, reference, run in kernels(x, gy, codes, scale, a, b, decode_x):
             rows = args.decode_tokens if label.startswith("decode") else args.tokens

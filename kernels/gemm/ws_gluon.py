@@ -2,8 +2,9 @@
 race by construction.
 
 Why: the Triton TMA kernel (`ws_tma.py`) is miscompiled by Triton 3.6 for some compiles: wrong tiles that change from
-run to run (a race on its stage buffers; on 2026-12-04 two of the table's own 128x256 tiles gave 2048 and 4096 wrong
-outputs of up to 1e29 in probe runs), so each table TMA entry is checked against the pointer kernel on its first call
+run to run (on 2026-12-04 two of the table's own 128x256 tiles gave 2048 and 4096 wrong outputs of up to 1e29 in probe
+runs; likely triton-lang/triton#9433, the register-A hazard below, which Triton 3.6 builds into every W8A16 Triton
+kernel), so each table TMA entry is checked against the pointer kernel on its first call
 and every `ws_tma.RECHECK_EVERY` calls, and a race between checks goes unseen. Its k-loop also holds 6 CTA-wide
 `BAR.SYNC`s per 64-deep step. Here the synchronization is explicit, the way CUTLASS splits a mixed-input GEMM:
 - two consumer warpgroups (`gl.warp_specialize`), each owning 64 of the tile's 128 weight rows, wait only on the
@@ -40,9 +41,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._host import cdiv
 from .widen import _WIDEN_ASM
+from .ws_tma import _aligned  # row-major, 16-byte aligned base and rows: TMA's rules
 
 # Gluon is experimental and renames things between Triton releases: the TMA load is `async_copy_global_to_shared`
-# in 3.6 (the H200 image) and `async_load` from 3.7 on
+# in 3.6 (the H200 image) and `async_load` in 3.9 (CI's)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 weight rows of the tile
@@ -173,7 +175,7 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
                      HAS_BIAS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, BR: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_N: gl.constexpr):
     """One program per output tile [128 weight rows, BM tokens] (grouped order, as `_grouped_tile_ids_of`)."""
-    BN: gl.constexpr = 128
+    BN: gl.constexpr = 128  # the module's BN (a jit function reads only constexpr globals)
     pid = gl.program_id(0)
     tiles_n = gl.cdiv(N, BN)
     tiles_m = gl.cdiv(M, BM)
@@ -209,20 +211,14 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 CTA may use
 
 
-def _row_major(t: torch.Tensor) -> bool:
-    """2-D, unit column stride, 16-byte aligned base and rows (TMA's rules)."""
-    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
-
-
 def gluon_ok(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: int) -> bool:
     """Whether `launch_gluon_fwd` can run this call: CUDA bf16 x and e4m3 codes, x / codes / xa / B row-major and
     TMA-aligned, y with unit column stride, the chunks tiling K in an even number of BK steps each (`_mainloop`
     takes them in pairs), and the ring plus the LoRA tiles within a CTA's shared memory."""
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
     smem = stages * (BN * BK + BM * BK * x.element_size()) + (BM + BN) * br * 2 + 1024
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn and _row_major(x)
-            and _row_major(w) and y.stride(1) == 1 and (xa is None or (_row_major(xa) and _row_major(lora_b)))
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn and _aligned(x)
+            and _aligned(w) and y.stride(1) == 1 and (xa is None or (_aligned(xa) and _aligned(lora_b)))
             and k_chunk * n_chunks == x.shape[1] and k_chunk % (2 * BK) == 0 and BM in (128, 256)
             and smem <= SMEM_LIMIT)
 
