@@ -96,6 +96,10 @@
 #              8192 tokens on the training shapes, bits and µs beside cuBLAS bf16 + LoRA                      ~2 min
 #   racecount  race_count.py: RACE_CALLS calls (default 200) of each W8A16 kernel (pointer, TMA, Gluon, decode, dX) on
 #              RACE_SHAPES, each bitwise against the pointer kernel: how often each races under this Triton  ~3 min
+#   drain      the wgmma drain (kernels/gemm/wgmma_drain.py): race_count.py with it (4000 calls), bench_kernels.py with
+#              EPIRL_WGMMA_DRAIN=0 / 1 (and under the Triton 3.9 at $HOME/t39 when there), the FP8 step with it off / on ~15 min
+#   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
+#              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
 source scripts/device_env.sh
 t0=$(date +%s)
@@ -218,6 +222,19 @@ PY
     gluonprobe) for t in 8192 4096; do part gluonprobe$t 240 python3 -P scripts/probe_gluon_fwd.py --tokens $t \
                 --shapes q3_qkv q3_o q3_gate q3_down q35_attn_qkv --configs ${GLUON_CONFIGS:-256/64/4 256/64/3}; done ;;
     racecount) part racecount 540 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} \
+                --shapes ${RACE_SHAPES:-q3_qkv q3_o q3_down q3_gate} ;;
+    drain)    part racedrain 300 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-4000} \
+                --shapes ${RACE_SHAPES:-q3_down q3_qkv q3_gate}
+              for d in 0 1; do EPIRL_WGMMA_DRAIN=$d part benchdrain$d 300 python3 -P scripts/bench_kernels.py \
+                --tokens 1 16 4096 8192 --train-tokens 8192 --shapes q3_qkv q3_o q3_gate_up q3_down \
+                --json $OUT/bench_drain$d.json; done
+              [ -d $HOME/t39 ] && part benchdrain39 300 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \
+                python3 -P scripts/bench_kernels.py --tokens 1 16 4096 8192 --train-tokens 8192 \
+                --shapes q3_qkv q3_o q3_gate_up q3_down --json $OUT/bench_drain39.json
+              for d in 0 1; do EPIRL_WGMMA_DRAIN=$d part stepdrain$d 400 python3 -P scripts/bench_trainer.py \
+                --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum --json "$OUT/bench_step_drain$d.json"; done ;;
+    racecount39) part racecount39 540 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \
+                python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} \
                 --shapes ${RACE_SHAPES:-q3_qkv q3_o q3_down q3_gate} ;;
     xaprobe)  part xaprobe 420 python3 -P scripts/probe_k_chunking.py --targets 132 --xa-chunk-max ${XA_MAXES:-512 256} \
                 --shapes ${PROBE_SHAPES:-q3_qkv q3_o q3_down q3_gate} --json $OUT/probe_xa_chunk.json ;;

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import wgmma_drain
+from .wgmma_drain import DRAIN as WGMMA_DRAIN
+
 WIDEN_ENV = "EPIRL_WIDEN"  # "cvt": Triton's conversion instructions instead (read at import; for A/B timing)
 # Triton's CPU interpreter runs no PTX: there every caller takes `.to` (scripts that launch with DOT_F32=False too)
 PTX_WIDEN = tl.constexpr(os.environ.get(WIDEN_ENV, "ptx") != "cvt" and os.environ.get("TRITON_INTERPRET", "0") != "1")
@@ -45,12 +48,17 @@ and.b32 v, v, 0x87F087F0;
 fma.rn.bf16x2 $0, v, two120, nzero;
 }""")
 
+if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    wgmma_drain.install()  # the register-A race fix for the kernels that call widen_e4m3 (Triton < 3.9)
+
 
 @triton.jit
 def widen_e4m3(w):
     """bf16 of an e4m3 tile (any layout), bitwise `w.to(tl.bfloat16)` for every finite code. Other dtypes (a bf16
     LoRA A in the weight operand's place), Triton's CPU interpreter (it runs no PTX) and EPIRL_WIDEN=cvt take
     `.to(tl.bfloat16)`."""
+    if WGMMA_DRAIN:  # no code: naming the flag puts wgmma_drain's PTX pass into every caller's Triton cache key
+        pass
     if (w.dtype == tl.float8e4nv) and PTX_WIDEN:
         # pack=2: the two codes of one 16-bit shared-memory load in, one bf16x2 wgmma A register out (pack=4 made
         # Triton add ~3 byte moves per code to gather and scatter the packs)
