@@ -98,6 +98,8 @@
 #              RACE_SHAPES, each bitwise against the pointer kernel: how often each races under this Triton  ~3 min
 #   drain      the wgmma drain (kernels/gemm/wgmma_drain.py): race_count.py with it (4000 calls), bench_kernels.py with
 #              EPIRL_WGMMA_DRAIN=0 / 1 (and under the Triton 3.9 at $HOME/t39 when there), the FP8 step with it off / on ~15 min
+#   gluonqkv   probe_gluon_fwd.py on q3_qkv / q3_kv (rank 64; and rank 192, the fused qkv, at BM 128), then the FP8 step
+#              with the committed table and without Gluon on the qkv and k/v entries (EPIRL_WS_CONFIGS, $OUT) ~5 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -233,6 +235,21 @@ PY
                 --shapes q3_qkv q3_o q3_gate_up q3_down --json $OUT/bench_drain39.json
               for d in 0 1; do EPIRL_WGMMA_DRAIN=$d part stepdrain$d 400 python3 -P scripts/bench_trainer.py \
                 --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum --json "$OUT/bench_step_drain$d.json"; done ;;
+    gluonqkv) part gq64 240 python3 -P scripts/probe_gluon_fwd.py --tokens 8192 --shapes q3_qkv q3_kv \
+                --configs 256/64/4/16 128/64/4/16
+              part gq192 240 python3 -P scripts/probe_gluon_fwd.py --tokens 8192 --shapes q3_qkv --rank 192 \
+                --configs 128/64/4/16 128/64/4/8
+              # the committed table without the qkv and k/v entries' Gluon forward (committed on 2026-12-04)
+              python3 -P -c "import json, sys; from epirl.kernels.gemm.configs import TMA_TABLE_PATH as p
+t = json.loads(p.read_text())
+for key in ('6144x4096', '1024x4096'):
+    t['fwd'][key]['1000000000'].pop('gluon', None)
+json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
+              part step_committed 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 --steps 2 \
+                --kernel-sum --kernel-table 25 --json "$OUT/bench_step_committed.json"
+              EPIRL_WS_CONFIGS=$OUT/table_no_gluon_qkv.json part step_no_gluon_qkv 400 python3 -P \
+                scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum --kernel-table 25 \
+                --json "$OUT/bench_step_no_gluon_qkv.json" ;;
     racecount39) part racecount39 540 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \
                 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} \
                 --shapes ${RACE_SHAPES:-q3_qkv q3_o q3_down q3_gate} ;;

@@ -7,6 +7,7 @@ the base GEMM after `lora_down`) and the weight scale: the table entry's Triton 
 cuBLAS bf16 on a bf16 copy of the weight + the same LoRA as separate matmuls.
 
     python scripts/probe_gluon_fwd.py [--shapes q3_down ...] [--tokens 8192] [--configs 256/64/4/16 256/64/4 ...]
+                                      [--rank 192]
 
 Without a GPU, `--compile-only` compiles each Gluon config for sm_90a with the installed Triton (Gluon's API is
 experimental: the H200 image has 3.6) and prints registers, spills, the loops and the A-operand race check
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = {"q3_down": (12288, 4096), "q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_gate": (4096, 12288),
           "q3_gate_up": (4096, 24576), "q35_attn_qkv": (4096, 10240),
-          "q35_gdn_qkvz": (4096, 12288), "k256": (256, 4096), "k512": (512, 4096), "k1024": (1024, 4096)}
+          "q35_gdn_qkvz": (4096, 12288), "q3_kv": (4096, 1024), "k256": (256, 4096), "k512": (512, 4096), "k1024": (1024, 4096)}
 
 
 def parse_config(text: str) -> dict:
@@ -46,20 +47,24 @@ def compile_only(configs: list[dict]) -> None:
               f"{len(wgmma_register_hazards(k.asm['cubin']))}; loops (instructions / HGMMA / spill): {loops}")
 
 
-def run_gpu(shapes: list[str], tokens: int, configs: list[dict]) -> None:
+def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64) -> None:
     import torch
 
     from bench_kernels import graph_us, make_layer
     from epirl.kernels.gemm.configs import k_chunking, ws_config
-    from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm
+    from epirl.kernels.gemm.weight_stationary import _epilogue_rows, lora_down, weight_stationary_gemm
     from epirl.kernels.gemm.ws_gluon import gluon_ok, launch_gluon_fwd
 
-    print(f"# {torch.cuda.get_device_name()}; {tokens} tokens, rank-64 LoRA from a given xa, weight scale")
+    br = _epilogue_rows(rank)  # the padded rank of the Triton kernels' epilogue (256 for the fused qkv's 192)
+    print(f"# {torch.cuda.get_device_name()}; {tokens} tokens, rank-{rank} LoRA from a given xa, weight scale")
     print("| shape | kernel | µs | ×cuBLAS | wrong elements |")
     print("|---|---|---|---|---|")
     for name in shapes:
         K, N = SHAPES[name]
         _, codes, scale, a, b = make_layer(K, N)
+        if rank != a.shape[0]:
+            a = (torch.randn(rank, K, device="cuda") / K ** 0.5).bfloat16()
+            b = (torch.randn(N, rank, device="cuda") * 0.02).bfloat16()
         x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
         xa = lora_down(x, a.to(torch.bfloat16), N)
         b16 = b.to(torch.bfloat16)
@@ -80,12 +85,12 @@ def run_gpu(shapes: list[str], tokens: int, configs: list[dict]) -> None:
                 x, codes, w_scale=scale, config=c, out=out, **lora)))
         k_chunk, n_chunks = k_chunking(N, K)
         for c in configs:
-            if not gluon_ok(x, codes, want, xa, b16, k_chunk, n_chunks, c, 64):
+            if not gluon_ok(x, codes, want, xa, b16, k_chunk, n_chunks, c, br):
                 print(f"| {name} | gluon {c} | – | – | not applicable |")
                 continue
             rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}/{c['GROUP_N']}",
                          lambda out, c=c: launch_gluon_fwd(x, codes, out, scale, xa, b16, sigma, None, k_chunk,
-                                                           n_chunks, c, 64)))
+                                                           n_chunks, c, br)))
         for label, run in rows:
             out = torch.full_like(want, float("nan"))
             try:
@@ -122,12 +127,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--configs", nargs="+", default=["256/64/4", "256/64/3", "128/64/4", "128/128/3"])
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--rank", type=int, default=64, help="LoRA rank (192: the fused qkv's block-diagonal rank)")
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
     if args.compile_only:
         compile_only(configs)
     else:
-        run_gpu(args.shapes, args.tokens, configs)
+        run_gpu(args.shapes, args.tokens, configs, args.rank)
 
 
 if __name__ == "__main__":

@@ -268,7 +268,8 @@ def _gluon_forward(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_ch
     against the pointer kernel (`pointer(out)`) on its first call per key and every RECHECK_EVERY calls, as a table TMA
     entry is (`checked`; an explicit config runs it as it is). False: the caller runs its Triton kernels."""
     gluon_mod = _gluon() if x.is_cuda else None
-    if gluon_mod is None or not gluon_mod.gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, gluon_cfg, br):
+    gluon_cfg = gluon_mod.fitting_config(x, w, y, xa, lora_b, k_chunk, n_chunks, gluon_cfg, br) if gluon_mod else None
+    if gluon_cfg is None:
         return False
 
     def gluon(out):

@@ -223,6 +223,19 @@ def gluon_ok(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: in
             and smem <= SMEM_LIMIT)
 
 
+def fitting_config(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: int) -> dict | None:
+    """The config `launch_gluon_fwd` runs for this call: `cfg` where `gluon_ok` holds; where only its shared memory
+    overflows at BM = 256 (a LoRA rank whose tiles do not fit beside that ring: the fused qkv's block-diagonal rank 192,
+    padded to 256), the same config at BM = 128; else None (the Triton kernels run). Token tiles never change an
+    element's arithmetic, so both give the same bits."""
+    if gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, cfg, br):
+        return cfg
+    narrow = dict(cfg, BM=128)
+    if cfg["BM"] == 256 and gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, narrow, br):
+        return narrow
+    return None
+
+
 def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, cfg, br):
     """y `[M, N]` = the W8A16 forward of x `[M, K]` and codes w `[N, K]` with xa (bf16 `[M, r]`, given) and B
     `[N, r]` (`gluon_ok` must hold); cfg: BM (tokens per tile: 128 or 256), BK, num_stages, GROUP_N (default 8); br:

@@ -362,6 +362,32 @@ def test_gluon_forward_gives_the_pointer_kernels_bits(K, N):
     assert "broken" not in ws._GLUON, ws._GLUON
 
 
+def test_gluon_forward_narrows_its_tile_for_the_fused_qkv_rank():
+    """At rank 192 (a fused qkv's block-diagonal rank, 256 in the epilogue) the entry's 256-token tiles overflow
+    shared memory beside the LoRA tiles; `fitting_config` runs 128-token tiles instead, with the pointer kernel's
+    bits, through the table (twice) and as an explicit config."""
+    from epirl.kernels.gemm import weight_stationary as ws
+    from epirl.kernels.gemm.configs import k_chunking, ws_config
+    K, N, M = 4096, 4096, 4113
+    x, codes, scale, a, b, bias = problem(M, K, N, 192, seed=11)
+    table_cfg = dict(ws_config("fwd", N, K, 4096))
+    pointer = {k: v for k, v in table_cfg.items() if k not in ("gluon", "tma")}
+    k_chunk, n_chunks = k_chunking(N, K)
+    xa = lora_down(x, a, chunk_n=N)
+    y = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+    gluon = ws._gluon()
+    assert not gluon.gluon_ok(x, codes, y, xa, b, k_chunk, n_chunks, table_cfg["gluon"], 256)
+    narrow = gluon.fitting_config(x, codes, y, xa, b, k_chunk, n_chunks, table_cfg["gluon"], 256)
+    assert narrow == dict(table_cfg["gluon"], BM=128)
+    args = dict(w_scale=scale, bias=bias, xa=xa, lora_b=b, lora_scale=2.0)
+    want = weight_stationary_gemm(x, codes, torch.bfloat16, config=pointer, **args)
+    for cfg in (None, None, dict(table_cfg, gluon=narrow)):
+        out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+        got = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, out=out, **args)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg
+    assert "broken" not in ws._GLUON, ws._GLUON
+
+
 @pytest.mark.parametrize("M", [1, 17, 64, 257, 4096])
 def test_dx_table_configs_vs_reference(M):
     """Every "dx" config of the table computes dX = dY·W within tolerance (the codes read transposed)."""
