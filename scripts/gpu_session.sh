@@ -100,6 +100,9 @@
 #              EPIRL_WGMMA_DRAIN=0 / 1 (and under the Triton 3.9 at $HOME/t39 when there), the FP8 step with it off / on ~15 min
 #   gluonqkv   probe_gluon_fwd.py on q3_qkv / q3_kv (rank 64; and rank 192, the fused qkv, at BM 128), then the FP8 step
 #              with the committed table and without Gluon on the qkv and k/v entries (EPIRL_WS_CONFIGS, $OUT) ~5 min
+#   tunedrain  tune_w8a16.py on the decode bucket(s) (TUNE_BUCKETS, default 16) under this Triton (3.6: with the wgmma
+#              drain), then bench_kernels.py at 1 / 16 tokens with the committed and the tuned table, each under this
+#              Triton and under the Triton 3.9 at $HOME/t39 when there                                        ~5 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -250,6 +253,14 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
               EPIRL_WS_CONFIGS=$OUT/table_no_gluon_qkv.json part step_no_gluon_qkv 400 python3 -P \
                 scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum --kernel-table 25 \
                 --json "$OUT/bench_step_no_gluon_qkv.json" ;;
+    tunedrain) part tunedrain 300 python3 -P scripts/tune_w8a16.py --buckets ${TUNE_BUCKETS:-16} --out $OUT/ws_configs.json
+              for tbl in committed tuned; do
+                [ $tbl = tuned ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
+                part dec_${tbl}_36 150 python3 -P scripts/bench_kernels.py --tokens 1 16 --train-tokens \
+                  --json $OUT/dec_${tbl}_36.json
+                [ -d $HOME/t39 ] && PYTHONPATH=$HOME/t39:$PYTHONPATH part dec_${tbl}_39 150 python3 -P \
+                  scripts/bench_kernels.py --tokens 1 16 --train-tokens --json $OUT/dec_${tbl}_39.json
+              done; unset EPIRL_WS_CONFIGS ;;
     racecount39) part racecount39 540 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \
                 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} \
                 --shapes ${RACE_SHAPES:-q3_qkv q3_o q3_down q3_gate} ;;
