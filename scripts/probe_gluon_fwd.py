@@ -7,7 +7,7 @@ the base GEMM after `lora_down`) and the weight scale: the table entry's Triton 
 cuBLAS bf16 on a bf16 copy of the weight + the same LoRA as separate matmuls.
 
     python scripts/probe_gluon_fwd.py [--shapes q3_down ...] [--tokens 8192] [--configs 256/64/4/16 256/64/4 ...]
-                                      [--rank 192]
+                                      [--rank 192] [--dx]
 
 Without a GPU, `--compile-only` compiles each Gluon config for sm_90a with the installed Triton (Gluon's API is
 experimental: the H200 image has 3.6) and prints registers, spills, the loops and the A-operand race check
@@ -47,16 +47,16 @@ def compile_only(configs: list[dict]) -> None:
               f"{len(wgmma_register_hazards(k.asm['cubin']))}; loops (instructions / HGMMA / spill): {loops}")
 
 
-def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64) -> None:
+def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64, op: str = "fwd") -> None:
     import torch
 
     from bench_kernels import graph_us, make_layer
     from epirl.kernels.gemm.configs import k_chunking, ws_config
-    from epirl.kernels.gemm.weight_stationary import _epilogue_rows, lora_down, weight_stationary_gemm
+    from epirl.kernels.gemm.weight_stationary import _epilogue_rows, lora_down, weight_stationary_gemm, whole_k
     from epirl.kernels.gemm.ws_gluon import gluon_ok, launch_gluon_fwd
 
     br = _epilogue_rows(rank)  # the padded rank of the Triton kernels' epilogue (256 for the fused qkv's 192)
-    print(f"# {torch.cuda.get_device_name()}; {tokens} tokens, rank-{rank} LoRA from a given xa, weight scale")
+    print(f"# {torch.cuda.get_device_name()}; {op}, {tokens} tokens, rank-{rank} LoRA from a given xa, weight scale")
     print("| shape | kernel | µs | ×cuBLAS | wrong elements |")
     print("|---|---|---|---|---|")
     for name in shapes:
@@ -65,32 +65,40 @@ def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64)
         if rank != a.shape[0]:
             a = (torch.randn(rank, K, device="cuda") / K ** 0.5).bfloat16()
             b = (torch.randn(N, rank, device="cuda") * 0.02).bfloat16()
-        x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
-        xa = lora_down(x, a.to(torch.bfloat16), N)
-        b16 = b.to(torch.bfloat16)
         sigma = 2.0
         w16 = (codes.float() * scale).bfloat16()
-        cublas = graph_us(lambda: x @ w16.t() + sigma * (xa @ b16.t()))
+        if op == "fwd":  # y = x·Wᵀ + σ·(x·Aᵀ)·Bᵀ over K in the forward's chunks
+            x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
+            w, xa, lb = codes, lora_down(x, a, N), b
+            cublas = graph_us(lambda: x @ w16.t() + sigma * (xa @ b.t()))
+            k_chunk, n_chunks = k_chunking(N, K)
+            table = dict(ws_config("fwd", N, K, tokens))
+        else:  # dX = gy·W + σ·(gy·B)·A over N in one chunk, the codes read transposed
+            x = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
+            w, xa, lb = codes.t(), (x @ b).bfloat16(), a.t()
+            cublas = graph_us(lambda: x @ w16 + sigma * (xa @ a))
+            k_chunk, n_chunks = whole_k(N)
+            table = dict(ws_config("dx", K, N, tokens))
         print(f"| {name} | cuBLAS bf16 + LoRA | {cublas:.1f} | 1.00 | – |", flush=True)
-        lora = dict(xa=xa, lora_b=b16, lora_scale=sigma)
-        table = dict(ws_config("fwd", N, K, tokens))
+        lora = dict(xa=xa, lora_b=lb, lora_scale=sigma)
+
+        def call(out, c):
+            return weight_stationary_gemm(x, w, w_scale=scale, config=c, out=out, op=op, **lora)
         triton_cfg = {k: v for k, v in table.items() if k != "gluon"}  # the entry's Triton kernels (an explicit
         pointer = dict(triton_cfg, tma=False)                          # config with "gluon" runs the Gluon kernel)
-        want = weight_stationary_gemm(x, codes, w_scale=scale, config=pointer, **lora)
+        want = call(None, pointer)
         bits = want.view(torch.int16)
         rows = [("pointer " + "/".join(str(pointer[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages")),
-                 lambda out, c=pointer: weight_stationary_gemm(x, codes, w_scale=scale, config=c, out=out, **lora))]
+                 lambda out, c=pointer: call(out, c))]
         if table.get("tma"):
-            rows.append(("TMA (the table's)", lambda out, c=triton_cfg: weight_stationary_gemm(
-                x, codes, w_scale=scale, config=c, out=out, **lora)))
-        k_chunk, n_chunks = k_chunking(N, K)
+            rows.append(("TMA (the table's)", lambda out, c=triton_cfg: call(out, c)))
         for c in configs:
-            if not gluon_ok(x, codes, want, xa, b16, k_chunk, n_chunks, c, br):
+            if not gluon_ok(x, w, want, xa, lb, k_chunk, n_chunks, c, br):
                 print(f"| {name} | gluon {c} | – | – | not applicable |")
                 continue
             rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}/{c['GROUP_N']}",
-                         lambda out, c=c: launch_gluon_fwd(x, codes, out, scale, xa, b16, sigma, None, k_chunk,
-                                                           n_chunks, c, br)))
+                         lambda out, c=c: launch_gluon_fwd(x, w, out, scale, xa, lb, sigma, None, k_chunk, n_chunks,
+                                                           c, br)))
         for label, run in rows:
             out = torch.full_like(want, float("nan"))
             try:
@@ -128,12 +136,13 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["256/64/4", "256/64/3", "128/64/4", "128/128/3"])
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--rank", type=int, default=64, help="LoRA rank (192: the fused qkv's block-diagonal rank)")
+    ap.add_argument("--dx", action="store_true", help="dX = gy·W (the codes read transposed) instead of the forward")
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
     if args.compile_only:
         compile_only(configs)
     else:
-        run_gpu(args.shapes, args.tokens, configs, args.rank)
+        run_gpu(args.shapes, args.tokens, configs, args.rank, "dx" if args.dx else "fwd")
 
 
 if __name__ == "__main__":

@@ -105,8 +105,8 @@ def _xa_chunking(N: int, K: int, target_programs: int, min_chunks: int, xa_chunk
 
 
 def _gluon_config_ok(g) -> bool:
-    """A table entry's "gluon" (the warp-specialized forward, `ws_gluon.py`): its tokens per tile, k-step depth and
-    ring depth; the entry's other fields stay the config of the Triton kernels that run where Gluon cannot."""
+    """A table entry's "gluon" (the warp-specialized forward or dX, `ws_gluon.py`): its tokens per tile, k-step depth
+    and ring depth; the entry's other fields stay the config of the Triton kernels that run where Gluon cannot."""
     return (isinstance(g, dict) and set(g) <= {"BM", "BK", "num_stages", "GROUP_N"} and g.get("BM") in (128, 256)
             and g.get("BK") in (32, 64, 128) and isinstance(g.get("num_stages"), int) and 2 <= g["num_stages"] <= 8
             and isinstance(g.get("GROUP_N", 8), int) and g.get("GROUP_N", 8) >= 1)
@@ -130,9 +130,9 @@ def load_table(path: str | None = None) -> dict:
         raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}: tma must be one of true, false, \"x\" and flatten "
                            f"true or false")
     bad = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
-           for bound, cfg in row.items() if "gluon" in cfg and (op != "fwd" or not _gluon_config_ok(cfg["gluon"]))]
+           for bound, cfg in row.items() if "gluon" in cfg and not _gluon_config_ok(cfg["gluon"])]
     if bad:
-        raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}.gluon: a forward entry's Gluon config is "
+        raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}.gluon: an entry's Gluon config is "
                            f"{{\"BM\": 128 or 256, \"BK\": 32, 64 or 128, \"num_stages\": 2-8}} (and optionally "
                            f"\"GROUP_N\" ≥ 1)")
     if not tma_enabled():

@@ -262,11 +262,12 @@ def down_parts_per_program(cfg: dict, K: int, k_chunk: int, n_chunks: int, rows:
     return max(1, (cfg["BN"] * base_depth) // (rows * xa_chunk * x_bytes))
 
 
-def _gluon_forward(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, gluon_cfg, br, pointer,
-                   checked) -> bool:
-    """y from the Gluon forward (`ws_gluon`) of a table entry's "gluon" config, if it can run this call: checked
-    against the pointer kernel (`pointer(out)`) on its first call per key and every RECHECK_EVERY calls, as a table TMA
-    entry is (`checked`; an explicit config runs it as it is). False: the caller runs its Triton kernels."""
+def _gluon_gemm(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, gluon_cfg, br, pointer,
+                checked, op="fwd") -> bool:
+    """y from the Gluon kernel (`ws_gluon`: forward, or dX with w = `codes.t()`) of a table entry's "gluon" config,
+    if it can run this call: checked against the pointer kernel (`pointer(out)`) on its first call per key and every
+    RECHECK_EVERY calls, as a table TMA entry is (`checked`; an explicit config runs it as it is). False: the caller
+    runs its Triton kernels."""
     gluon_mod = _gluon() if x.is_cuda else None
     gluon_cfg = gluon_mod.fitting_config(x, w, y, xa, lora_b, k_chunk, n_chunks, gluon_cfg, br) if gluon_mod else None
     if gluon_cfg is None:
@@ -278,22 +279,22 @@ def _gluon_forward(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_ch
                                               gluon_cfg, br)
         except Exception as err:  # Gluon is experimental: an API this Triton moved fails here, not silently
             _GLUON["broken"] = f"{type(err).__name__}: {str(err)[:200]}"
-            warnings.warn(f"W8A16 Gluon forward unavailable on this Triton ({_GLUON['broken']}); the table's Triton "
+            warnings.warn(f"W8A16 Gluon kernel unavailable on this Triton ({_GLUON['broken']}); the table's Triton "
                           f"kernels run instead ({GLUON_ENV}=0 turns it off)")
             return pointer(out)
 
     if checked:
         M, N = y.shape
-        key = ("fwd-gluon", N, x.shape[1], tuple(sorted(gluon_cfg.items())), xa is not None, bias is not None,
+        key = (f"{op}-gluon", N, x.shape[1], tuple(sorted(gluon_cfg.items())), xa is not None, bias is not None,
                M.bit_length())
-        checked_tma_single(key, y, gluon, pointer, kernel=f"Gluon forward ({GLUON_ENV}=0 turns it off)")
+        checked_tma_single(key, y, gluon, pointer, kernel=f"Gluon {op} ({GLUON_ENV}=0 turns it off)")
     else:
         gluon(y)
     return True
 
 
 def _gluon():
-    """`ws_gluon` (the warp-specialized Gluon forward a table entry's "gluon" asks for), or None: turned off
+    """`ws_gluon` (the warp-specialized Gluon kernel a table entry's "gluon" asks for), or None: turned off
     (EPIRL_WS_GLUON=0), a Triton without Gluon's Hopper API, or one whose first launch failed here."""
     if os.environ.get(GLUON_ENV, "1") == "0" or "broken" in _GLUON:
         return None
@@ -450,9 +451,9 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
         return launch_tma_single(x, w, out, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
                                  lora_strides, cfg, flags)
 
-    gluon_cfg = cfg.get("gluon") if op == "fwd" and not wait_down else None  # the warp-specialized forward
-    if gluon_cfg and _gluon_forward(x, w, y, w_scale, xa if has_lora else None, lora_b if has_lora else None,
-                                    lora_scale, bias, k_chunk, n_chunks, gluon_cfg, BR, pointer, config is None):
+    gluon_cfg = cfg.get("gluon") if not wait_down else None  # the warp-specialized forward / dX
+    if gluon_cfg and _gluon_gemm(x, w, y, w_scale, xa if has_lora else None, lora_b if has_lora else None,
+                                    lora_scale, bias, k_chunk, n_chunks, gluon_cfg, BR, pointer, config is None, op):
         return (y, xa) if return_xa else y
     if not (cfg.get("tma") and tma_ok(x, w) and not wait_down):
         pointer(y)

@@ -26,9 +26,15 @@ and xa through TMA, B as wgmma's shared-memory operand -, bias, round): the poin
 (tests/kernels/test_gpu_kernels.py, H200). Registers: a warpgroup holds its [64, BM] chunk accumulator and running
 total; at BM = 256 the total spills at chunk ends only.
 
-Used where a table entry carries "gluon" (the forward's many-token bucket; `weight_stationary._gluon_forward`, checked
+Used where a table entry carries "gluon" (the forward's many-token bucket; `weight_stationary._gluon_gemm`, checked
 per key like a TMA entry), off with EPIRL_WS_GLUON=0; on an API this Triton lacks it warns once and the Triton kernels
 run. Gluon is Triton's experimental tile-level language: this module is imported only on such a CUDA call.
+
+dX (W_T; w = `codes.t()`, B = the LoRA Aᵀ): the same kernel with the codes and B read transposed - `[BK, 64]` TMA boxes,
+one per warpgroup, loaded into wgmma's A layout with byte loads (the two codes of a bf16x2 register lie in different
+rows) and B as an MN-major shared operand. Bitwise the Triton dX kernels' (H200, GPU tests), but slower: 1.3-1.5x the
+Triton TMA dX at BM 128 and ~4x at BM 256 (2026-12-04, 8192 tokens; twice the shared loads per k-step, and column-wise
+byte reads of 64-byte rows), so no table entry selects it; it stays for the tests and `probe_gluon_fwd.py --dx`.
 """
 
 from __future__ import annotations
@@ -63,16 +69,22 @@ def _widen(codes):
 
 @gluon.jit
 def _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, t, n_steps, BK: gl.constexpr,
-               STAGES: gl.constexpr):
+               STAGES: gl.constexpr, W_T: gl.constexpr):
     """TMA loads of k-step t's codes and x tiles into buffer t % STAGES (nothing past the last step), once the
-    other warpgroup has freed that buffer from step t - STAGES."""
+    other warpgroup has freed that buffer from step t - STAGES. W_T (dX): the codes come `[BK, 64]` from the
+    row-major `[N, K]` codes, one box per warpgroup's 64 output rows (buffers 2·s and 2·s + 1)."""
     if t < n_steps:
         s = t % STAGES
         # parity ^ 1: a fresh barrier counts as having completed the phase before its first, so the first STAGES
         # loads do not wait
         mbarrier.wait(free.index(s), ((t // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        _tma_load(w_desc, [off_n, t * BK], ready.index(s), w_smem.index(s))
+        if W_T:
+            mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            _tma_load(w_desc, [t * BK, off_n], ready.index(s), w_smem.index(2 * s))
+            _tma_load(w_desc, [t * BK, off_n + 64], ready.index(s), w_smem.index(2 * s + 1))
+        else:
+            mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            _tma_load(w_desc, [off_n, t * BK], ready.index(s), w_smem.index(s))
         _tma_load(x_desc, [off_m, t * BK], ready.index(s), x_smem.index(s))
 
 
@@ -87,13 +99,16 @@ def _hold(a):
 
 @gluon.jit
 def _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_prev, i, n_steps, off_n, off_m, release,
-          a_layout: gl.constexpr, WG: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+          a_layout: gl.constexpr, WG: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, W_T: gl.constexpr):
     """k-step i into acc: (acc, A registers of its wgmma, still in flight). Waits for step i - 1's wgmma, holds that
     step's A registers a_prev until then, and warpgroup 0 loads step i + STAGES - 1 into step i - 1's buffer,
     warpgroup 1 frees that buffer (if `release`)."""
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    codes = w_smem.index(s).slice(WG * 64, 64).load(a_layout)
+    if W_T:  # this warpgroup's `[BK, 64]` box, read transposed (byte loads: the k pairs lie in different rows)
+        codes = w_smem.index(2 * s + WG).permute((1, 0)).load(a_layout)
+    else:
+        codes = w_smem.index(s).slice(WG * 64, 64).load(a_layout)
     a = _widen(codes)
     acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
     # at most this step's wgmma in flight: the previous step's is done, its buffer free for this warpgroup (its
@@ -101,7 +116,8 @@ def _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_prev, i, n_steps, 
     acc, a = warpgroup_mma_wait(1, deps=(acc, a))
     _hold(a_prev)
     if WG == 0:
-        _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, i + STAGES - 1, n_steps, BK, STAGES)
+        _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, i + STAGES - 1, n_steps, BK, STAGES,
+                   W_T)
     else:
         mbarrier.arrive(free.index((i + STAGES - 1) % STAGES), pred=release)
     return acc, a
@@ -109,7 +125,8 @@ def _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_prev, i, n_steps, 
 
 @gluon.jit
 def _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_n, off_m, acc_layout: gl.constexpr,
-              a_layout: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+              a_layout: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              W_T: gl.constexpr):
     """Σ over the K chunks in order (+0.0 first) of each chunk's k-steps from zero: the running total [64, BM].
     Steps go in pairs (`steps` is even) with A registers of their own, so that the in-flight wgmma's operand and the
     next step's are distinct registers in the PTX itself."""
@@ -121,9 +138,9 @@ def _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_
         for j in range(0, steps, 2):
             i = c * steps + j
             acc, a_even = _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_odd, i, n_steps, off_n, off_m,
-                                i > 0, a_layout, WG, BK, STAGES)
+                                i > 0, a_layout, WG, BK, STAGES, W_T)
             acc, a_odd = _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_even, i + 1, n_steps, off_n,
-                               off_m, True, a_layout, WG, BK, STAGES)
+                               off_m, True, a_layout, WG, BK, STAGES, W_T)
         acc, a_odd = warpgroup_mma_wait(0, deps=(acc, a_odd))
         total = total + acc
     return total
@@ -133,7 +150,7 @@ def _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_
 def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
               w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, n_chunks, steps,
               WG: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr,
-              HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr):
+              HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, W_T: gl.constexpr):
     """Warpgroup WG: weight rows off_n + 64·WG ... + 63 of the tile, every chunk, then the epilogue. Warpgroup 0
     issues the TMA loads (the LoRA tiles - xa's and B's rows - and the first STAGES - 1 k-steps first)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -142,13 +159,18 @@ def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, 
     n_steps = n_chunks * steps
     if WG == 0:
         if HAS_LORA:
-            mbarrier.expect(xa_bar, xa_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            if W_T:  # Bᵀ `[r, N]` row-major (dX's B is the LoRA A): one `[BR, 64]` box per warpgroup's rows
+                mbarrier.expect(xa_bar, xa_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+                _tma_load(b_desc, [0, off_n], xa_bar, b_smem.index(0))
+                _tma_load(b_desc, [0, off_n + 64], xa_bar, b_smem.index(1))
+            else:
+                mbarrier.expect(xa_bar, xa_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(b_desc, [off_n, 0], xa_bar, b_smem)
             _tma_load(xa_desc, [off_m, 0], xa_bar, xa_smem)
-            _tma_load(b_desc, [off_n, 0], xa_bar, b_smem)
         for t in gl.static_range(STAGES - 1):
-            _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, t, n_steps, BK, STAGES)
+            _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, t, n_steps, BK, STAGES, W_T)
     total = _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_n, off_m, acc_layout,
-                      a_layout, WG, BM, BK, STAGES)
+                      a_layout, WG, BM, BK, STAGES, W_T)
     rn = off_n + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
     mask_n = rn < N
@@ -159,8 +181,12 @@ def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, 
         # kernels' masked loads): no register layout conversion, whose scratch buffer the two warpgroups would
         # share while their epilogues overlap
         mbarrier.wait(xa_bar, 0)
-        lora = warpgroup_mma(b_smem.slice(WG * 64, 64), xa_smem.permute((1, 0)),
-                             gl.zeros([64, BM], gl.float32, acc_layout), is_async=True)
+        if W_T:  # B's rows, MN-major in shared memory (wgmma transposes a 16-bit shared A operand itself)
+            b_rows = b_smem.index(WG).permute((1, 0))
+        else:
+            b_rows = b_smem.slice(WG * 64, 64)
+        lora = warpgroup_mma(b_rows, xa_smem.permute((1, 0)), gl.zeros([64, BM], gl.float32, acc_layout),
+                             is_async=True)
         lora = warpgroup_mma_wait(0, deps=(lora,))
         total = gl.fma(lora, lora_scale, total)  # explicit FMA, as `_ws_epilogue`
     if HAS_BIAS:
@@ -173,7 +199,7 @@ def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, 
 def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_ptr, M, N, K_CHUNK, N_CHUNKS,
                      lora_scale, stride_ym, HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr,
                      HAS_BIAS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, BR: gl.constexpr,
-                     STAGES: gl.constexpr, GROUP_N: gl.constexpr):
+                     STAGES: gl.constexpr, GROUP_N: gl.constexpr, W_T: gl.constexpr = False):
     """One program per output tile [128 weight rows, BM tokens] (grouped order, as `_grouped_tile_ids_of`)."""
     BN: gl.constexpr = 128  # the module's BN (a jit function reads only constexpr globals)
     pid = gl.program_id(0)
@@ -185,10 +211,14 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
     off_n = (first + (pid % (GROUP_N * tiles_m)) % size) * BN
     off_m = ((pid % (GROUP_N * tiles_m)) // size) * BM
 
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    if W_T:  # dX: per stage one `[BK, 64]` codes box per warpgroup; Bᵀ as two `[BR, 64]` boxes
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [2 * STAGES, BK, 64], w_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [2, BR, 64], b_desc.layout)
+    else:
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_type.shape, b_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     xa_smem = gl.allocate_shared_memory(xa_desc.dtype, xa_desc.block_type.shape, xa_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     xa_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -200,25 +230,34 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
     gl.warp_specialize([
         (_consumer, (x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
                      w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, N_CHUNKS, steps, 0, BM, BK,
-                     BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS)),
+                     BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T)),
         # (warpgroup 1 issues no load: no descriptor is passed to its partition)
         (_consumer, (None, None, None, None, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
                      w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, N_CHUNKS, steps, 1, BM, BK,
-                     BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS)),
+                     BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T)),
     ], [4], [CONSUMER_REGS])
 
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 CTA may use
 
 
+def _codes_transposed(w) -> bool:
+    """Whether w is dX's view of the codes: `codes.t()` of row-major `[N, K]` codes (the dX call's `[K, N]`, read with
+    N as the reduction)."""
+    return w.dim() == 2 and w.stride(0) == 1 and w.stride(1) == w.shape[0] and w.shape[1] > 1
+
+
 def gluon_ok(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: int) -> bool:
-    """Whether `launch_gluon_fwd` can run this call: CUDA bf16 x and e4m3 codes, x / codes / xa / B row-major and
-    TMA-aligned, y with unit column stride, the chunks tiling K in an even number of BK steps each (`_mainloop`
-    takes them in pairs), and the ring plus the LoRA tiles within a CTA's shared memory."""
+    """Whether `launch_gluon_fwd` can run this call: CUDA bf16 x and e4m3 codes, x and xa row-major, the codes and B
+    row-major (forward) or both the transposed views of row-major tensors (dX: `codes.t()`, B = the LoRA Aᵀ), all
+    TMA-aligned, y with unit column stride, the chunks tiling K in an even number of BK steps each (`_mainloop` takes
+    them in pairs), and the ring plus the LoRA tiles within a CTA's shared memory."""
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
     smem = stages * (BN * BK + BM * BK * x.element_size()) + (BM + BN) * br * 2 + 1024
+    w_t = _codes_transposed(w)
+    row_major = (lambda t: _aligned(t.t())) if w_t else _aligned
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn and _aligned(x)
-            and _aligned(w) and y.stride(1) == 1 and (xa is None or (_aligned(xa) and _aligned(lora_b)))
+            and row_major(w) and y.stride(1) == 1 and (xa is None or (_aligned(xa) and row_major(lora_b)))
             and k_chunk * n_chunks == x.shape[1] and k_chunk % (2 * BK) == 0 and BM in (128, 256)
             and smem <= SMEM_LIMIT)
 
@@ -237,26 +276,31 @@ def fitting_config(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, 
 
 
 def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, cfg, br):
-    """y `[M, N]` = the W8A16 forward of x `[M, K]` and codes w `[N, K]` with xa (bf16 `[M, r]`, given) and B
-    `[N, r]` (`gluon_ok` must hold); cfg: BM (tokens per tile: 128 or 256), BK, num_stages, GROUP_N (default 8); br:
-    r padded as the Triton kernels' epilogue pads it. The bits of `weight_stationary_gemm`'s other kernels."""
+    """y `[M, N]` = the W8A16 GEMM of x `[M, K]` and codes w `[N, K]` (the forward; dX: w = `codes.t()`, B = the LoRA
+    Aᵀ, both transposed views) with xa (bf16 `[M, r]`, given) and B `[N, r]` (`gluon_ok` must hold); cfg: BM (tokens
+    per tile: 128 or 256), BK, num_stages, GROUP_N (default 8); br: r padded as the Triton kernels' epilogue pads it.
+    The bits of `weight_stationary_gemm`'s other kernels."""
     M, K = x.shape
     N = w.shape[0]
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
-    x_desc = TensorDescriptor.from_tensor(x, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16))
-    w_desc = TensorDescriptor.from_tensor(w, [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK],
-                                                                                            gl.float8e4nv))
+    w_t = _codes_transposed(w)
+
+    def desc(t, block, dtype):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    x_desc = desc(x, [BM, BK], gl.bfloat16)
+    # dX: the row-major codes `[K, N]` in `[BK, 64]` boxes, one per warpgroup's 64 output rows
+    w_desc = desc(w.t(), [BK, 64], gl.float8e4nv) if w_t else desc(w, [BN, BK], gl.float8e4nv)
     has_lora = xa is not None
-    # (without LoRA: valid descriptors that no load uses)
-    xa_src, b_src = (xa, lora_b) if has_lora else (x, x)
-    xa_block, b_block = ([BM, br], [BN, br]) if has_lora else ([BM, 16], [BN, 16])
-    xa_desc = TensorDescriptor.from_tensor(xa_src, xa_block, gl.NVMMASharedLayout.get_default_for(xa_block,
-                                                                                                  gl.bfloat16))
-    b_desc = TensorDescriptor.from_tensor(b_src, b_block, gl.NVMMASharedLayout.get_default_for(b_block, gl.bfloat16))
+    if has_lora:
+        xa_desc = desc(xa, [BM, br], gl.bfloat16)
+        b_desc = desc(lora_b.t(), [br, 64], gl.bfloat16) if w_t else desc(lora_b, [BN, br], gl.bfloat16)
+    else:  # valid descriptors that no load uses
+        xa_desc = desc(x, [BM, 16], gl.bfloat16)
+        b_desc = desc(x, [16, 64], gl.bfloat16) if w_t else desc(x, [BN, 16], gl.bfloat16)
     tiles = cdiv(M, BM) * cdiv(N, BN)
     _ws_gluon_kernel[(tiles,)](
         x_desc, w_desc, xa_desc, b_desc, y, w_scale if w_scale is not None else y, bias if bias is not None else y,
         M, N, k_chunk, n_chunks, float(lora_scale), y.stride(0),
-        HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None, BM=BM, BK=BK, BR=br,
-        STAGES=stages, GROUP_N=cfg.get("GROUP_N", 8), num_warps=4)
+        HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None, BM=BM, BK=BK,
+        BR=br if has_lora else 16, STAGES=stages, GROUP_N=cfg.get("GROUP_N", 8), W_T=w_t, num_warps=4)
     return y

@@ -4,6 +4,7 @@ import pytest
 
 import epirl.kernels as kernels
 from epirl.kernels.gemm.configs import CHUNK_ALIGN, CONFIG_KEYS, k_chunking, load_table, ws_config
+from epirl.kernels.gemm.weight_stationary import whole_k
 
 
 def test_every_table_entry_is_complete_and_divides_the_chunk():
@@ -15,9 +16,10 @@ def test_every_table_entry_is_complete_and_divides_the_chunk():
                 assert int(bound) > 0 and set(CONFIG_KEYS) <= set(cfg), (op, shape, bound)
                 assert CHUNK_ALIGN % cfg["BK"] == 0, (op, shape, bound, cfg)
                 assert cfg["BN"] >= 64 and cfg["num_warps"] >= 4, "wgmma needs a 64-row warpgroup tile"
-                if "gluon" in cfg:  # the Gluon forward takes k-steps in pairs: a chunk must hold an even number
+                if "gluon" in cfg:  # the Gluon kernel takes k-steps in pairs: a chunk must hold an even number
                     N, K = map(int, shape.split("x"))
-                    assert k_chunking(N, K)[0] % (2 * cfg["gluon"]["BK"]) == 0, (shape, bound, cfg)
+                    k_chunk = k_chunking(N, K)[0] if op == "fwd" else whole_k(K)[0]
+                    assert k_chunk % (2 * cfg["gluon"]["BK"]) == 0, (op, shape, bound, cfg)
 
 
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 12288), (1024, 4096), (90, 600), (24576, 4096)])
@@ -162,10 +164,11 @@ def test_host_integer_helpers_match_triton():
     ("fwd", {"BM": 256, "BK": 64}, False),                    # no ring depth
     ("fwd", {"BM": 256, "BK": 64, "num_stages": 4, "warps": 8}, False),
     ("fwd", {"BM": 256, "BK": 64, "num_stages": 4, "GROUP_N": 0}, False),
-    ("dx", {"BM": 256, "BK": 64, "num_stages": 4}, False),    # the Gluon kernel is the forward only
+    ("dx", {"BM": 256, "BK": 64, "num_stages": 4}, True),     # dX: the codes read transposed
+    ("dx", {"BM": 64, "BK": 64, "num_stages": 4}, False),
 ])
 def test_table_gluon_entries_are_checked_when_the_table_loads(tmp_path, op, gluon, ok):
-    """A table entry's "gluon" (the warp-specialized forward, kernels/gemm/ws_gluon.py) is validated with the table:
+    """A table entry's "gluon" (the warp-specialized forward or dX, kernels/gemm/ws_gluon.py) is validated with the table:
     a bad one is one line naming the entry, before any kernel runs; the committed table's pass."""
     import json
 

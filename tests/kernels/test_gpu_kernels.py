@@ -388,6 +388,31 @@ def test_gluon_forward_narrows_its_tile_for_the_fused_qkv_rank():
     assert "broken" not in ws._GLUON, ws._GLUON
 
 
+@pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (4096, 12288)])
+def test_gluon_dx_gives_the_pointer_kernels_bits(K, N):
+    """The Gluon kernel's dX form (the codes and the LoRA A read transposed through TMA) gives the Triton dX pointer
+    kernel's bits: rank 64 and 16 and no LoRA, at 257 and 4113 tokens, into NaN-filled outputs, each config twice;
+    as an explicit config (the kernel as it is) and through the table (whatever its entry says)."""
+    from epirl.kernels.gemm import weight_stationary as ws
+    from epirl.kernels.gemm.configs import ws_config
+    _, codes, scale, a, b, _ = problem(8, K, N, 64, seed=K + 3 * N)
+    gy = torch.randn(4113, N, device=DEV).bfloat16()
+    dx_cfg = dict(ws_config("dx", K, N, 4096))
+    gluon_cfg = dx_cfg.get("gluon", {"BM": 256, "BK": 64, "num_stages": 4, "GROUP_N": 16})
+    pointer = {k: v for k, v in dx_cfg.items() if k not in ("gluon", "tma")}
+    for M in (257, 4113):
+        g = gy[:M]
+        for r in (64, 16, 0):
+            lora = dict(xa=(g @ b[:, :r]).bfloat16(), lora_b=a[:r].t(), lora_scale=2.0) if r else {}
+            want = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=pointer, op="dx", **lora)
+            for cfg in (dict(pointer, gluon=gluon_cfg), None, dict(pointer, gluon=gluon_cfg), None):
+                out = torch.full((M, K), float("nan"), device=DEV, dtype=torch.bfloat16)
+                got = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=cfg, out=out,
+                                             op="dx", **lora)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (K, N, M, r, cfg is None)
+    assert "broken" not in ws._GLUON, ws._GLUON
+
+
 @pytest.mark.parametrize("M", [1, 17, 64, 257, 4096])
 def test_dx_table_configs_vs_reference(M):
     """Every "dx" config of the table computes dX = dY·W within tolerance (the codes read transposed)."""

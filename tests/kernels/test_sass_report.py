@@ -187,16 +187,17 @@ def test_wgmma_kernels_keep_their_wgmmas_in_flight(name):
 
 
 def _gluon_configs() -> list[str]:
+    """op:BM/BK/STAGES of every "gluon" config the table gives, and the dX form at its two tile widths."""
     from epirl.kernels.gemm.configs import TMA_TABLE_PATH
     import json
     table = json.loads(TMA_TABLE_PATH.read_text())
-    return sorted({"{BM}/{BK}/{num_stages}".format(**c["gluon"]) for row in table["fwd"].values()
-                   for c in row.values() if "gluon" in c})
+    return sorted({"{op}:{BM}/{BK}/{num_stages}".format(op=op, **c["gluon"]) for op in ("fwd", "dx")
+                   for row in table[op].values() for c in row.values() if "gluon" in c} | {"dx:256/64/4", "dx:128/64/4"})
 
 
 @pytest.mark.parametrize("cfg", _gluon_configs())
 def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operands(cfg):
-    """The warp-specialized Gluon forward in each config the table gives it: ptxas does not serialize its wgmmas, its
+    """The warp-specialized Gluon kernel (forward, and dX) in each config the table gives it: ptxas does not serialize its wgmmas, its
     k-step loop (two steps a trip) does not spill, and no instruction writes a register of an in-flight wgmma's A
     operand - the race that gave its first version wrong values on the H200 (one step a trip: the next step's codes
     were loaded into the registers the previous step's wgmma was still reading)."""
@@ -204,8 +205,9 @@ def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operand
     pytest.importorskip("triton.experimental.gluon")
     if not _have_tools():
         pytest.skip("this triton ships no ptxas/cuobjdump")
-    bm, bk, stages = map(int, cfg.split("/"))
-    k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages))
+    op, tile = cfg.split(":")
+    bm, bk, stages = map(int, tile.split("/"))
+    k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), dx=op == "dx")
     assert sass_report.ptxas_notes(k.asm["ptx"])["serialized"] == "", cfg
     loops = sass_report.loop_report(k.asm["cubin"])
     assert loops[0]["HGMMA"] == 8 and loops[0]["spill"] == 0, loops[0]
