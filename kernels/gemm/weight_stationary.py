@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .._dispatch import check_reduction, interpreting, pdl_supported
+from . import wgmma_drain
 from .configs import CHUNK_ALIGN, k_chunking, tile_of, ws_config, xa_chunking
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile, _ws_tile_of, _xa_from_parts
 from .ws_splitk import launch_ticket, ticket_enabled
@@ -318,6 +319,8 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
     out = torch.empty(M, R, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
+    if x.is_cuda:
+        wgmma_drain.install()  # (a no-op unless the pass is wanted and something replaced Triton's hook)
     k_chunk, n_chunks = k_chunking(chunk_n or R, K)
     xa_chunk, xa_subs, n_xa = xa_chunking(chunk_n or R, K)
     rows = _down_tile_rows(R)
@@ -384,6 +387,8 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     bf16 LoRA intermediate the epilogue used (the trainer saves it for the backward instead of recomputing it; to
     have it, a decode-size call without PDL runs `lora_down` before the split-K pair instead of fusing the
     down-projection into it: the same bits)."""
+    if x.is_cuda:
+        wgmma_drain.install()  # (a no-op unless the pass is wanted and something replaced Triton's hook)
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=out_dtype) if out is None else out

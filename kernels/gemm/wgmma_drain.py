@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import triton
 import triton.language as tl
@@ -95,19 +96,25 @@ def _wrap_ptx_stage(make_ptx):
     return make_ptx_drained
 
 
-_STATE: dict = {}
+_STATE: dict = {}  # "hook": the hook this module set last; "warned": Triton has no stages hook (told once)
 
 
 def install() -> bool:
-    """Add the pass to Triton's compile pipeline (once per process, chained after any hook already set) when
-    `DRAIN` is on; whether it is installed."""
-    if not DRAIN or not hasattr(getattr(triton, "knobs", None), "runtime"):
+    """Put the pass into Triton's compile pipeline when `DRAIN` is on, chained after whatever hook is set; again if
+    something replaced the hook since (the W8A16 entry points call this before they launch, so a library that sets
+    its own hook later cannot silently drop the pass: the binaries would still be keyed as drained). Whether the pass
+    is in place."""
+    if not DRAIN:
         return False
-    if _STATE.get("installed"):
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "add_stages_inspection_hook"):
+        if not _STATE.get("warned"):
+            _STATE["warned"] = True
+            warnings.warn(f"Triton {triton.__version__} has no add_stages_inspection_hook: the W8A16 Triton kernels "
+                          f"keep its register-A wgmma race (triton-lang/triton#9433); use Triton >= 3.9")
+        return False
+    if "hook" in _STATE and runtime.add_stages_inspection_hook is _STATE["hook"]:
         return True
-    runtime = triton.knobs.runtime
-    if not hasattr(runtime, "add_stages_inspection_hook"):
-        return False
     previous = runtime.add_stages_inspection_hook
 
     def hook(*args, **kwargs):
@@ -116,7 +123,8 @@ def install() -> bool:
             # the cache key (3.6 does not: there `DRAIN` in widen_e4m3's globals keys the binaries)
             key, digest = previous() if previous is not None else ("", "")
             return key + PASS_KEY, digest + PASS_KEY
-        # backend.add_stages calls hook(backend, stages, options, language, capability): edit the stages dict
+        # backend.add_stages calls hook(backend, stages, options, language, capability): edit the stages dict (the
+        # pass is idempotent, so a chain that runs it twice changes nothing)
         if previous is not None:
             previous(*args, **kwargs)
         stages = next(a for a in args if isinstance(a, dict))
@@ -124,5 +132,5 @@ def install() -> bool:
             stages["ptx"] = _wrap_ptx_stage(stages["ptx"])
 
     runtime.add_stages_inspection_hook = hook
-    _STATE["installed"] = True
+    _STATE["hook"] = hook
     return True

@@ -92,13 +92,14 @@ def test_forced_drain_leaves_no_write_to_an_in_flight_operand():
     within a trip (not serialized)."""
     code = """
         import json, re
+        import triton
         import sass_report
         from epirl.kernels.gemm import wgmma_drain
         name, build = next((n, b) for n, b in sass_report.wgmma_cases() if n.startswith("w8a16 fwd default M<=1000"))
         ptx = build()
         tma = sass_report.compile_tma("128/256/64/8/4", True)
         notes = sass_report.ptxas_notes(ptx)
-        print(json.dumps(dict(installed=wgmma_drain._STATE.get("installed", False), notes=notes,
+        print(json.dumps(dict(installed=triton.knobs.runtime.add_stages_inspection_hook is wgmma_drain._STATE.get("hook"), notes=notes,
                               tma_races=len(sass_report.wgmma_register_hazards(tma.asm["cubin"])),
                               undrained=[wgmma_drain.drain_loop_ends(p)[1] for p in (ptx, tma.asm["ptx"])])))
     """
@@ -110,3 +111,41 @@ def test_forced_drain_leaves_no_write_to_an_in_flight_operand():
     assert got["undrained"] == [0, 0]  # the pass already ended every wgmma loop with wait 0
     assert got["notes"]["operand_races"] == 0 and got["tma_races"] == 0, got
     assert got["notes"]["serialized"] == "", got
+
+
+def test_install_chains_other_hooks_and_comes_back_after_a_replacement(monkeypatch):
+    """With the pass on: a hook set before it still runs (and keys the cache); one that replaces it later is chained
+    behind it again on the next W8A16 call (`install`), so the pass cannot be dropped while the binaries are keyed as
+    drained; the pass edits only the W8A16 kernels' PTX."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    monkeypatch.setattr(wgmma_drain, "DRAIN", True)
+    monkeypatch.setattr(wgmma_drain, "_STATE", {})
+    seen = []
+
+    def other(*args, **kwargs):
+        if not args:
+            return "other-key", "other-hash"
+        seen.append(sorted(next(a for a in args if isinstance(a, dict))))
+
+    monkeypatch.setattr(runtime, "add_stages_inspection_hook", None)
+    assert wgmma_drain.install() and runtime.add_stages_inspection_hook is wgmma_drain._STATE["hook"]  # on its own
+    assert runtime.add_stages_inspection_hook() == ("" + wgmma_drain.PASS_KEY, "" + wgmma_drain.PASS_KEY)
+    monkeypatch.setattr(wgmma_drain, "_STATE", {})
+    monkeypatch.setattr(runtime, "add_stages_inspection_hook", other)
+    assert wgmma_drain.install() and runtime.add_stages_inspection_hook is not other
+    assert runtime.add_stages_inspection_hook() == ("other-key" + wgmma_drain.PASS_KEY,
+                                                    "other-hash" + wgmma_drain.PASS_KEY)
+
+    def run_stages(entry: str) -> str:
+        stages = {"ptx": lambda src, metadata: LOOP_PTX.replace("_ws_tma_kernel", entry)}
+        runtime.add_stages_inspection_hook(None, stages, None, None, 90)
+        return stages["ptx"](None, {})
+    assert "wait_group.sync.aligned 0;" in run_stages("_ws_tma_kernel") and seen == [["ptx"]]
+    assert run_stages("someone_elses_kernel") == LOOP_PTX.replace("_ws_tma_kernel", "someone_elses_kernel")
+
+    monkeypatch.setattr(runtime, "add_stages_inspection_hook", other)  # a library replaces the hook
+    assert wgmma_drain.install() and runtime.add_stages_inspection_hook is wgmma_drain._STATE["hook"]
+    assert "wait_group.sync.aligned 0;" in run_stages("_ws_single_kernel")
+    assert wgmma_drain.install() and runtime.add_stages_inspection_hook is wgmma_drain._STATE["hook"]  # no re-wrap
