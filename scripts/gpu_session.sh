@@ -97,7 +97,7 @@
 #   racecount  race_count.py: RACE_CALLS calls (default 200) of each W8A16 kernel (pointer, TMA, Gluon, decode, dX) on
 #              RACE_SHAPES, each bitwise against the pointer kernel: how often each races under this Triton  ~3 min
 #   drain      the wgmma drain (kernels/gemm/wgmma_drain.py): race_count.py with it (4000 calls), bench_kernels.py with
-#              EPIRL_WGMMA_DRAIN=0 / 1 (and under the Triton 3.9 at $HOME/t39 when there), the FP8 step with it off / on ~15 min
+#              EPIRL_WGMMA_DRAIN=0 / 1 (and under the Triton 3.9 at $HOME/t39 when there), the FP8 step with it off / on ~6 min
 #   gluonqkv   probe_gluon_fwd.py on q3_qkv / q3_kv (rank 64; and rank 192, the fused qkv, at BM 128), then the FP8 step
 #              with the committed table and without Gluon on the qkv and k/v entries (EPIRL_WS_CONFIGS, $OUT) ~5 min
 #   tunedrain  tune_w8a16.py on the decode bucket(s) (TUNE_BUCKETS, default 16) under this Triton (3.6: with the wgmma

@@ -458,7 +458,7 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
 
     gluon_cfg = cfg.get("gluon") if not wait_down else None  # the warp-specialized forward / dX
     if gluon_cfg and _gluon_gemm(x, w, y, w_scale, xa if has_lora else None, lora_b if has_lora else None,
-                                    lora_scale, bias, k_chunk, n_chunks, gluon_cfg, BR, pointer, config is None, op):
+                                 lora_scale, bias, k_chunk, n_chunks, gluon_cfg, BR, pointer, config is None, op):
         return (y, xa) if return_xa else y
     if not (cfg.get("tma") and tma_ok(x, w) and not wait_down):
         pointer(y)
