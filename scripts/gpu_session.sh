@@ -103,8 +103,9 @@
 #   tunedrain  tune_w8a16.py on the decode bucket(s) (TUNE_BUCKETS, default 16) under this Triton (3.6: with the wgmma
 #              drain), then bench_kernels.py at 1 / 16 tokens with the committed and the tuned table, each under this
 #              Triton and under the Triton 3.9 at $HOME/t39 when there                                        ~5 min
-#   gluondx    probe_gluon_fwd.py --dx (the Gluon dX against the Triton dX kernels and cuBLAS, bitwise vs the pointer
-#              kernel), the Gluon / TMA-table GPU tests, one FP8 step (with the table in effect)             ~3 min
+#   gluondx    probe_gluon_fwd.py --dx (the Gluon dX, codes widened in registers and in shared memory - "/s", A_SMEM -,
+#              against the Triton dX kernels and cuBLAS, bitwise vs the pointer kernel), the same for the forward, the
+#              Gluon / TMA-table GPU tests, one FP8 step (with the table in effect)                           ~4 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -264,7 +265,10 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                   scripts/bench_kernels.py --tokens 1 16 --train-tokens --json $OUT/dec_${tbl}_39.json
               done; unset EPIRL_WS_CONFIGS ;;
     gluondx)  part gdx 200 python3 -P scripts/probe_gluon_fwd.py --dx --tokens 8192 \
-                --shapes ${PROBE_SHAPES:-q3_o q3_down q3_gate q3_qkv q3_kv} --configs ${GLUON_CONFIGS:-256/64/4/16 128/64/4/16}
+                --shapes ${PROBE_SHAPES:-q3_o q3_down q3_gate q3_qkv q3_kv} \
+                --configs ${GLUON_CONFIGS:-128/64/4/16 128/64/4/16/s 256/64/3/16/s}
+              part gfwds 200 python3 -P scripts/probe_gluon_fwd.py --tokens 8192 \
+                --shapes ${PROBE_SHAPES:-q3_o q3_down q3_gate q3_qkv q3_kv} --configs 256/64/4/16 128/64/4/16/s 256/64/3/16/s
               part gdxtests 200 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
                 -k "gluon or tma_table"
               part stepgdx 150 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum \

@@ -28,21 +28,24 @@ SHAPES = {"q3_down": (12288, 4096), "q3_qkv": (4096, 6144), "q3_o": (4096, 4096)
 
 
 def parse_config(text: str) -> dict:
-    """BM/BK/STAGES[/GROUP_N] (GROUP_N: weight-row tiles swept together over the token tiles, default 8)."""
-    bm, bk, stages, *group = map(int, text.split("/"))
-    return dict(BM=bm, BK=bk, num_stages=stages, GROUP_N=group[0] if group else 8)
+    """BM/BK/STAGES[/GROUP_N][/s] (GROUP_N: weight-row tiles swept together over the token tiles, default 8; s: the
+    codes widened into shared memory, A_SMEM)."""
+    fields = text.split("/")
+    a_smem = fields[-1] == "s"
+    bm, bk, stages, *group = map(int, fields[:-1] if a_smem else fields)
+    return dict(BM=bm, BK=bk, num_stages=stages, GROUP_N=group[0] if group else 8, A_SMEM=a_smem)
 
 
-def compile_only(configs: list[dict]) -> None:
+def compile_only(configs: list[dict], dx: bool = False) -> None:
     """Each config compiled for sm_90a (`sass_report.compile_gluon`): registers, stack, wgmma serialization, loops
     and A-operand races (`sass_report --gluon` prints the same)."""
     from sass_report import compile_gluon, loop_report, ptxas_notes, report, wgmma_register_hazards
 
     for c in configs:
-        k = compile_gluon(c)
+        k = compile_gluon(c, dx=dx, a_smem=c.get("A_SMEM", False))
         rep, notes = report(k.asm["cubin"]), ptxas_notes(k.asm["ptx"])
         loops = ", ".join(f"{r['instructions']}/{r['HGMMA']}/{r['spill']}" for r in loop_report(k.asm["cubin"]))
-        print(f"# {c['BM']}/{c['BK']}/{c['num_stages']}: regs {rep['regs']}, stack {rep['stack']} B, shared "
+        print(f"# {'dx' if dx else 'fwd'} {c['BM']}/{c['BK']}/{c['num_stages']}{'/s' if c.get('A_SMEM') else ''}: regs {rep['regs']}, stack {rep['stack']} B, shared "
               f"{k.metadata.shared} B, wgmma serialized: {notes['serialized'] or 'no'}, A-operand races "
               f"{len(wgmma_register_hazards(k.asm['cubin']))}; loops (instructions / HGMMA / spill): {loops}")
 
@@ -96,7 +99,7 @@ def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64,
             if not gluon_ok(x, w, want, xa, lb, k_chunk, n_chunks, c, br):
                 print(f"| {name} | gluon {c} | – | – | not applicable |")
                 continue
-            rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}/{c['GROUP_N']}",
+            rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}/{c['GROUP_N']}{'/s' if c['A_SMEM'] else ''}",
                          lambda out, c=c: launch_gluon_fwd(x, w, out, scale, xa, lb, sigma, None, k_chunk, n_chunks,
                                                            c, br)))
         for label, run in rows:
@@ -140,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
     if args.compile_only:
-        compile_only(configs)
+        compile_only(configs, args.dx)
     else:
         run_gpu(args.shapes, args.tokens, configs, args.rank, "dx" if args.dx else "fwd")
 

@@ -245,8 +245,9 @@ def wgmma_cases() -> list[tuple[str, callable]]:
     return cases
 
 
-def compile_gluon(cfg: dict, br: int = 64, dx: bool = False):
-    """`ws_gluon._ws_gluon_kernel` (the warp-specialized forward; dx: its dX form, codes and B read transposed) for
+def compile_gluon(cfg: dict, br: int = 64, dx: bool = False, a_smem: bool = False):
+    """`ws_gluon._ws_gluon_kernel` (the warp-specialized forward; dx: its dX form, codes and B read transposed; a_smem:
+    the codes widened into shared memory, both wgmma operands from there) for
     sm_90a with LoRA, in a table "gluon" config (BM / BK / num_stages): the compiled kernel (`.asm["ptx"]`,
     `["cubin"]`)."""
     from triton.experimental.gluon import language as gl
@@ -264,7 +265,7 @@ def compile_gluon(cfg: dict, br: int = 64, dx: bool = False):
                y_ptr="*bf16", w_scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K_CHUNK="i32",
                N_CHUNKS="i32", lora_scale="fp32", stride_ym="i32")
     const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, BM=BM, BK=BK, BR=br, STAGES=cfg["num_stages"],
-                 GROUP_N=8, W_T=dx)
+                 GROUP_N=8, W_T=dx, A_SMEM=a_smem)
     sig.update({k: "constexpr" for k in const})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "N", "K_CHUNK", "stride_ym")}
     return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),

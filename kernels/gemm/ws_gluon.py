@@ -35,6 +35,14 @@ one per warpgroup, loaded into wgmma's A layout with byte loads (the two codes o
 rows) and B as an MN-major shared operand. Bitwise the Triton dX kernels' (H200, GPU tests), but slower: 1.3-1.5x the
 Triton TMA dX at BM 128 and ~4x at BM 256 (2026-12-04, 8192 tokens; twice the shared loads per k-step, and column-wise
 byte reads of 64-byte rows), so no table entry selects it; it stays for the tests and `probe_gluon_fwd.py --dx`.
+
+A_SMEM (a config's "A_SMEM": true; forward and dX): each warpgroup widens its codes with 16-byte shared loads into one of
+two bf16 buffers of its own and issues a wgmma that reads both operands from shared memory (`_step_smem_a`: a proxy
+fence and the partition's named barrier between the stores and the wgmma); no register of an in-flight wgmma exists to
+be overwritten, and dX loses its byte loads (4 16-byte loads and 8 16-byte stores a two-step trip instead of 64 byte
+loads). Compiled for sm_90a under Triton 3.6 and 3.9 without spills in the loop, serialization or operand races
+(CPU tests); written on 2026-12-04 after the session's GPU time was spent: not yet run on a GPU, so no table entry
+selects it (`gpu_session.sh gluondx` measures it and runs its bitwise GPU tests).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._host import cdiv
@@ -50,8 +59,9 @@ from .widen import _WIDEN_ASM
 from .ws_tma import _aligned  # row-major, 16-byte aligned base and rows: TMA's rules
 
 # Gluon is experimental and renames things between Triton releases: the TMA load is `async_copy_global_to_shared`
-# in 3.6 (the H200 image) and `async_load` in 3.9 (CI's)
+# in 3.6 (the H200 image) and `async_load` in 3.9 (CI's), the CTA barrier `thread_barrier` and `barrier`
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 / 3.6 (in a partition: its warps only)
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 weight rows of the tile
 CONSUMERS = 2
@@ -98,23 +108,48 @@ def _hold(a):
 
 
 @gluon.jit
-def _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_prev, i, n_steps, off_n, off_m, release,
-          a_layout: gl.constexpr, WG: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, W_T: gl.constexpr):
+def _step_smem_a(w_smem, x_smem, a_smem, acc, i, s, WG: gl.constexpr, BK: gl.constexpr, W_T: gl.constexpr):
+    """k-step i with the widened codes in shared memory (A_SMEM): this warpgroup widens its codes with 16-byte loads
+    into its bf16 buffer i % 2 and issues a wgmma that reads both operands from shared memory, so no register of an
+    in-flight wgmma is ever written. Buffer i % 2 was last read by step i - 2's wgmma, done once step i - 1's
+    `warpgroup_mma_wait(1)` returned. dX (W_T): the buffer is `[BK, 64]` as the codes lie, an MN-major A operand."""
+    cvt: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
+                                         order=[1, 0])
+    buf = a_smem.index(2 * WG + i % 2)
+    if W_T:
+        buf.store(_widen(w_smem.index(2 * s + WG).load(cvt)))
+    else:
+        buf.store(_widen(w_smem.index(s).slice(WG * 64, 64).load(cvt)))
+    fence_async_shared()  # the generic-proxy stores, visible to the wgmma's async-proxy reads
+    _partition_barrier()  # ... from every warp of this warpgroup (the partition's own named barrier)
+    a_op = buf.permute((1, 0)) if W_T else buf
+    acc = warpgroup_mma(a_op, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma_wait(1, deps=(acc,))
+
+
+@gluon.jit
+def _step(x_desc, w_desc, w_smem, x_smem, a_smem, ready, free, acc, a_prev, i, n_steps, off_n, off_m, release,
+          a_layout: gl.constexpr, WG: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, W_T: gl.constexpr,
+          A_SMEM: gl.constexpr):
     """k-step i into acc: (acc, A registers of its wgmma, still in flight). Waits for step i - 1's wgmma, holds that
     step's A registers a_prev until then, and warpgroup 0 loads step i + STAGES - 1 into step i - 1's buffer,
     warpgroup 1 frees that buffer (if `release`)."""
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    if W_T:  # this warpgroup's `[BK, 64]` box, read transposed (byte loads: the k pairs lie in different rows)
-        codes = w_smem.index(2 * s + WG).permute((1, 0)).load(a_layout)
+    if A_SMEM:
+        acc = _step_smem_a(w_smem, x_smem, a_smem, acc, i, s, WG, BK, W_T)
+        a = a_prev  # (no A registers)
     else:
-        codes = w_smem.index(s).slice(WG * 64, 64).load(a_layout)
-    a = _widen(codes)
-    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-    # at most this step's wgmma in flight: the previous step's is done, its buffer free for this warpgroup (its
-    # codes were read into registers before its wgmma was issued, by every warp of the warpgroup)
-    acc, a = warpgroup_mma_wait(1, deps=(acc, a))
-    _hold(a_prev)
+        if W_T:  # this warpgroup's `[BK, 64]` box, read transposed (byte loads: the k pairs lie in different rows)
+            codes = w_smem.index(2 * s + WG).permute((1, 0)).load(a_layout)
+        else:
+            codes = w_smem.index(s).slice(WG * 64, 64).load(a_layout)
+        a = _widen(codes)
+        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        # at most this step's wgmma in flight: the previous step's is done, its buffer free for this warpgroup (its
+        # codes were read into registers before its wgmma was issued, by every warp of the warpgroup)
+        acc, a = warpgroup_mma_wait(1, deps=(acc, a))
+        _hold(a_prev)
     if WG == 0:
         _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, i + STAGES - 1, n_steps, BK, STAGES,
                    W_T)
@@ -124,9 +159,9 @@ def _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_prev, i, n_steps, 
 
 
 @gluon.jit
-def _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_n, off_m, acc_layout: gl.constexpr,
-              a_layout: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              W_T: gl.constexpr):
+def _mainloop(x_desc, w_desc, w_smem, x_smem, a_smem, ready, free, n_chunks, steps, off_n, off_m,
+              acc_layout: gl.constexpr, a_layout: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, W_T: gl.constexpr, A_SMEM: gl.constexpr):
     """Σ over the K chunks in order (+0.0 first) of each chunk's k-steps from zero: the running total [64, BM].
     Steps go in pairs (`steps` is even) with A registers of their own, so that the in-flight wgmma's operand and the
     next step's are distinct registers in the PTX itself."""
@@ -137,20 +172,21 @@ def _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_
         acc = gl.zeros([64, BM], gl.float32, acc_layout)
         for j in range(0, steps, 2):
             i = c * steps + j
-            acc, a_even = _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_odd, i, n_steps, off_n, off_m,
-                                i > 0, a_layout, WG, BK, STAGES, W_T)
-            acc, a_odd = _step(x_desc, w_desc, w_smem, x_smem, ready, free, acc, a_even, i + 1, n_steps, off_n,
-                               off_m, True, a_layout, WG, BK, STAGES, W_T)
+            acc, a_even = _step(x_desc, w_desc, w_smem, x_smem, a_smem, ready, free, acc, a_odd, i, n_steps, off_n,
+                                off_m, i > 0, a_layout, WG, BK, STAGES, W_T, A_SMEM)
+            acc, a_odd = _step(x_desc, w_desc, w_smem, x_smem, a_smem, ready, free, acc, a_even, i + 1, n_steps,
+                               off_n, off_m, True, a_layout, WG, BK, STAGES, W_T, A_SMEM)
         acc, a_odd = warpgroup_mma_wait(0, deps=(acc, a_odd))
         total = total + acc
     return total
 
 
 @gluon.jit
-def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
+def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
               w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, n_chunks, steps,
               WG: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr,
-              HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, W_T: gl.constexpr):
+              HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, W_T: gl.constexpr,
+              A_SMEM: gl.constexpr):
     """Warpgroup WG: weight rows off_n + 64·WG ... + 63 of the tile, every chunk, then the epilogue. Warpgroup 0
     issues the TMA loads (the LoRA tiles - xa's and B's rows - and the first STAGES - 1 k-steps first)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -169,8 +205,8 @@ def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, 
             _tma_load(xa_desc, [off_m, 0], xa_bar, xa_smem)
         for t in gl.static_range(STAGES - 1):
             _load_step(x_desc, w_desc, w_smem, x_smem, ready, free, off_n, off_m, t, n_steps, BK, STAGES, W_T)
-    total = _mainloop(x_desc, w_desc, w_smem, x_smem, ready, free, n_chunks, steps, off_n, off_m, acc_layout,
-                      a_layout, WG, BM, BK, STAGES, W_T)
+    total = _mainloop(x_desc, w_desc, w_smem, x_smem, a_smem, ready, free, n_chunks, steps, off_n, off_m, acc_layout,
+                      a_layout, WG, BM, BK, STAGES, W_T, A_SMEM)
     rn = off_n + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     rm = off_m + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
     mask_n = rn < N
@@ -199,7 +235,8 @@ def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, 
 def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_ptr, M, N, K_CHUNK, N_CHUNKS,
                      lora_scale, stride_ym, HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr,
                      HAS_BIAS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, BR: gl.constexpr,
-                     STAGES: gl.constexpr, GROUP_N: gl.constexpr, W_T: gl.constexpr = False):
+                     STAGES: gl.constexpr, GROUP_N: gl.constexpr, W_T: gl.constexpr = False,
+                     A_SMEM: gl.constexpr = False):
     """One program per output tile [128 weight rows, BM tokens] (grouped order, as `_grouped_tile_ids_of`)."""
     BN: gl.constexpr = 128  # the module's BN (a jit function reads only constexpr globals)
     pid = gl.program_id(0)
@@ -219,6 +256,16 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
         b_smem = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_type.shape, b_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     xa_smem = gl.allocate_shared_memory(xa_desc.dtype, xa_desc.block_type.shape, xa_desc.layout)
+    # A_SMEM: two bf16 buffers of widened codes per warpgroup (`_step_smem_a`), laid out as the codes lie (else the
+    # partitions get the codes ring in its place, unused: no shared memory is spent on it)
+    if not A_SMEM:
+        a_smem = w_smem
+    elif W_T:
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BK, 64],
+                                           gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
+    else:
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [4, 64, BK],
+                                           gl.NVMMASharedLayout.get_default_for([64, BK], gl.bfloat16))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     xa_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -228,13 +275,13 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
     mbarrier.init(xa_bar, count=1)
     steps = K_CHUNK // BK
     gl.warp_specialize([
-        (_consumer, (x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
-                     w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, N_CHUNKS, steps, 0, BM, BK,
-                     BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T)),
+        (_consumer, (x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, xa_smem, b_smem, ready, free, xa_bar,
+                     y_ptr, w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, N_CHUNKS, steps, 0, BM,
+                     BK, BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, A_SMEM)),
         # (warpgroup 1 issues no load: no descriptor is passed to its partition)
-        (_consumer, (None, None, None, None, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
+        (_consumer, (None, None, None, None, w_smem, x_smem, a_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
                      w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, N_CHUNKS, steps, 1, BM, BK,
-                     BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T)),
+                     BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, A_SMEM)),
     ], [4], [CONSUMER_REGS])
 
 
@@ -254,6 +301,7 @@ def gluon_ok(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: in
     them in pairs), and the ring plus the LoRA tiles within a CTA's shared memory."""
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
     smem = stages * (BN * BK + BM * BK * x.element_size()) + (BM + BN) * br * 2 + 1024
+    smem += 4 * 64 * BK * 2 if cfg.get("A_SMEM") else 0  # the widened codes' buffers (`_step_smem_a`)
     w_t = _codes_transposed(w)
     row_major = (lambda t: _aligned(t.t())) if w_t else _aligned
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn and _aligned(x)
@@ -278,8 +326,9 @@ def fitting_config(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, 
 def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, cfg, br):
     """y `[M, N]` = the W8A16 GEMM of x `[M, K]` and codes w `[N, K]` (the forward; dX: w = `codes.t()`, B = the LoRA
     Aᵀ, both transposed views) with xa (bf16 `[M, r]`, given) and B `[N, r]` (`gluon_ok` must hold); cfg: BM (tokens
-    per tile: 128 or 256), BK, num_stages, GROUP_N (default 8); br: r padded as the Triton kernels' epilogue pads it.
-    The bits of `weight_stationary_gemm`'s other kernels."""
+    per tile: 128 or 256), BK, num_stages, GROUP_N (default 8), A_SMEM (default false: the codes widened in
+    registers; true: in shared memory, `_step_smem_a`); br: r padded as the Triton kernels' epilogue pads it. The bits
+    of `weight_stationary_gemm`'s other kernels."""
     M, K = x.shape
     N = w.shape[0]
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
@@ -302,5 +351,6 @@ def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_
         x_desc, w_desc, xa_desc, b_desc, y, w_scale if w_scale is not None else y, bias if bias is not None else y,
         M, N, k_chunk, n_chunks, float(lora_scale), y.stride(0),
         HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None, BM=BM, BK=BK,
-        BR=br if has_lora else 16, STAGES=stages, GROUP_N=cfg.get("GROUP_N", 8), W_T=w_t, num_warps=4)
+        BR=br if has_lora else 16, STAGES=stages, GROUP_N=cfg.get("GROUP_N", 8), W_T=w_t,
+        A_SMEM=bool(cfg.get("A_SMEM", False)), num_warps=4)
     return y

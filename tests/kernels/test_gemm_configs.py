@@ -166,6 +166,8 @@ def test_host_integer_helpers_match_triton():
     ("fwd", {"BM": 256, "BK": 64, "num_stages": 4, "GROUP_N": 0}, False),
     ("dx", {"BM": 256, "BK": 64, "num_stages": 4}, True),     # dX: the codes read transposed
     ("dx", {"BM": 64, "BK": 64, "num_stages": 4}, False),
+    ("dx", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": True}, True),  # the codes widened in shared memory
+    ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": "yes"}, False),
 ])
 def test_table_gluon_entries_are_checked_when_the_table_loads(tmp_path, op, gluon, ok):
     """A table entry's "gluon" (the warp-specialized forward or dX, kernels/gemm/ws_gluon.py) is validated with the table:

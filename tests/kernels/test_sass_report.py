@@ -191,8 +191,12 @@ def _gluon_configs() -> list[str]:
     from epirl.kernels.gemm.configs import TMA_TABLE_PATH
     import json
     table = json.loads(TMA_TABLE_PATH.read_text())
-    return sorted({"{op}:{BM}/{BK}/{num_stages}".format(op=op, **c["gluon"]) for op in ("fwd", "dx")
-                   for row in table[op].values() for c in row.values() if "gluon" in c} | {"dx:256/64/4", "dx:128/64/4"})
+    table_cfgs = {"{op}:{BM}/{BK}/{num_stages}{s}".format(op=op, s="/s" if c["gluon"].get("A_SMEM") else "",
+                                                           **c["gluon"])
+                  for op in ("fwd", "dx") for row in table[op].values() for c in row.values() if "gluon" in c}
+    # the dX form, and the codes widened into shared memory (A_SMEM: "/s"), whether the table uses them or not
+    return sorted(table_cfgs | {"dx:256/64/4", "dx:128/64/4", "fwd:128/64/4/s", "fwd:256/64/3/s", "dx:128/64/4/s",
+                                "dx:256/64/3/s"})
 
 
 @pytest.mark.parametrize("cfg", _gluon_configs())
@@ -206,8 +210,8 @@ def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operand
     if not _have_tools():
         pytest.skip("this triton ships no ptxas/cuobjdump")
     op, tile = cfg.split(":")
-    bm, bk, stages = map(int, tile.split("/"))
-    k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), dx=op == "dx")
+    bm, bk, stages = map(int, tile.split("/")[:3])
+    k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), dx=op == "dx", a_smem=tile.endswith("/s"))
     assert sass_report.ptxas_notes(k.asm["ptx"])["serialized"] == "", cfg
     loops = sass_report.loop_report(k.asm["cubin"])
     assert loops[0]["HGMMA"] == 8 and loops[0]["spill"] == 0, loops[0]
