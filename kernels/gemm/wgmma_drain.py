@@ -5,7 +5,8 @@ A wgmma reads that operand asynchronously, until a `wgmma.wait_group` retires it
 triton-lang/triton#9433 (PR #9514, in 3.9; 3.6 and 3.7.1 lack it) pipelines k-steps so that the next trip of the
 K loop writes the A registers of up to `pendings` wgmmas of the trip before while they are still in flight: a race
 with the tensor core. Measured on an H200 (scripts/race_count.py, 2026-12-04): under Triton 3.6 the TMA forward
-gave wrong tiles (|diff| up to 5e29 × max |y|) in 11 of 15,000 calls; under 3.9, 0 of 15,000. The SASS check
+gave wrong tiles (|diff| up to 5e29 × max |y|) in 11 of 16,000 calls, with this pass in 0 of 12,000; under 3.9, 0 of
+16,000. The SASS check
 (`scripts/sass_report.py --wgmma`, operand-races column) finds 12-86 such writes per loop in every W8A16 Triton
 kernel that Triton 3.6 builds, and 0 in what 3.9 builds.
 
@@ -14,7 +15,7 @@ How: a PTX pass, run through Triton's `knobs.runtime.add_stages_inspection_hook`
 becomes `wgmma.wait_group 0`. Then no wgmma is in flight when the next trip starts writing registers (all writes of
 the next trip's A fragments come before its first wgmma), and the k-steps inside one trip still overlap. Renaming the
 operands with `mov`s (the upstream fix) does not help under Triton 3.6's ptxas 12.8: it propagates the copies and
-still reuses the registers (0 hazards only with ptxas 13). Synchronization only: the bits of every result are the
+still reuses the registers (0 such writes only with ptxas 13.4). Synchronization only: the bits of every result are the
 same with and without the pass.
 
 `DRAIN` (a constexpr global that `widen.widen_e4m3`, called by every such kernel, reads) puts the setting into
