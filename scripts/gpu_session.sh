@@ -105,7 +105,7 @@
 #              Triton and under the Triton 3.9 at $HOME/t39 when there                                        ~5 min
 #   gluondx    probe_gluon_fwd.py --dx (the Gluon dX, codes widened in registers and in shared memory - "/s", A_SMEM -,
 #              against the Triton dX kernels and cuBLAS, bitwise vs the pointer kernel), the same for the forward, the
-#              Gluon / TMA-table GPU tests, one FP8 step (with the table in effect)                           ~4 min
+#              Gluon / TMA-table GPU tests, race_count.py with the A_SMEM configs, one FP8 step               ~5 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -271,6 +271,8 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --shapes ${PROBE_SHAPES:-q3_o q3_down q3_gate q3_qkv q3_kv} --configs 256/64/4/16 128/64/4/16/s 256/64/3/16/s
               part gdxtests 200 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
                 -k "gluon or tma_table"
+              part gdxrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-300} --shapes q3_o q3_down \
+                --gluon 128/64/4/16/s 256/64/3/16/s
               part stepgdx 150 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum \
                 --kernel-table 12 --json "$OUT/bench_step_gdx.json" ;;
     racecount39) part racecount39 540 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \

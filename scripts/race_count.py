@@ -35,8 +35,9 @@ from bench_kernels import make_layer  # noqa: E402  (the rank-64 layer every ben
 SHAPES = {"q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_down": (12288, 4096), "q3_gate": (4096, 12288)}
 
 
-def kernels(x, gy, codes, scale, a, b, decode_x):
-    """(name, reference (pointer kernel) call, runs) per kernel kind that applies here; a call writes `out`."""
+def kernels(x, gy, codes, scale, a, b, decode_x, gluon_configs=()):
+    """(name, reference (pointer kernel) call, runs) per kernel kind that applies here; a call writes `out`.
+    gluon_configs: explicit Gluon configs (`probe_gluon_fwd.parse_config`) run as forward and as dX rows too."""
     N, K = codes.shape
     M = x.shape[0]
     xa = lora_down(x, a, N)
@@ -64,6 +65,10 @@ def kernels(x, gy, codes, scale, a, b, decode_x):
     rows.append(("dx pointer", dx(dict(dx_table, tma=False)), dx(dict(dx_table, tma=False))))
     if x.is_cuda and dx_table.get("tma"):
         rows.append(("dx TMA", dx(dict(dx_table, tma=False)), dx(dx_table)))
+    for g in gluon_configs if x.is_cuda else ():
+        tag = f"{g['BM']}/{g['BK']}/{g['num_stages']}{'/s' if g.get('A_SMEM') else ''}"
+        rows.append((f"fwd Gluon {tag}", fwd(pointer), fwd(dict(table, gluon=g))))
+        rows.append((f"dx Gluon {tag}", dx(dict(dx_table, tma=False)), dx(dict(dx_table, gluon=g))))
     dec = dict(ws_config("fwd", N, K, decode_x.shape[0]))
     rows.append((f"decode {decode_x.shape[0]} tok", decode(dec), decode(dec)))
     return rows
@@ -96,7 +101,11 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--gluon", nargs="*", default=[], metavar="BM/BK/STAGES[/GROUP_N][/s]",
+                    help="also these Gluon configs, forward and dX (s: the codes widened in shared memory)")
     args = ap.parse_args()
+    from probe_gluon_fwd import parse_config
+    gluon_configs = [parse_config(c) for c in args.gluon]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"# triton {triton.__version__} (wgmma drain {'on' if wgmma_drain.DRAIN else 'off'}: "
           f"kernels/gemm/wgmma_drain.py), {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}; "
@@ -109,7 +118,7 @@ def main() -> None:
         x = torch.randn(args.tokens, K, device=device).bfloat16()
         gy = torch.randn(args.tokens, N, device=device).bfloat16()
         decode_x = x[:args.decode_tokens].contiguous()
-        for label, reference, run in kernels(x, gy, codes, scale, a, b, decode_x):
+        for label, reference, run in kernels(x, gy, codes, scale, a, b, decode_x, gluon_configs):
             rows = args.decode_tokens if label.startswith("decode") else args.tokens
             cols = K if label.startswith("dx") else N
             calls, elems, worst = count(reference, run, args.calls, (rows, cols), device)

@@ -280,7 +280,8 @@ def case_race_count_finds_no_wrong_call(tmp):
     # kernel row, no call with a wrong element, and a kernel made to race on its second call is counted
     import race_count as rc
     rc.SHAPES = {"tiny": (512, 96)}
-    sys.argv = ["race_count.py", "--calls", "2", "--tokens", "40", "--decode-tokens", "3"]
+    # (--gluon: its configs parse here; their rows need a GPU)
+    sys.argv = ["race_count.py", "--calls", "2", "--tokens", "40", "--decode-tokens", "3", "--gluon", "128/64/4/16/s"]
     os.environ["EPIRL_KERNELS"] = "triton"
     text = io.StringIO()
     try:
