@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = {"q3_down": (12288, 4096), "q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_gate": (4096, 12288),
           "q3_gate_up": (4096, 24576), "q35_attn_qkv": (4096, 10240),
-          "q35_gdn_qkvz": (4096, 12288), "q3_kv": (4096, 1024), "k256": (256, 4096), "k512": (512, 4096), "k1024": (1024, 4096)}
+          "q35_gdn_qkvz": (4096, 12288), "q3_kv": (4096, 1024),
+          "k256": (256, 4096), "k512": (512, 4096), "k1024": (1024, 4096)}
 
 
 def parse_config(text: str) -> dict:
@@ -45,7 +46,8 @@ def compile_only(configs: list[dict], dx: bool = False) -> None:
         k = compile_gluon(c, dx=dx, a_smem=c.get("A_SMEM", False))
         rep, notes = report(k.asm["cubin"]), ptxas_notes(k.asm["ptx"])
         loops = ", ".join(f"{r['instructions']}/{r['HGMMA']}/{r['spill']}" for r in loop_report(k.asm["cubin"]))
-        print(f"# {'dx' if dx else 'fwd'} {c['BM']}/{c['BK']}/{c['num_stages']}{'/s' if c.get('A_SMEM') else ''}: regs {rep['regs']}, stack {rep['stack']} B, shared "
+        tile = f"{c['BM']}/{c['BK']}/{c['num_stages']}{'/s' if c.get('A_SMEM') else ''}"
+        print(f"# {'dx' if dx else 'fwd'} {tile}: regs {rep['regs']}, stack {rep['stack']} B, shared "
               f"{k.metadata.shared} B, wgmma serialized: {notes['serialized'] or 'no'}, A-operand races "
               f"{len(wgmma_register_hazards(k.asm['cubin']))}; loops (instructions / HGMMA / spill): {loops}")
 

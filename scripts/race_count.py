@@ -11,8 +11,8 @@ shows 0 after enough calls to trust it.
     python scripts/race_count.py [--calls 200] [--shapes q3_qkv q3_down] [--tokens 4096]
 
 Prints one table row per (shape, kernel): calls with any wrong element, wrong elements in all, the largest |diff|
-relative to max |y|, and the Triton version (run it under two Tritons to compare). On Triton < 3.9 the W8A16 Triton kernels
-are built with `wgmma_drain.py`'s pass unless EPIRL_WGMMA_DRAIN=0 (H200, 2026-12-04: TMA forward 11 wrong calls in
+relative to max |y|, and the Triton version (run it under two Tritons to compare). On Triton < 3.9 the W8A16 Triton
+kernels are built with `wgmma_drain.py`'s pass unless EPIRL_WGMMA_DRAIN=0 (H200, 2026-12-04: TMA forward 11 wrong calls in
 16,000 without it under 3.6, 0 in 12,000 with it, 0 in 16,000 under 3.9).
 """
 

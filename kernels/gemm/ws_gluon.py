@@ -30,14 +30,14 @@ Used where a table entry carries "gluon" (the forward's many-token bucket; `weig
 per key like a TMA entry), off with EPIRL_WS_GLUON=0; on an API this Triton lacks it warns once and the Triton kernels
 run. Gluon is Triton's experimental tile-level language: this module is imported only on such a CUDA call.
 
-dX (W_T; w = `codes.t()`, B = the LoRA Aᵀ): the same kernel with the codes and B read transposed - `[BK, 64]` TMA boxes,
-one per warpgroup, loaded into wgmma's A layout with byte loads (the two codes of a bf16x2 register lie in different
+dX (W_T; w = `codes.t()`, B = the LoRA Aᵀ): the same kernel with the codes and B read transposed - `[BK, 64]` TMA
+boxes, one per warpgroup, loaded into wgmma's A layout with byte loads (the two codes of a bf16x2 register lie in different
 rows) and B as an MN-major shared operand. Bitwise the Triton dX kernels' (H200, GPU tests), but slower: 1.3-1.5x the
 Triton TMA dX at BM 128 and ~4x at BM 256 (2026-12-04, 8192 tokens; twice the shared loads per k-step, and column-wise
 byte reads of 64-byte rows), so no table entry selects it; it stays for the tests and `probe_gluon_fwd.py --dx`.
 
-A_SMEM (a config's "A_SMEM": true; forward and dX): each warpgroup widens its codes with 16-byte shared loads into one of
-two bf16 buffers of its own and issues a wgmma that reads both operands from shared memory (`_step_smem_a`: a proxy
+A_SMEM (a config's "A_SMEM": true; forward and dX): each warpgroup widens its codes with 16-byte shared loads into one
+of two bf16 buffers of its own and issues a wgmma that reads both operands from shared memory (`_step_smem_a`: a proxy
 fence and the partition's named barrier between the stores and the wgmma); no register of an in-flight wgmma exists to
 be overwritten, and dX loses its byte loads (4 16-byte loads and 8 16-byte stores a two-step trip instead of 64 byte
 loads). Compiled for sm_90a under Triton 3.6 and 3.9 without spills in the loop, serialization or operand races

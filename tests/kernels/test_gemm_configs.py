@@ -170,8 +170,8 @@ def test_host_integer_helpers_match_triton():
     ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": "yes"}, False),
 ])
 def test_table_gluon_entries_are_checked_when_the_table_loads(tmp_path, op, gluon, ok):
-    """A table entry's "gluon" (the warp-specialized forward or dX, kernels/gemm/ws_gluon.py) is validated with the table:
-    a bad one is one line naming the entry, before any kernel runs; the committed table's pass."""
+    """A table entry's "gluon" (the warp-specialized forward or dX, kernels/gemm/ws_gluon.py) is validated with the
+    table: a bad one is one line naming the entry, before any kernel runs; the committed table's pass."""
     import json
 
     from epirl.kernels.gemm.configs import TMA_TABLE_PATH

@@ -201,10 +201,11 @@ def _gluon_configs() -> list[str]:
 
 @pytest.mark.parametrize("cfg", _gluon_configs())
 def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operands(cfg):
-    """The warp-specialized Gluon kernel (forward, and dX) in each config the table gives it: ptxas does not serialize its wgmmas, its
-    k-step loop (two steps a trip) does not spill, and no instruction writes a register of an in-flight wgmma's A
-    operand - the race that gave its first version wrong values on the H200 (one step a trip: the next step's codes
-    were loaded into the registers the previous step's wgmma was still reading)."""
+    """The warp-specialized Gluon kernel (forward and dX; codes widened in registers or, "/s", in shared memory) in each
+    config the table gives it and the variants: ptxas does not serialize its wgmmas, its k-step loop (two steps a
+    trip) does not spill, and no instruction writes a register of an in-flight wgmma's A operand - the race that
+    gave its first version wrong values on the H200 (one step a trip: the next step's codes were loaded into the
+    registers the previous step's wgmma was still reading)."""
     import sass_report
     pytest.importorskip("triton.experimental.gluon")
     if not _have_tools():

@@ -99,7 +99,8 @@ def test_forced_drain_leaves_no_write_to_an_in_flight_operand():
         ptx = build()
         tma = sass_report.compile_tma("128/256/64/8/4", True)
         notes = sass_report.ptxas_notes(ptx)
-        print(json.dumps(dict(installed=triton.knobs.runtime.add_stages_inspection_hook is wgmma_drain._STATE.get("hook"), notes=notes,
+        installed = triton.knobs.runtime.add_stages_inspection_hook is wgmma_drain._STATE.get("hook")
+        print(json.dumps(dict(installed=installed, notes=notes,
                               tma_races=len(sass_report.wgmma_register_hazards(tma.asm["cubin"])),
                               undrained=[wgmma_drain.drain_loop_ends(p)[1] for p in (ptx, tma.asm["ptx"])])))
     """
