@@ -106,6 +106,9 @@
 #   gluondx    probe_gluon_fwd.py --dx (the Gluon dX, codes widened in registers and in shared memory - "/s", A_SMEM -,
 #              against the Triton dX kernels and cuBLAS, bitwise vs the pointer kernel), the same for the forward, the
 #              Gluon / TMA-table GPU tests, race_count.py with the A_SMEM configs, one FP8 step               ~5 min
+#   tunegluon  tune_w8a16.py --tma --gluon on the many-token bucket at 8192 tokens: each entry's best Triton config, then
+#              the Gluon configs (forward and dX, codes widened in registers or shared memory) beside it; the
+#              table with the winners in $OUT/ws_configs.json                                                  ~8 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -275,6 +278,8 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --gluon 128/64/4/16/s 256/64/3/16/s
               part stepgdx 150 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum \
                 --kernel-table 12 --json "$OUT/bench_step_gdx.json" ;;
+    tunegluon) part tunegluon 540 python3 -P scripts/tune_w8a16.py --tma --gluon --buckets 1000000000 \
+                --big-tokens ${BIG_TOKENS:-8192} ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} --out $OUT/ws_configs.json ;;
     racecount39) part racecount39 540 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \
                 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} \
                 --shapes ${RACE_SHAPES:-q3_qkv q3_o q3_down q3_gate} ;;

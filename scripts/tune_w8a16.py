@@ -18,9 +18,11 @@ gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 excluded; a table that selects them is refused with EPIRL_WS_TMA=0), and it prints cuBLAS bf16 (+ the same LoRA as
 separate matmuls) on the same shape beside the many-token bucket;
 `--flatten` adds, on the chunked forwards' many-token bucket, the twins with the chunk loop flattened into one
-pipelined loop (`_ws_single_kernel`'s FLATTEN; same bits). `--shapes`/`--buckets` tune a subset and merge it into
+pipelined loop (`_ws_single_kernel`'s FLATTEN; same bits). `--gluon` times the Gluon kernel's configs
+(`GLUON_CANDIDATES`, forward and dX, codes widened in registers or in shared memory) beside each many-token entry's
+best and sets its "gluon" to the fastest that beats it (same bits), or drops it; without it an entry keeps its "gluon". `--shapes`/`--buckets` tune a subset and merge it into
 the table.
-Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--flatten] [--no-lora]
+Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--flatten] [--gluon] [--no-lora]
        [--shapes q3_qkv ...] [--buckets 256 ...] [--big-tokens 4096 8192]
 """
 
@@ -72,6 +74,11 @@ FWD_BUCKETS = {
                    cfg(128, 256, 32, 8, 4, False)]),
 }
 DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
+# `--gluon`: the warp-specialized Gluon kernel's configs timed beside the many-token bucket's best Triton config
+# (kernels/gemm/ws_gluon.py; A_SMEM: the codes widened in shared memory)
+GLUON_CANDIDATES = [dict(BM=256, BK=64, num_stages=4, GROUP_N=16), dict(BM=128, BK=64, num_stages=4, GROUP_N=16),
+                    dict(BM=128, BK=64, num_stages=4, GROUP_N=16, A_SMEM=True),
+                    dict(BM=256, BK=64, num_stages=3, GROUP_N=16, A_SMEM=True)]
 EXTRA_SHAPES = [("q3_kv_slice", 4096, 1024)]  # the engine calls k and v of the fused qkv per slice
 
 
@@ -178,6 +185,49 @@ def time_candidates(name, op, codes, scale, x, cands, log, entry, lora=None):
     return timed
 
 
+def gluon_runs(op, x, codes, lora, g) -> bool:
+    """Whether the Gluon kernel runs this call in config g as it is (`ws_gluon.fitting_config`: a CUDA call on a
+    Triton with Gluon's Hopper API, TMA-aligned operands, the ring and LoRA tiles in shared memory)."""
+    if not x.is_cuda:
+        return False
+    try:
+        from epirl.kernels.gemm import ws_gluon
+    except (ImportError, AttributeError):
+        return False
+    from epirl.kernels.gemm.weight_stationary import _epilogue_rows, lora_down, whole_k
+    N, K = codes.shape
+    if op == "fwd":
+        w, (k_chunk, n_chunks), n_out = codes, k_chunking(N, K), N
+        xa = lora_down(x, lora["lora_a"], N) if lora else None
+    else:
+        w, (k_chunk, n_chunks), n_out = codes.t(), whole_k(N), K
+        xa = lora.get("xa")
+    y = torch.empty(x.shape[0], n_out, device=x.device, dtype=torch.bfloat16)
+    br = _epilogue_rows(xa.shape[1]) if xa is not None else 16
+    return ws_gluon.fitting_config(x, w, y, xa, lora.get("lora_b"), k_chunk, n_chunks, g, br) == g
+
+
+def tune_gluon(name, op, codes, scale, xs_loras, best, log, entry):
+    """best with the fastest Gluon config (`GLUON_CANDIDATES`, same bits as best) as its "gluon" where one beats it;
+    "gluon": None where the candidates ran and none did; best without the key where none could run here (the old
+    entry's "gluon" then stays). xs_loras: (x, lora) per token count of the bucket."""
+    base = {k: v for k, v in best.items() if k != "gluon"}
+    runnable = [g for g in GLUON_CANDIDATES if all(gluon_runs(op, x, codes, lora, g) for x, lora in xs_loras)]
+    if not runnable:
+        return base
+    totals: dict[int, list] = {}
+    for x, lora in xs_loras:
+        cands = [base] + [dict(base, gluon=g) for g in runnable]
+        for us, c in time_candidates(name, op, codes, scale, x, cands, log, dict(entry, tokens=x.shape[0]), lora):
+            totals.setdefault(id(c), [0.0, c, 0])[0] += us
+            totals[id(c)][2] += 1
+    timed = [(us, c) for us, c, n in totals.values() if n == len(xs_loras)]
+    fastest = min(timed, key=lambda t: t[0])[1]
+    for us, c in sorted(timed, key=lambda t: t[0]):
+        print(f"#   {name} {op} gluon {c.get('gluon', 'none (Triton)')}: {us:.1f} µs", flush=True)
+    return dict(base, gluon=fastest.get("gluon"))
+
+
 def cublas_us(op, x, codes, scale, lora=None):
     """The vendor path a user would pick instead: cuBLAS bf16 on a bf16 copy of the same weight, plus the same
     LoRA term as separate matmuls when the candidates were timed with one (`lora_args`)."""
@@ -190,7 +240,7 @@ def cublas_us(op, x, codes, scale, lora=None):
     return graph_us(lambda: base() + s * (xa() @ b_t))
 
 
-def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=False):
+def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=False, gluon=False):
     _, codes, scale, a, b = make_layer(K, N)
     if not with_lora:
         a = b = None
@@ -205,15 +255,19 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=
             if flatten and op == "fwd" and bound == BIG and k_chunking(n_out, k_red)[1] > 1:
                 cands = with_flattened(cands)
             totals: dict[int, list] = {}
+            xs_loras = []
             for M in tokens:
                 x = torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16)
                 entry = dict(shape=name, op=op, N=n_out, K=k_red, bucket=bound, tokens=M)
                 lora = lora_args(op, x, a, b)
+                xs_loras.append((x, lora))
                 for us, c in time_candidates(name, op, codes, scale, x, cands, log, entry, lora):
                     totals.setdefault(id(c), [0.0, c, 0])[0] += us
                     totals[id(c)][2] += 1
             timed = [(us, c) for us, c, n in totals.values() if n == len(tokens)]
             best_us, best = min(timed, key=lambda t: t[0])
+            if gluon and bound == BIG:
+                best = tune_gluon(name, op, codes, scale, xs_loras, best, log, entry)
             row[str(bound)] = best
             ref = f" | {cublas_us(op, x, codes, scale, lora):.1f}" if bound == BIG else " | –"
             if tma and bound >= 256:  # best of each kernel kind: what TMA loads bought
@@ -250,6 +304,9 @@ def main():
                     help="token counts timed for the many-token bucket (default 4096; the trainer's steps run 8192)")
     ap.add_argument("--flatten", action="store_true",
                     help="also the flattened chunk loop twins of the chunked forwards' many-token candidates")
+    ap.add_argument("--gluon", action="store_true",
+                    help="time the Gluon kernel's configs (GLUON_CANDIDATES) beside the many-token bucket's best, forward "
+                         "and dX, and set or drop each entry's \"gluon\" by the result")
     args = ap.parse_args()
     if args.big_tokens:
         for buckets in (FWD_BUCKETS, DX_BUCKETS):
@@ -264,12 +321,19 @@ def main():
     for name, K, N in shapes:
         tma = "all" if args.tma and args.tma_all else args.tma
         for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora,
-                                         args.flatten).items():
+                                         args.flatten, args.gluon).items():
             old = table[op].setdefault(key, {})
-            # the tuner does not time the Gluon forward: an entry's "gluon" stays (a copy: candidates are shared)
-            old.update({b: dict(c, gluon=old[b]["gluon"]) if "gluon" in old.get(b, {}) else c for b, c in row.items()})
+            old.update({b: merged_entry(old.get(b, {}), c) for b, c in row.items()})
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
         write_outputs(args.out, table, log)  # after every shape: a run cut by a time limit keeps what it tuned
+
+
+def merged_entry(old: dict, tuned: dict) -> dict:
+    """The table entry for a tuned config: its "gluon" as `tune_gluon` decided (None: dropped), or, where the Gluon
+    kernel was not timed, the old entry's "gluon" (a copy: candidates are shared between entries)."""
+    if "gluon" in tuned:
+        return {k: v for k, v in tuned.items() if k != "gluon" or v is not None}
+    return dict(tuned, gluon=old["gluon"]) if "gluon" in old else dict(tuned)
 
 
 def write_outputs(path, table, log):

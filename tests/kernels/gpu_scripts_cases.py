@@ -64,8 +64,9 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     # twins of these tiny tiles too; the many-token bucket timed at 32 tokens instead of its 40 (not 24: there the
     # interpreter's fp32 numpy dots of a zero-padded 32-row tile and of two 16-row tiles round differently, so the
     # tuner's bit check drops the BM 32 tiles; on the GPU every tile gives the same bits, test_gpu_kernels.py)
-    sys.argv = ["tune_w8a16.py", "--tma", "--tma-all", "--flatten", "--big-tokens", "32", "--out", str(out)]
-    # the table in effect gives the shape's many-token entry a Gluon forward, which the tuner does not time: it stays
+    sys.argv = ["tune_w8a16.py", "--tma", "--tma-all", "--flatten", "--gluon", "--big-tokens", "32", "--out", str(out)]
+    # the table in effect gives the shape's many-token entry a Gluon forward; --gluon cannot time it here (no GPU), so
+    # it stays
     from epirl.kernels.gemm import configs
     start = json.loads(configs.TMA_TABLE_PATH.read_text())
     gluon = {"BM": 256, "BK": 64, "num_stages": 4}
@@ -93,6 +94,11 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     assert {e["tokens"] for e in log if "us" in e and e.get("bucket") == tune.BIG} == {32}, log
     assert sum(c.get("tma") is True for c in timed) == sum(c.get("tma") == "x" for c in timed) == 3 * 2 + 1, log
     assert "BITS DIFFER" not in text.getvalue() and "| tiny | dx |" in text.getvalue(), text.getvalue()
+    # where --gluon timed the Gluon kernel: its winner replaces the entry's, None drops it, no key keeps the old one
+    old, base = {"BN": 1, "gluon": gluon}, {"BN": 2}
+    assert tune.merged_entry(old, dict(base, gluon={"BM": 128})) == dict(base, gluon={"BM": 128})
+    assert tune.merged_entry(old, dict(base, gluon=None)) == base
+    assert tune.merged_entry(old, base) == dict(base, gluon=gluon) and tune.merged_entry({}, base) == base
 
 
 def case_one_chunk_study_prints_both_tables(tmp):
