@@ -20,8 +20,8 @@ separate matmuls) on the same shape beside the many-token bucket;
 `--flatten` adds, on the chunked forwards' many-token bucket, the twins with the chunk loop flattened into one
 pipelined loop (`_ws_single_kernel`'s FLATTEN; same bits). `--gluon` times the Gluon kernel's configs
 (`GLUON_CANDIDATES`, forward and dX, codes widened in registers or in shared memory) beside each many-token entry's
-best and sets its "gluon" to the fastest that beats it (same bits), or drops it; without it an entry keeps its "gluon". `--shapes`/`--buckets` tune a subset and merge it into
-the table.
+best and sets its "gluon" to the fastest that beats it (same bits), or drops it; without it an entry keeps its
+"gluon". `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--flatten] [--gluon] [--no-lora]
        [--shapes q3_qkv ...] [--buckets 256 ...] [--big-tokens 4096 8192]
 """
@@ -215,17 +215,23 @@ def tune_gluon(name, op, codes, scale, xs_loras, best, log, entry):
     runnable = [g for g in GLUON_CANDIDATES if all(gluon_runs(op, x, codes, lora, g) for x, lora in xs_loras)]
     if not runnable:
         return base
-    totals: dict[int, list] = {}
-    for x, lora in xs_loras:
-        cands = [base] + [dict(base, gluon=g) for g in runnable]
-        for us, c in time_candidates(name, op, codes, scale, x, cands, log, dict(entry, tokens=x.shape[0]), lora):
-            totals.setdefault(id(c), [0.0, c, 0])[0] += us
-            totals[id(c)][2] += 1
-    timed = [(us, c) for us, c, n in totals.values() if n == len(xs_loras)]
+    timed = timed_totals(name, op, codes, scale, xs_loras, [base] + [dict(base, gluon=g) for g in runnable], log,
+                         entry)
     fastest = min(timed, key=lambda t: t[0])[1]
     for us, c in sorted(timed, key=lambda t: t[0]):
         print(f"#   {name} {op} gluon {c.get('gluon', 'none (Triton)')}: {us:.1f} µs", flush=True)
     return dict(base, gluon=fastest.get("gluon"))
+
+
+def timed_totals(name, op, codes, scale, xs_loras, cands, log, entry) -> list:
+    """(µs summed over the bucket's token counts, config) of each candidate that ran, with the same bits as the
+    first, at every (x, lora) of xs_loras (`time_candidates`)."""
+    totals: dict[int, list] = {}
+    for x, lora in xs_loras:
+        for us, c in time_candidates(name, op, codes, scale, x, cands, log, dict(entry, tokens=x.shape[0]), lora):
+            totals.setdefault(id(c), [0.0, c, 0])[0] += us
+            totals[id(c)][2] += 1
+    return [(us, c) for us, c, n in totals.values() if n == len(xs_loras)]
 
 
 def cublas_us(op, x, codes, scale, lora=None):
@@ -254,17 +260,11 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=
             cands = with_twins(cands, tma) if bound >= 256 else cands
             if flatten and op == "fwd" and bound == BIG and k_chunking(n_out, k_red)[1] > 1:
                 cands = with_flattened(cands)
-            totals: dict[int, list] = {}
-            xs_loras = []
-            for M in tokens:
-                x = torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16)
-                entry = dict(shape=name, op=op, N=n_out, K=k_red, bucket=bound, tokens=M)
-                lora = lora_args(op, x, a, b)
-                xs_loras.append((x, lora))
-                for us, c in time_candidates(name, op, codes, scale, x, cands, log, entry, lora):
-                    totals.setdefault(id(c), [0.0, c, 0])[0] += us
-                    totals[id(c)][2] += 1
-            timed = [(us, c) for us, c, n in totals.values() if n == len(tokens)]
+            xs = [torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16) for M in tokens]
+            xs_loras = [(x, lora_args(op, x, a, b)) for x in xs]
+            x, lora = xs_loras[-1]
+            entry = dict(shape=name, op=op, N=n_out, K=k_red, bucket=bound)
+            timed = timed_totals(name, op, codes, scale, xs_loras, cands, log, entry)
             best_us, best = min(timed, key=lambda t: t[0])
             if gluon and bound == BIG:
                 best = tune_gluon(name, op, codes, scale, xs_loras, best, log, entry)
