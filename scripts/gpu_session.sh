@@ -278,6 +278,16 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --gluon 128/64/4/16/s 256/64/3/16/s
               part stepgdx 150 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum \
                 --kernel-table 12 --json "$OUT/bench_step_gdx.json" ;;
+    gluononly) part gluononly 400 python3 -P scripts/tune_w8a16.py --gluon-only --big-tokens ${BIG_TOKENS:-8192} \
+                ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} --out $OUT/ws_configs.json
+              part stepgonly 150 env EPIRL_WS_CONFIGS=$OUT/ws_configs.json python3 -P scripts/bench_trainer.py \
+                --shapes qwen3-8b --bases fp8 bf16 --steps 2 --kernel-sum --kernel-table 12 --json "$OUT/bench_step_gonly.json" ;;
+    gluondxtable) part gdxall 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider
+              part gdxrace2 120 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-300} --shapes q3_o q3_down \
+                --gluon 256/64/4/16
+              part hostgluon 200 python3 -P scripts/profile_host_launch.py --shape q3_o --tokens 8192 --calls 20
+              part stepgdxt 150 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 bf16 --steps 2 \
+                --kernel-sum --kernel-table 12 --json "$OUT/bench_step_gdxt.json" ;;
     tunegluon) part tunegluon 540 python3 -P scripts/tune_w8a16.py --tma --gluon --buckets 1000000000 \
                 --big-tokens ${BIG_TOKENS:-8192} ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} --out $OUT/ws_configs.json ;;
     racecount39) part racecount39 540 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \

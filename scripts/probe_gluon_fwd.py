@@ -52,7 +52,8 @@ def compile_only(configs: list[dict], dx: bool = False) -> None:
               f"{len(wgmma_register_hazards(k.asm['cubin']))}; loops (instructions / HGMMA / spill): {loops}")
 
 
-def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64, op: str = "fwd") -> None:
+def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64, op: str = "fwd",
+            chunks: tuple[int, int] | None = None) -> None:
     import torch
 
     from bench_kernels import graph_us, make_layer
@@ -84,6 +85,8 @@ def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64,
             cublas = graph_us(lambda: x @ w16 + sigma * (xa @ a))
             k_chunk, n_chunks = whole_k(N)
             table = dict(ws_config("dx", K, N, tokens))
+        if chunks:  # a diagnostic: the Gluon rows at another K chunking (other bits: their wrong counts are expected)
+            k_chunk, n_chunks = chunks
         print(f"| {name} | cuBLAS bf16 + LoRA | {cublas:.1f} | 1.00 | – |", flush=True)
         lora = dict(xa=xa, lora_b=lb, lora_scale=sigma)
 
@@ -142,12 +145,14 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--rank", type=int, default=64, help="LoRA rank (192: the fused qkv's block-diagonal rank)")
     ap.add_argument("--dx", action="store_true", help="dX = gy·W (the codes read transposed) instead of the forward")
+    ap.add_argument("--chunks", help="K_CHUNK/N_CHUNKS for the Gluon rows (timing only: other bits than the table's)")
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
     if args.compile_only:
         compile_only(configs, args.dx)
     else:
-        run_gpu(args.shapes, args.tokens, configs, args.rank, "dx" if args.dx else "fwd")
+        chunks = tuple(map(int, args.chunks.split("/"))) if args.chunks else None
+        run_gpu(args.shapes, args.tokens, configs, args.rank, "dx" if args.dx else "fwd", chunks)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
 # (kernels/gemm/ws_gluon.py; A_SMEM: the codes widened in shared memory)
 GLUON_CANDIDATES = [dict(BM=256, BK=64, num_stages=4, GROUP_N=16), dict(BM=128, BK=64, num_stages=4, GROUP_N=16),
                     dict(BM=128, BK=64, num_stages=4, GROUP_N=16, A_SMEM=True),
-                    dict(BM=256, BK=64, num_stages=3, GROUP_N=16, A_SMEM=True)]
+                    dict(BM=256, BK=64, num_stages=3, GROUP_N=16, A_SMEM=True),
+                    dict(BM=256, BK=64, num_stages=3, GROUP_N=8, A_SMEM=True)]
 EXTRA_SHAPES = [("q3_kv_slice", 4096, 1024)]  # the engine calls k and v of the fused qkv per slice
 
 
@@ -246,7 +247,9 @@ def cublas_us(op, x, codes, scale, lora=None):
     return graph_us(lambda: base() + s * (xa() @ b_t))
 
 
-def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=False, gluon=False):
+def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=False, gluon=False, kept=None):
+    """kept (`--gluon-only`): {op: the table's many-token entry}, the one Triton candidate of that bucket (its
+    "gluon" decided anew); other buckets are skipped."""
     _, codes, scale, a, b = make_layer(K, N)
     if not with_lora:
         a = b = None
@@ -255,9 +258,11 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=
         n_out, k_red = (N, K) if op == "fwd" else (K, N)
         row = {}
         for bound, (tokens, cands) in buckets.items():
-            if bounds and bound not in bounds:
+            if (bounds and bound not in bounds) or (kept is not None and bound != BIG):
                 continue
             cands = with_twins(cands, tma) if bound >= 256 else cands
+            if kept is not None:
+                cands = [{k: v for k, v in kept[op].items() if k != "gluon"}]
             if flatten and op == "fwd" and bound == BIG and k_chunking(n_out, k_red)[1] > 1:
                 cands = with_flattened(cands)
             xs = [torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16) for M in tokens]
@@ -307,7 +312,10 @@ def main():
     ap.add_argument("--gluon", action="store_true",
                     help="time the Gluon kernel's configs (GLUON_CANDIDATES) beside the many-token bucket's best, forward "
                          "and dX, and set or drop each entry's \"gluon\" by the result")
+    ap.add_argument("--gluon-only", action="store_true",
+                    help="--gluon against the table's own many-token entries: no Triton config is re-tuned")
     args = ap.parse_args()
+    args.gluon = args.gluon or args.gluon_only
     if args.big_tokens:
         for buckets in (FWD_BUCKETS, DX_BUCKETS):
             buckets[BIG] = (args.big_tokens, buckets[BIG][1])
@@ -320,8 +328,12 @@ def main():
     shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes]
     for name, K, N in shapes:
         tma = "all" if args.tma and args.tma_all else args.tma
+        kept = None
+        if args.gluon_only:  # the entry of the table in effect (`ws_config`'s key: "{N}x{K}" of the op's output)
+            kept = {op: table[op].get(f"{n}x{k}", table[op]["default"])[str(BIG)]
+                    for op, n, k in (("fwd", N, K), ("dx", K, N))}
         for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora,
-                                         args.flatten, args.gluon).items():
+                                         args.flatten, args.gluon, kept).items():
             old = table[op].setdefault(key, {})
             old.update({b: merged_entry(old.get(b, {}), c) for b, c in row.items()})
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)

@@ -26,26 +26,29 @@ and xa through TMA, B as wgmma's shared-memory operand -, bias, round): the poin
 (tests/kernels/test_gpu_kernels.py, H200). Registers: a warpgroup holds its [64, BM] chunk accumulator and running
 total; at BM = 256 the total spills at chunk ends only.
 
-Used where a table entry carries "gluon" (the forward's many-token bucket; `weight_stationary._gluon_gemm`, checked
-per key like a TMA entry), off with EPIRL_WS_GLUON=0; on an API this Triton lacks it warns once and the Triton kernels
-run. Gluon is Triton's experimental tile-level language: this module is imported only on such a CUDA call.
+Used where a table entry carries "gluon" (the many-token bucket of the forward and of dX;
+`weight_stationary._gluon_gemm`, checked per key like a TMA entry), off with EPIRL_WS_GLUON=0; on an API this Triton
+lacks it warns once and the Triton kernels run. Gluon is Triton's experimental tile-level language: this module is
+imported only on such a CUDA call.
 
 dX (W_T; w = `codes.t()`, B = the LoRA Aᵀ): the same kernel with the codes and B read transposed - `[BK, 64]` TMA
-boxes, one per warpgroup, loaded into wgmma's A layout with byte loads (the two codes of a bf16x2 register lie in different
-rows) and B as an MN-major shared operand. Bitwise the Triton dX kernels' (H200, GPU tests), but slower: 1.3-1.5x the
-Triton TMA dX at BM 128 and ~4x at BM 256 (2026-12-04, 8192 tokens; twice the shared loads per k-step, and column-wise
-byte reads of 64-byte rows), so no table entry selects it; it stays for the tests and `probe_gluon_fwd.py --dx`.
+boxes, one per warpgroup, loaded into wgmma's A layout with byte loads (the two codes of a bf16x2 register lie in
+different rows) and B as an MN-major shared operand. Bitwise the Triton dX kernels' (H200, GPU tests). dX runs in one
+K chunk (`whole_k`), and N_CHUNKS is therefore never specialized (the kernel compiled for the constant 1 ran 5x
+slower, see the decorator): at BM 256 it is then the fastest dX on every Qwen shape but k/v (2026-12-04, Triton 3.6,
+8192 tokens: 0.86-0.97x the Triton TMA dX; `tune_w8a16.py --gluon-only`).
 
 A_SMEM (a config's "A_SMEM": true; forward and dX): each warpgroup widens its codes with 16-byte shared loads into one
 of two bf16 buffers of its own and issues a wgmma that reads both operands from shared memory (`_step_smem_a`: a proxy
 fence and the partition's named barrier between the stores and the wgmma); no register of an in-flight wgmma exists to
-be overwritten, and dX loses its byte loads (4 16-byte loads and 8 16-byte stores a two-step trip instead of 64 byte
-loads). Compiled for sm_90a under Triton 3.6 and 3.9 without spills in the loop, serialization or operand races
-(CPU tests); written on 2026-12-04 after the session's GPU time was spent: not yet run on a GPU, so no table entry
-selects it (`gpu_session.sh gluondx` measures it and runs its bitwise GPU tests).
+be overwritten, and dX loses its byte loads. Bitwise the pointer kernel's and 0 wrong calls in 2 x 300 per shape on
+the H200 (`race_count.py --gluon`), but 1-8 % slower than the register form at BM 256 (3 stages fit, not 4), and far
+slower at BM 128, so the tuner picked it for no entry.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -55,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._host import cdiv
+from .tma_desc_cache import install as install_descriptor_cache
 from .widen import _WIDEN_ASM
 from .ws_tma import _aligned  # row-major, 16-byte aligned base and rows: TMA's rules
 
@@ -231,7 +235,10 @@ def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, xa_smem, 
     gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & (rm < M)[None, :])
 
 
-@gluon.jit
+# N_CHUNKS is never specialized: Triton makes an integer argument equal to 1 a constant, and dX runs in one chunk
+# (`whole_k`); the kernel compiled for N_CHUNKS = 1 has its wgmmas serialized by ptxas (C7515) and 864 B of spills,
+# and ran 5x slower on the H200 (q3_o dX at BM 256: 2396 µs against 493 µs for the same kernel over 4 chunks)
+@gluon.jit(do_not_specialize=["N_CHUNKS"])
 def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_ptr, M, N, K_CHUNK, N_CHUNKS,
                      lora_scale, stride_ym, HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr,
                      HAS_BIAS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, BR: gl.constexpr,
@@ -285,6 +292,13 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
     ], [4], [CONSUMER_REGS])
 
 
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block: tuple, dtype) -> gl.NVMMASharedLayout:
+    """The descriptors' shared layout for a block shape and element type (host time: building one costs ~5 µs, and a
+    launch needs four)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 CTA may use
 
 
@@ -313,14 +327,16 @@ def gluon_ok(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: in
 def fitting_config(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: int) -> dict | None:
     """The config `launch_gluon_fwd` runs for this call: `cfg` where `gluon_ok` holds; where only its shared memory
     overflows at BM = 256 (a LoRA rank whose tiles do not fit beside that ring: the fused qkv's block-diagonal rank 192,
-    padded to 256), the same config at BM = 128; else None (the Triton kernels run). Token tiles never change an
-    element's arithmetic, so both give the same bits."""
+    padded to 256), in the forward the same config at BM = 128; else None (the Triton kernels run). Token tiles never
+    change an element's arithmetic, so both give the same bits. Measured on the H200 (8192 tokens, BENCHMARKS.md): the
+    narrowed forward beats the Triton TMA kernel (q3_qkv at rank 192: 1.14x against 1.24x cuBLAS); the narrowed dX does
+    not (813 against 768 µs), so dX keeps the Triton kernel there."""
     if gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, cfg, br):
         return cfg
+    if cfg["BM"] != 256 or _codes_transposed(w):
+        return None
     narrow = dict(cfg, BM=128)
-    if cfg["BM"] == 256 and gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, narrow, br):
-        return narrow
-    return None
+    return narrow if gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, narrow, br) else None
 
 
 def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, cfg, br):
@@ -333,9 +349,10 @@ def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_
     N = w.shape[0]
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
     w_t = _codes_transposed(w)
+    install_descriptor_cache()  # before this kernel's first launch builds its launcher (tma_desc_cache.py)
 
     def desc(t, block, dtype):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+        return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), dtype))
     x_desc = desc(x, [BM, BK], gl.bfloat16)
     # dX: the row-major codes `[K, N]` in `[BK, 64]` boxes, one per warpgroup's 64 output rows
     w_desc = desc(w.t(), [BK, 64], gl.float8e4nv) if w_t else desc(w, [BN, BK], gl.float8e4nv)

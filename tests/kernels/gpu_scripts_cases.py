@@ -101,6 +101,43 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     assert tune.merged_entry(old, base) == dict(base, gluon=gluon) and tune.merged_entry({}, base) == base
 
 
+def case_tune_gluon_only_keeps_the_tables_tiles(tmp):
+    """--gluon-only times nothing but the table's own many-token entry (and the Gluon configs, on a GPU), per op, and
+    writes that entry back with its Triton tile unchanged; the other buckets stay as the table had them."""
+    import tune_w8a16 as tune
+    tune.graph_us = wall_us
+    tune.make_layer = tiny_layer
+    small = [tune.cfg(64, 16, 64, 4, 2, False), tune.cfg(64, 32, 64, 4, 2, False)]
+    tune.FWD_BUCKETS = {256: ([20], small), tune.BIG: ([40], small)}
+    tune.DX_BUCKETS = {tune.BIG: ([40], small)}
+    tune.SHAPES, tune.EXTRA_SHAPES = [("tiny", 512, 96)], []
+    from epirl.kernels.gemm import configs
+    start = json.loads(configs.TMA_TABLE_PATH.read_text())
+    gluon = {"BM": 256, "BK": 64, "num_stages": 3, "A_SMEM": True}
+    start["fwd"]["96x512"] = {"256": small[0], str(tune.BIG): dict(small[1], gluon=gluon)}
+    start["dx"]["512x96"] = {str(tune.BIG): small[0]}
+    (tmp / "start.json").write_text(json.dumps(start))
+    out = tmp / "ws.json"
+    sys.argv = ["tune_w8a16.py", "--gluon-only", "--big-tokens", "32", "--out", str(out)]
+    os.environ[configs.TABLE_ENV] = str(tmp / "start.json")
+    configs.load_table.cache_clear()
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            tune.main()
+    finally:
+        del os.environ[configs.TABLE_ENV]
+        configs.load_table.cache_clear()
+    table = json.loads(out.read_text())
+    # no GPU here: the Gluon configs cannot run, so each entry keeps its "gluon" (or its absence)
+    assert table["fwd"]["96x512"] == start["fwd"]["96x512"], table["fwd"]["96x512"]
+    assert table["dx"]["512x96"] == start["dx"]["512x96"], table["dx"]["512x96"]
+    log = json.loads((tmp / "ws_log.json").read_text())["log"]
+    timed = [(e["op"], e["config"]) for e in log if "us" in e and "config" in e]
+    assert timed == [("fwd", small[1]), ("dx", small[0])], timed
+    assert "BITS DIFFER" not in text.getvalue(), text.getvalue()
+
+
 def case_one_chunk_study_prints_both_tables(tmp):
     import bench_one_chunk as one
     import tune_w8a16 as tune

@@ -385,6 +385,17 @@ def test_gluon_forward_narrows_its_tile_for_the_fused_qkv_rank():
         out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
         got = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, out=out, **args)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg
+    # dX is not narrowed (there the Triton TMA dX was faster on the H200): the Triton kernels run, same bits
+    dx_gluon = ws_config("dx", K, N, 4096)["gluon"]
+    gy = torch.randn(M, N, device=DEV).bfloat16()
+    gb = (gy @ b).bfloat16()
+    dx = torch.empty(M, K, device=DEV, dtype=torch.bfloat16)
+    assert gluon.fitting_config(gy, codes.t(), dx, gb, a.t(), *ws.whole_k(N), dx_gluon, 256) is None
+    dx_args = dict(w_scale=scale, xa=gb, lora_b=a.t(), lora_scale=2.0, op="dx")
+    want = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, config=dict(ws_config("dx", K, N, 4096), gluon=None,
+                                                                              tma=False), **dx_args)
+    got = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, out=dx, **dx_args)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert "broken" not in ws._GLUON, ws._GLUON
 
 

@@ -219,6 +219,17 @@ def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operand
     assert sass_report.wgmma_register_hazards(k.asm["cubin"]) == []
 
 
+def test_gluon_kernel_never_specializes_its_chunk_count():
+    """dX runs in one K chunk (`whole_k`): were N_CHUNKS = 1 specialized into a constant (Triton's default for an
+    integer argument equal to 1), ptxas would serialize the kernel's wgmmas (C7515, 864 B of spills under Triton 3.6)
+    and dX would run 5x slower on the H200; the chunk loop compiled for a runtime count is the one the SASS tests
+    above check."""
+    pytest.importorskip("triton.experimental.gluon")
+    from epirl.kernels.gemm import ws_gluon
+    flags = {p.name: p.do_not_specialize for p in ws_gluon._ws_gluon_kernel.params}
+    assert flags["N_CHUNKS"], flags
+
+
 def test_register_hazard_check_flags_a_write_to_an_in_flight_operand(monkeypatch):
     """`wgmma_register_hazards` on SASS text: a load into R88 while the wgmma reading R88-R91 is still pending (the
     DEPBAR keeps one group in flight) is flagged once; after `DEPBAR.LE gsb0, 0x0` it is not."""
