@@ -109,6 +109,14 @@
 #   tunegluon  tune_w8a16.py --tma --gluon on the many-token bucket at 8192 tokens: each entry's best Triton config, then
 #              the Gluon configs (forward and dX, codes widened in registers or shared memory) beside it; the
 #              table with the winners in $OUT/ws_configs.json                                                  ~8 min
+#   gluononly  tune_w8a16.py --gluon-only (each entry's Gluon configs against the table's own Triton entry), then the
+#              FP8 + bf16 step with that table                                                              ~8 min
+#   gluondxtable every W8A16 GPU test, race_count.py on the Gluon 256/64/4/16, the host profile of q3_o, the step ~8 min
+#   traingdx   bench_kernels.py trainer rows at 4096 / 8192 / 16384 tokens on the Qwen shapes, then the step   ~6 min
+#   ring       the Gluon LoRA ring (ws_gluon.LORA_RING): the Gluon GPU tests, probe_gluon_fwd.py (fwd and dX) at the
+#              fused qkv's rank 192 - ring at 256-token tiles against the narrowed forward and the Triton dX - and at
+#              rank 64 against the tiles path, the same with PERSISTENT ("/p": a program per SM over many tiles),
+#              race_count.py with both                                                                      ~9 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -292,6 +300,16 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --shapes q3_qkv q3_o q3_gate q3_down q3_kv q35_attn_qkv q35_gdn_qkvz --json "$OUT/bench_kernels_gdx.json"
               part stepgdx2 110 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 bf16 --steps 2 \
                 --kernel-sum --json "$OUT/bench_step_gdx2.json" ;;
+    ring)     part ringtests 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
+                -k "gluon"
+              for dx in "" --dx; do
+                part ring192$dx 200 python3 -P scripts/probe_gluon_fwd.py $dx --tokens 8192 --shapes q3_qkv --rank 192 \
+                  --configs 256/64/4/16/r 256/64/4/16/r/p 128/64/4/16
+                part ring64$dx 300 python3 -P scripts/probe_gluon_fwd.py $dx --tokens 8192 \
+                  --shapes ${RING_SHAPES:-q3_qkv q3_o q3_down q3_gate_up} --configs 256/64/4/16 256/64/4/16/r 256/64/4/16/r/p
+              done
+              part ringrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} --shapes q3_qkv q3_o \
+                --gluon 256/64/4/16/r 256/64/4/16/r/p ;;
     tunegluon) part tunegluon 540 python3 -P scripts/tune_w8a16.py --tma --gluon --buckets 1000000000 \
                 --big-tokens ${BIG_TOKENS:-8192} ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} --out $OUT/ws_configs.json ;;
     racecount39) part racecount39 540 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \

@@ -2,11 +2,12 @@
 
 On the GPU, per shape at --tokens (default 8192), with a rank-64 LoRA from a given xa (as the trainer's forward calls
 the base GEMM after `lora_down`) and the weight scale: the table entry's Triton kernel (TMA where it says; its
-"gluon" left out), the pointer kernel, and each Gluon config (BM / BK / stages [/ GROUP_N]); every output compared bitwise with the pointer kernel's
+"gluon" left out), the pointer kernel, and each Gluon config (`parse_config`: BM / BK / stages [/ GROUP_N] [/s] [/r] [/p]);
+every output compared bitwise with the pointer kernel's
 (count of differing elements), times in µs (CUDA-graph replay, L2 flushed: `gpu_timing.graph_us`) and the ratio to
 cuBLAS bf16 on a bf16 copy of the weight + the same LoRA as separate matmuls.
 
-    python scripts/probe_gluon_fwd.py [--shapes q3_down ...] [--tokens 8192] [--configs 256/64/4/16 256/64/4 ...]
+    python scripts/probe_gluon_fwd.py [--shapes q3_down ...] [--tokens 8192] [--configs 256/64/4/16 256/64/4/16/r ...]
                                       [--rank 192] [--dx]
 
 Without a GPU, `--compile-only` compiles each Gluon config for sm_90a with the installed Triton (Gluon's API is
@@ -28,27 +29,39 @@ SHAPES = {"q3_down": (12288, 4096), "q3_qkv": (4096, 6144), "q3_o": (4096, 4096)
           "k256": (256, 4096), "k512": (512, 4096), "k1024": (1024, 4096)}
 
 
+FLAGS = {"s": "A_SMEM", "r": "LORA_RING", "p": "PERSISTENT"}  # a config's trailing letters
+
+
 def parse_config(text: str) -> dict:
-    """BM/BK/STAGES[/GROUP_N][/s] (GROUP_N: weight-row tiles swept together over the token tiles, default 8; s: the
-    codes widened into shared memory, A_SMEM)."""
+    """BM/BK/STAGES[/GROUP_N][/s][/r][/p] (GROUP_N: weight-row tiles swept together over the token tiles, default 8;
+    s: the codes widened into shared memory, A_SMEM; r: the LoRA ranks through the k-step ring, LORA_RING; p: a
+    program per SM over many tiles, PERSISTENT)."""
     fields = text.split("/")
-    a_smem = fields[-1] == "s"
-    bm, bk, stages, *group = map(int, fields[:-1] if a_smem else fields)
-    return dict(BM=bm, BK=bk, num_stages=stages, GROUP_N=group[0] if group else 8, A_SMEM=a_smem)
+    flags = [f for f in fields if f in FLAGS]
+    bm, bk, stages, *group = map(int, fields[:len(fields) - len(flags)])
+    cfg = dict(BM=bm, BK=bk, num_stages=stages, GROUP_N=group[0] if group else 8)
+    return dict(cfg, **{key: letter in flags for letter, key in FLAGS.items()})
 
 
-def compile_only(configs: list[dict], dx: bool = False) -> None:
-    """Each config compiled for sm_90a (`sass_report.compile_gluon`): registers, stack, wgmma serialization, loops
-    and A-operand races (`sass_report --gluon` prints the same)."""
+def config_label(c: dict) -> str:
+    """`parse_config`'s text of a config (GROUP_N included)."""
+    flags = "".join(f"/{letter}" for letter, key in FLAGS.items() if c.get(key))
+    return f"{c['BM']}/{c['BK']}/{c['num_stages']}/{c.get('GROUP_N', 8)}{flags}"
+
+
+def compile_only(configs: list[dict], dx: bool = False, rank: int = 64) -> None:
+    """Each config compiled for sm_90a with a rank-`rank` LoRA (`sass_report.compile_gluon`): registers, stack, shared
+    memory, wgmma serialization, loops and A-operand races (`sass_report --gluon` prints the same)."""
     from sass_report import compile_gluon, loop_report, ptxas_notes, report, wgmma_register_hazards
 
+    from epirl.kernels.gemm.weight_stationary import _epilogue_rows
     for c in configs:
-        k = compile_gluon(c, dx=dx, a_smem=c.get("A_SMEM", False))
+        k = compile_gluon(c, br=_epilogue_rows(rank), dx=dx, a_smem=c.get("A_SMEM", False),
+                          lora_ring=c.get("LORA_RING", False), persistent=c.get("PERSISTENT", False))
         rep, notes = report(k.asm["cubin"]), ptxas_notes(k.asm["ptx"])
         loops = ", ".join(f"{r['instructions']}/{r['HGMMA']}/{r['spill']}" for r in loop_report(k.asm["cubin"]))
-        tile = f"{c['BM']}/{c['BK']}/{c['num_stages']}{'/s' if c.get('A_SMEM') else ''}"
-        print(f"# {'dx' if dx else 'fwd'} {tile}: regs {rep['regs']}, stack {rep['stack']} B, shared "
-              f"{k.metadata.shared} B, wgmma serialized: {notes['serialized'] or 'no'}, A-operand races "
+        print(f"# {'dx' if dx else 'fwd'} {config_label(c)}, rank {rank}: regs {rep['regs']}, stack {rep['stack']} B, "
+              f"shared {k.metadata.shared} B, wgmma serialized: {notes['serialized'] or 'no'}, A-operand races "
               f"{len(wgmma_register_hazards(k.asm['cubin']))}; loops (instructions / HGMMA / spill): {loops}")
 
 
@@ -104,7 +117,7 @@ def run_gpu(shapes: list[str], tokens: int, configs: list[dict], rank: int = 64,
             if not gluon_ok(x, w, want, xa, lb, k_chunk, n_chunks, c, br):
                 print(f"| {name} | gluon {c} | – | – | not applicable |")
                 continue
-            rows.append((f"gluon {c['BM']}/{c['BK']}/{c['num_stages']}/{c['GROUP_N']}{'/s' if c['A_SMEM'] else ''}",
+            rows.append((f"gluon {config_label(c)}",
                          lambda out, c=c: launch_gluon_fwd(x, w, out, scale, xa, lb, sigma, None, k_chunk, n_chunks,
                                                            c, br)))
         for label, run in rows:
@@ -149,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
     if args.compile_only:
-        compile_only(configs, args.dx)
+        compile_only(configs, args.dx, args.rank)
     else:
         chunks = tuple(map(int, args.chunks.split("/"))) if args.chunks else None
         run_gpu(args.shapes, args.tokens, configs, args.rank, "dx" if args.dx else "fwd", chunks)

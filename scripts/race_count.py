@@ -31,6 +31,7 @@ from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_ge
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import make_layer  # noqa: E402  (the rank-64 layer every bench script times)
+from probe_gluon_fwd import config_label, parse_config  # noqa: E402
 
 SHAPES = {"q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_down": (12288, 4096), "q3_gate": (4096, 12288)}
 
@@ -66,7 +67,7 @@ def kernels(x, gy, codes, scale, a, b, decode_x, gluon_configs=()):
     if x.is_cuda and dx_table.get("tma"):
         rows.append(("dx TMA", dx(dict(dx_table, tma=False)), dx(dx_table)))
     for g in gluon_configs if x.is_cuda else ():
-        tag = f"{g['BM']}/{g['BK']}/{g['num_stages']}{'/s' if g.get('A_SMEM') else ''}"
+        tag = config_label(g)
         rows.append((f"fwd Gluon {tag}", fwd(pointer), fwd(dict(table, gluon=g))))
         rows.append((f"dx Gluon {tag}", dx(dict(dx_table, tma=False)), dx(dict(dx_table, gluon=g))))
     dec = dict(ws_config("fwd", N, K, decode_x.shape[0]))
@@ -101,10 +102,10 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--decode-tokens", type=int, default=16)
-    ap.add_argument("--gluon", nargs="*", default=[], metavar="BM/BK/STAGES[/GROUP_N][/s]",
-                    help="also these Gluon configs, forward and dX (s: the codes widened in shared memory)")
+    ap.add_argument("--gluon", nargs="*", default=[], metavar="BM/BK/STAGES[/GROUP_N][/s][/r]",
+                    help="also these Gluon configs, forward and dX (s: the codes widened in shared memory; r: the LoRA "
+                         "through the k-step ring, forward only: dX runs without LoRA here)")
     args = ap.parse_args()
-    from probe_gluon_fwd import parse_config
     gluon_configs = [parse_config(c) for c in args.gluon]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"# triton {triton.__version__} (wgmma drain {'on' if wgmma_drain.DRAIN else 'off'}: "

@@ -19,8 +19,8 @@ excluded; a table that selects them is refused with EPIRL_WS_TMA=0), and it prin
 separate matmuls) on the same shape beside the many-token bucket;
 `--flatten` adds, on the chunked forwards' many-token bucket, the twins with the chunk loop flattened into one
 pipelined loop (`_ws_single_kernel`'s FLATTEN; same bits). `--gluon` times the Gluon kernel's configs
-(`GLUON_CANDIDATES`, forward and dX, codes widened in registers or in shared memory) beside each many-token entry's
-best and sets its "gluon" to the fastest that beats it (same bits), or drops it; without it an entry keeps its
+(`GLUON_CANDIDATES`, forward and dX: one tile a program or PERSISTENT, LoRA tiles or through the ring) beside
+each many-token entry's best and sets its "gluon" to the fastest that beats it (same bits), or drops it; without it an entry keeps its
 "gluon". `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--flatten] [--gluon] [--no-lora]
        [--shapes q3_qkv ...] [--buckets 256 ...] [--big-tokens 4096 8192]
@@ -75,11 +75,14 @@ FWD_BUCKETS = {
 }
 DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
 # `--gluon`: the warp-specialized Gluon kernel's configs timed beside the many-token bucket's best Triton config
-# (kernels/gemm/ws_gluon.py; A_SMEM: the codes widened in shared memory)
+# (kernels/gemm/ws_gluon.py; A_SMEM: the codes widened in shared memory; LORA_RING: the LoRA ranks through the k-step
+# ring, which lets the fused qkv's rank 192 keep 256-token tiles - timed here at rank 64, one ring step)
+# PERSISTENT: a program per SM over many tiles, the LoRA through the ring. The A_SMEM configs lost to the register
+# form by 1-8 % on every entry (twenty-first session) and are no longer timed here (probe_gluon_fwd.py .../s still does)
 GLUON_CANDIDATES = [dict(BM=256, BK=64, num_stages=4, GROUP_N=16), dict(BM=128, BK=64, num_stages=4, GROUP_N=16),
-                    dict(BM=128, BK=64, num_stages=4, GROUP_N=16, A_SMEM=True),
-                    dict(BM=256, BK=64, num_stages=3, GROUP_N=16, A_SMEM=True),
-                    dict(BM=256, BK=64, num_stages=3, GROUP_N=8, A_SMEM=True)]
+                    dict(BM=256, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True),
+                    dict(BM=256, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True, PERSISTENT=True),
+                    dict(BM=128, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True, PERSISTENT=True)]
 EXTRA_SHAPES = [("q3_kv_slice", 4096, 1024)]  # the engine calls k and v of the fused qkv per slice
 
 

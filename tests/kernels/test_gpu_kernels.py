@@ -362,6 +362,47 @@ def test_gluon_forward_gives_the_pointer_kernels_bits(K, N):
     assert "broken" not in ws._GLUON, ws._GLUON
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("op", ["fwd", "dx"])
+def test_gluon_lora_ring_gives_the_pointer_kernels_bits(op, persistent):
+    """A config with "LORA_RING" streams the LoRA ranks through the k-step ring (`ws_gluon._lora_ring`): at the fused
+    qkv's rank 192 (256 padded; the LoRA tiles would overflow shared memory at 256 tokens) it runs at the entry's
+    256-token tiles, and at rank 64 too, with the pointer kernel's bits; at rank 16 (not whole 64-rank steps) the
+    tiles path runs instead, same bits. With "PERSISTENT" (`runs_persistent`: a program per SM over many tiles, one
+    ring through them) the same bits, also without a LoRA; at rank 16 it runs the one-tile kernel. Ragged last token
+    tile, NaN-filled output, each call twice."""
+    from epirl.kernels.gemm import weight_stationary as ws
+    from epirl.kernels.gemm.configs import k_chunking, ws_config
+    K, N, M = 4096, 6144, 4113
+    x, codes, scale, a, b, bias = problem(M, K, N, 192, seed=13)
+    gy = torch.randn(M, N, device=DEV).bfloat16()
+    table_cfg = dict(ws_config(op, N if op == "fwd" else K, K if op == "fwd" else N, 4096))
+    ring = dict(table_cfg["gluon"], LORA_RING=True, PERSISTENT=persistent)
+    gluon = ws._gluon()
+    for r in (192, 64, 16, 0):
+        br = ws._epilogue_rows(r)
+        if op == "fwd":
+            xs, w, n_out, (k_chunk, n_chunks) = x, codes, N, k_chunking(N, K)
+            args = dict(xa=lora_down(x, a[:r], chunk_n=N), lora_b=b[:, :r].contiguous(), bias=bias)
+        else:
+            xs, w, n_out, (k_chunk, n_chunks) = gy, codes.t(), K, ws.whole_k(N)
+            args = dict(xa=(gy @ b[:, :r]).bfloat16(), lora_b=a[:r].t())
+        if r == 0:
+            args.update(xa=None, lora_b=None)
+        args.update(w_scale=scale, lora_scale=2.0, op=op)
+        y = torch.empty(M, n_out, device=DEV, dtype=torch.bfloat16)
+        assert gluon.lora_through_ring(ring, args["xa"], br) == (r in (64, 192))
+        assert gluon.runs_persistent(ring, args["xa"], br, n_chunks * k_chunk // 64) == (persistent and r != 16)
+        assert gluon.fitting_config(xs, w, y, args["xa"], args["lora_b"], k_chunk, n_chunks, ring, br) == ring, r
+        pointer = dict({k: v for k, v in table_cfg.items() if k not in ("gluon", "tma")}, tma=False)
+        want = weight_stationary_gemm(xs, w, torch.bfloat16, config=pointer, **args)
+        for _ in range(2):
+            out = torch.full((M, n_out), float("nan"), device=DEV, dtype=torch.bfloat16)
+            got = weight_stationary_gemm(xs, w, torch.bfloat16, config=dict(table_cfg, gluon=ring), out=out, **args)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (op, r, persistent)
+    assert "broken" not in ws._GLUON, ws._GLUON
+
+
 def test_gluon_forward_narrows_its_tile_for_the_fused_qkv_rank():
     """At rank 192 (a fused qkv's block-diagonal rank, 256 in the epilogue) the entry's 256-token tiles overflow
     shared memory beside the LoRA tiles; `fitting_config` runs 128-token tiles instead, with the pointer kernel's

@@ -187,16 +187,33 @@ def test_wgmma_kernels_keep_their_wgmmas_in_flight(name):
 
 
 def _gluon_configs() -> list[str]:
-    """op:BM/BK/STAGES of every "gluon" config the table gives, and the dX form at its two tile widths."""
+    """op:BM/BK/STAGES[/s][/r][/p] of every "gluon" config the table gives, and the dX form at its two tile widths."""
     from epirl.kernels.gemm.configs import TMA_TABLE_PATH
     import json
     table = json.loads(TMA_TABLE_PATH.read_text())
-    table_cfgs = {"{op}:{BM}/{BK}/{num_stages}{s}".format(op=op, s="/s" if c["gluon"].get("A_SMEM") else "",
-                                                           **c["gluon"])
-                  for op in ("fwd", "dx") for row in table[op].values() for c in row.values() if "gluon" in c}
-    # the dX form, and the codes widened into shared memory (A_SMEM: "/s"), whether the table uses them or not
+
+    def label(op: str, g: dict) -> str:
+        flags = "".join(f"/{f}" for f, key in (("s", "A_SMEM"), ("r", "LORA_RING"), ("p", "PERSISTENT")) if g.get(key))
+        return f"{op}:{g['BM']}/{g['BK']}/{g['num_stages']}{flags}"
+    table_cfgs = {label(op, c["gluon"]) for op in ("fwd", "dx") for row in table[op].values() for c in row.values()
+                  if "gluon" in c}
+    # the dX form, the codes widened into shared memory (A_SMEM: "/s") and the LoRA through the ring (LORA_RING:
+    # "/r", compiled at the fused qkv's padded rank 256) and the persistent kernel ("/p", with the ring), whether the
+    # table uses them or not
     return sorted(table_cfgs | {"dx:256/64/4", "dx:128/64/4", "fwd:128/64/4/s", "fwd:256/64/3/s", "dx:128/64/4/s",
-                                "dx:256/64/3/s"})
+                                "dx:256/64/3/s", "fwd:256/64/4/r", "dx:256/64/4/r", "dx:256/64/3/s/r", "fwd:256/64/4/r/p",
+                                "dx:256/64/4/r/p"})
+
+
+def _compile_gluon_config(cfg: str):
+    """`sass_report.compile_gluon` of an `_gluon_configs` entry (a "/r" config at LoRA rank 256, others at 64)."""
+    import sass_report
+    op, tile = cfg.split(":")
+    fields = tile.split("/")
+    bm, bk, stages = map(int, fields[:3])
+    ring = "r" in fields
+    return sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), br=256 if ring else 64, dx=op == "dx",
+                                     a_smem="s" in fields, lora_ring=ring, persistent="p" in fields)
 
 
 @pytest.mark.parametrize("cfg", _gluon_configs())
@@ -210,13 +227,44 @@ def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operand
     pytest.importorskip("triton.experimental.gluon")
     if not _have_tools():
         pytest.skip("this triton ships no ptxas/cuobjdump")
-    op, tile = cfg.split(":")
-    bm, bk, stages = map(int, tile.split("/")[:3])
-    k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), dx=op == "dx", a_smem=tile.endswith("/s"))
+    k = _compile_gluon_config(cfg)
     assert sass_report.ptxas_notes(k.asm["ptx"])["serialized"] == "", cfg
     loops = sass_report.loop_report(k.asm["cubin"])
     assert loops[0]["HGMMA"] == 8 and loops[0]["spill"] == 0, loops[0]
     assert sass_report.wgmma_register_hazards(k.asm["cubin"]) == []
+
+
+@pytest.mark.parametrize("cfg", ["fwd:256/64/4", "fwd:256/64/4/r", "fwd:128/64/4", "dx:256/64/4/r", "dx:256/64/3/s/r",
+                                 "fwd:256/64/3/s"])
+def test_gluon_shared_memory_estimate_covers_the_compiled_kernel(cfg):
+    """`ws_gluon.shared_bytes` (what `gluon_ok` checks against a CTA's limit before a launch) is at least the shared
+    memory of the compiled kernel and within its 1 KiB margin of it - at rank 256, the LoRA tiles that overflow at 256
+    tokens (360,700 B) and the ring that fits in their place."""
+    import sass_report
+    pytest.importorskip("triton.experimental.gluon")
+    if not _have_tools():
+        pytest.skip("this triton ships no ptxas/cuobjdump")
+    from epirl.kernels.gemm import ws_gluon
+    fields = cfg.split(":")[1].split("/")
+    bm, bk, stages = map(int, fields[:3])
+    ring = "r" in fields
+    estimate = ws_gluon.shared_bytes(dict(BM=bm, BK=bk, num_stages=stages, A_SMEM="s" in fields), 256, ring)
+    k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), br=256, dx=cfg.startswith("dx"),
+                                  a_smem="s" in fields, lora_ring=ring)
+    assert 0 <= estimate - k.metadata.shared <= 1024, (estimate, k.metadata.shared)
+    assert (estimate <= ws_gluon.SMEM_LIMIT) == (ring or bm == 128), estimate
+
+
+@pytest.mark.parametrize("text", ["256/64/4/16", "128/64/4/s", "256/64/3/8/s/r", "256/64/4/16/r"])
+def test_gluon_config_text_round_trips(text):
+    """The probe's and race_count's config text (`probe_gluon_fwd.parse_config`: BM/BK/STAGES[/GROUP_N][/s][/r]) reads
+    into the fields `ws_gluon` takes and prints back the same (GROUP_N written out)."""
+    from probe_gluon_fwd import config_label, parse_config
+    cfg = parse_config(text)
+    fields = text.split("/")
+    assert (cfg["BM"], cfg["BK"], cfg["num_stages"]) == tuple(map(int, fields[:3]))
+    assert cfg["A_SMEM"] == ("s" in fields) and cfg["LORA_RING"] == ("r" in fields), cfg
+    assert parse_config(config_label(cfg)) == cfg and config_label(cfg).count("/") >= 3
 
 
 def test_gluon_kernel_never_specializes_its_chunk_count():
