@@ -310,6 +310,15 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
               done
               part ringrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} --shapes q3_qkv q3_o \
                 --gluon 256/64/4/16/r 256/64/4/16/r/p ;;
+    ringtable) part steptold 120 env EPIRL_WS_CONFIGS=${OLD_TABLE:-.whl/ws_configs_old.json} python3 -P scripts/bench_trainer.py \
+                --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum --json "$OUT/bench_step_oldtable.json"
+              part steptnew 150 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 bf16 --steps 2 \
+                --kernel-sum --kernel-table 12 --json "$OUT/bench_step_ringtable.json"
+              part trainring 240 python3 -P scripts/bench_kernels.py --tokens 8192 --train-tokens 4096 8192 16384 \
+                --shapes q3_qkv q3_o q3_gate q3_down q3_kv q35_attn_qkv q35_gdn_qkvz --json "$OUT/bench_kernels_ring.json"
+              part ringall 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider
+              part ringrace2 120 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-100} --shapes q3_gate_up q3_down \
+                --gluon 256/64/4/16/r 256/64/4/16/r/p ;;
     tunegluon) part tunegluon 540 python3 -P scripts/tune_w8a16.py --tma --gluon --buckets 1000000000 \
                 --big-tokens ${BIG_TOKENS:-8192} ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} --out $OUT/ws_configs.json ;;
     racecount39) part racecount39 540 env PYTHONPATH=$HOME/t39${PYTHONPATH:+:$PYTHONPATH} \

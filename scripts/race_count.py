@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import make_layer  # noqa: E402  (the rank-64 layer every bench script times)
 from probe_gluon_fwd import config_label, parse_config  # noqa: E402
 
-SHAPES = {"q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_down": (12288, 4096), "q3_gate": (4096, 12288)}
+SHAPES = {"q3_qkv": (4096, 6144), "q3_o": (4096, 4096), "q3_down": (12288, 4096), "q3_gate": (4096, 12288),
+          "q3_gate_up": (4096, 24576)}
 
 
 def kernels(x, gy, codes, scale, a, b, decode_x, gluon_configs=()):

@@ -404,39 +404,48 @@ def test_gluon_lora_ring_gives_the_pointer_kernels_bits(op, persistent):
 
 
 def test_gluon_forward_narrows_its_tile_for_the_fused_qkv_rank():
-    """At rank 192 (a fused qkv's block-diagonal rank, 256 in the epilogue) the entry's 256-token tiles overflow
-    shared memory beside the LoRA tiles; `fitting_config` runs 128-token tiles instead, with the pointer kernel's
-    bits, through the table (twice) and as an explicit config."""
+    """At rank 192 (a fused qkv's block-diagonal rank, 256 in the epilogue) 256-token tiles with the LoRA tiles
+    resident overflow shared memory; `fitting_config` runs 128-token tiles instead, with the pointer kernel's bits.
+    With LORA_RING the ranks stream through the k-step ring and the 256-token tile fits as it is (forward and dX).
+    The table's own entry (whichever of these it holds) gives the same bits, twice. Explicit configs: the test
+    must not depend on what the tuner last picked."""
     from epirl.kernels.gemm import weight_stationary as ws
     from epirl.kernels.gemm.configs import k_chunking, ws_config
     K, N, M = 4096, 4096, 4113
     x, codes, scale, a, b, bias = problem(M, K, N, 192, seed=11)
     table_cfg = dict(ws_config("fwd", N, K, 4096))
     pointer = {k: v for k, v in table_cfg.items() if k not in ("gluon", "tma")}
+    resident = {"BM": 256, "BK": 64, "num_stages": 4, "GROUP_N": 16}
+    ring = dict(resident, LORA_RING=True)
     k_chunk, n_chunks = k_chunking(N, K)
     xa = lora_down(x, a, chunk_n=N)
     y = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
     gluon = ws._gluon()
-    assert not gluon.gluon_ok(x, codes, y, xa, b, k_chunk, n_chunks, table_cfg["gluon"], 256)
-    narrow = gluon.fitting_config(x, codes, y, xa, b, k_chunk, n_chunks, table_cfg["gluon"], 256)
-    assert narrow == dict(table_cfg["gluon"], BM=128)
+    assert not gluon.gluon_ok(x, codes, y, xa, b, k_chunk, n_chunks, resident, 256)
+    narrow = gluon.fitting_config(x, codes, y, xa, b, k_chunk, n_chunks, resident, 256)
+    assert narrow == dict(resident, BM=128)
+    assert gluon.fitting_config(x, codes, y, xa, b, k_chunk, n_chunks, ring, 256) == ring
     args = dict(w_scale=scale, bias=bias, xa=xa, lora_b=b, lora_scale=2.0)
     want = weight_stationary_gemm(x, codes, torch.bfloat16, config=pointer, **args)
-    for cfg in (None, None, dict(table_cfg, gluon=narrow)):
+    for cfg in (None, None, dict(pointer, gluon=narrow), dict(pointer, gluon=ring)):
         out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
         got = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, out=out, **args)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg
-    # dX is not narrowed (there the Triton TMA dX was faster on the H200): the Triton kernels run, same bits
-    dx_gluon = ws_config("dx", K, N, 4096)["gluon"]
+    # dX is not narrowed (there the Triton TMA dX was faster than 128-token Gluon tiles): a resident-LoRA config that
+    # does not fit leaves the call to the Triton kernels; the ring fits. Same bits on every path.
     gy = torch.randn(M, N, device=DEV).bfloat16()
     gb = (gy @ b).bfloat16()
     dx = torch.empty(M, K, device=DEV, dtype=torch.bfloat16)
-    assert gluon.fitting_config(gy, codes.t(), dx, gb, a.t(), *ws.whole_k(N), dx_gluon, 256) is None
+    assert gluon.fitting_config(gy, codes.t(), dx, gb, a.t(), *ws.whole_k(N), resident, 256) is None
+    assert gluon.fitting_config(gy, codes.t(), dx, gb, a.t(), *ws.whole_k(N), ring, 256) == ring
     dx_args = dict(w_scale=scale, xa=gb, lora_b=a.t(), lora_scale=2.0, op="dx")
-    want = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, config=dict(ws_config("dx", K, N, 4096), gluon=None,
-                                                                              tma=False), **dx_args)
-    got = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, out=dx, **dx_args)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    dx_table = {k: v for k, v in ws_config("dx", K, N, 4096).items() if k != "gluon"}
+    want = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, config=dict(dx_table, gluon=None, tma=False),
+                                  **dx_args)
+    for cfg in (None, dict(dx_table, gluon=resident), dict(dx_table, gluon=ring)):
+        out = torch.full((M, K), float("nan"), device=DEV, dtype=torch.bfloat16)
+        got = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, config=cfg, out=out, **dx_args)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg
     assert "broken" not in ws._GLUON, ws._GLUON
 
 
