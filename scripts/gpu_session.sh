@@ -116,7 +116,10 @@
 #   ring       the Gluon LoRA ring (ws_gluon.LORA_RING): the Gluon GPU tests, probe_gluon_fwd.py (fwd and dX) at the
 #              fused qkv's rank 192 - ring at 256-token tiles against the narrowed forward and the Triton dX - and at
 #              rank 64 against the tiles path, the same with PERSISTENT ("/p": a program per SM over many tiles),
-#              race_count.py with both                                                                      ~9 min
+#              race_count.py with both                                                     ~3.5 min on an H100
+#   ringtable  the step with the previous table (OLD_TABLE, default .whl/ws_configs_old.json: `git show
+#              HEAD~:kernels/gemm/ws_configs_tma.json`) and with the committed one, the trainer rows at 4096 / 8192 /
+#              16384 tokens, every W8A16 GPU test (needs ~8 min on its own), race_count.py on gate_up / down  ~12 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -316,7 +319,7 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --kernel-sum --kernel-table 12 --json "$OUT/bench_step_ringtable.json"
               part trainring 240 python3 -P scripts/bench_kernels.py --tokens 8192 --train-tokens 4096 8192 16384 \
                 --shapes q3_qkv q3_o q3_gate q3_down q3_kv q35_attn_qkv q35_gdn_qkvz --json "$OUT/bench_kernels_ring.json"
-              part ringall 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider
+              part ringall 540 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider
               part ringrace2 120 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-100} --shapes q3_gate_up q3_down \
                 --gluon 256/64/4/16/r 256/64/4/16/r/p ;;
     tunegluon) part tunegluon 540 python3 -P scripts/tune_w8a16.py --tma --gluon --buckets 1000000000 \
@@ -335,7 +338,7 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --skip-smollm2" ;;
     readfloor) part readfloor 240 python3 -P scripts/bench_read_floor.py --json $OUT/read_floor.json ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor ring ringtable gluononly gluondxtable traingdx)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
