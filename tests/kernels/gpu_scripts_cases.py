@@ -37,6 +37,10 @@ def wall_us(fn, **_):
     return (time.perf_counter() - t0) * 1e6
 
 
+def wall_us_many(fns, **_):  # graph_us_interleaved's CPU stand-in: the same list of times, one per fn
+    return [wall_us(fn) for fn in fns]
+
+
 def patch_cuda():
     torch.randn = _cpu_randn
     torch.Generator = lambda device=None: _Generator()
@@ -53,7 +57,7 @@ def tiny_layer(K, N, r=8):
 
 def case_tune_writes_a_bitwise_checked_table(tmp):
     import tune_w8a16 as tune
-    tune.graph_us = wall_us
+    tune.graph_us, tune.graph_us_interleaved = wall_us, wall_us_many
     tune.make_layer = tiny_layer
     small = [tune.cfg(64, 16, 64, 4, 2, False), tune.cfg(64, 32, 64, 4, 2, False)]
     tune.FWD_BUCKETS = {256: ([20], small), tune.BIG: ([40], small)}
@@ -105,7 +109,7 @@ def case_tune_gluon_only_keeps_the_tables_tiles(tmp):
     """--gluon-only times nothing but the table's own many-token entry (and the Gluon configs, on a GPU), per op, and
     writes that entry back with its Triton tile unchanged; the other buckets stay as the table had them."""
     import tune_w8a16 as tune
-    tune.graph_us = wall_us
+    tune.graph_us, tune.graph_us_interleaved = wall_us, wall_us_many
     tune.make_layer = tiny_layer
     small = [tune.cfg(64, 16, 64, 4, 2, False), tune.cfg(64, 32, 64, 4, 2, False)]
     tune.FWD_BUCKETS = {256: ([20], small), tune.BIG: ([40], small)}
@@ -142,6 +146,7 @@ def case_one_chunk_study_prints_both_tables(tmp):
     import bench_one_chunk as one
     import tune_w8a16 as tune
     one.graph_us = tune.graph_us = wall_us
+    tune.graph_us_interleaved = wall_us_many
     one.make_layer = tiny_layer
     one.SHAPES, one.TRAIN_M = [("tiny", 512, 192)], 40
     one.ws_config = lambda op, N, K, M: dict(BN=64, BM=32, BK=64, num_warps=4, num_stages=2, split=False)
