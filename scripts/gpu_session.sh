@@ -8,8 +8,8 @@
 #   kernels    GPU kernel tests, then bench_kernels.py at 1/4/16/64 + 4096 tokens (PDL on/off columns)  ~6 min
 #              (after `tune` in the same job: with the table it just wrote, EPIRL_WS_CONFIGS, for the
 #              parts after it too)
-#   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py; GPU_TEST_K=EXPR: those -k selects),
-#              bench at 1/16/32 + 4096 tokens                                                               ~7 min
+#   kernelsq   `kernels` in short: the W8A16 GPU tests (test_gpu_kernels.py, test_gpu_gluon.py; GPU_TEST_K=EXPR:
+#              those -k selects), bench at 1/16/32 + 4096 tokens                                          ~7 min
 #   tunebig    tune_w8a16.py: the many-token bucket with the TMA twins of the 128x256 tiles, then the 32-token
 #              bucket, into $OUT/ws_configs.json (the parts after it use that table)                         ~6 min
 #   bitsgu     ws_bits_report.py on the 4096 -> 24576 gate_up (every tile, pointer and TMA, twice at 4096 tokens): how
@@ -63,7 +63,7 @@
 #   enginefused the matched engine's TPOT with EPIRL_FUSED_SLICES=1 beside the W8A8 engine's (vLLM staged; enginetpot:
 #              the same without it), then its qkv / down layers against the kernel, bitwise (eager engine)  ~9 min
 #   trainhf    trainer rows at 8192 tokens for the modules a Qwen3-8B step runs (q = o shape, k/v, gate/up, down) ~2 min
-#   gpuall     every GPU test of the W8A16 kernels (tests/kernels/test_gpu_kernels.py -m gpu)               ~4 min
+#   gpuall     every GPU test of the W8A16 kernels (test_gpu_kernels.py, test_gpu_gluon.py -m gpu)               ~4 min
 #   step1t     `step` with the backward on the calling thread (autograd multithreading off)           ~4 min
 #   desccache  the TMA descriptor cache (kernels/gemm/tma_desc_cache.py) off, then on: profile_host_launch.py q3_o rows,
 #              then the Qwen3-8B step (FP8 off; FP8 + bf16 on)                                                ~5 min
@@ -120,10 +120,14 @@
 #   ringtable  the step with the previous table (OLD_TABLE, default .whl/ws_configs_old.json: `git show
 #              HEAD~:kernels/gemm/ws_configs_tma.json`) and with the committed one, the trainer rows at 4096 / 8192 /
 #              16384 tokens, every W8A16 GPU test (needs ~8 min on its own), race_count.py on gate_up / down  ~12 min
+#   tall       the tall Gluon tile (ws_gluon_tall.py: 256 weight rows x 128 tokens) and the interleaved timer: their GPU
+#              tests, probe_gluon_fwd.py (fwd and dX) at 8192 tokens against the standard tile and cuBLAS on the Qwen
+#              shapes (TALL_SHAPES, TALL_TOKENS), race_count.py with it                                    ~9 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
 source scripts/device_env.sh
+W8A16_GPU_TESTS="tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_gluon.py"  # every W8A16 GEMM GPU test
 t0=$(date +%s)
 
 part() {  # name, limit in s, command...: runs it, logs to $OUT/<name>.log, prints its table lines
@@ -141,7 +145,7 @@ for name in "$@"; do
               [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
               part kernels 480 bash scripts/gpu_kernels.sh --tokens 1 4 16 64 --train-tokens 4096 ;;
     kernelsq) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
-              part kernelsq 480 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py \
+              part kernelsq 480 bash -c "python3 -P -m pytest -q -m gpu $W8A16_GPU_TESTS \
                 ${GPU_TEST_K:+-k \"$GPU_TEST_K\"} -p no:cacheprovider --durations=8 2>&1 | tee $OUT/gpu_tests.log; python3 -P scripts/bench_kernels.py \
                 --tokens 1 16 32 --train-tokens 4096 --json $OUT/bench_kernels.json" ;;
     tunebig)  part tunebig 420 bash -c "python3 -P scripts/tune_w8a16.py --tma --buckets 1000000000 \
@@ -217,7 +221,7 @@ PY
                 --skip-smollm2" ;;
     trainhf)  part trainhf 240 python3 -P scripts/bench_kernels.py --tokens 1 --train-tokens 8192 \
                 --shapes q3_o q3_kv q3_gate q3_down --json $OUT/bench_trainhf.json ;;
-    gpuall)   part gpuall 420 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider ;;
+    gpuall)   part gpuall 420 python3 -P -m pytest -q -m gpu $W8A16_GPU_TESTS -p no:cacheprovider ;;
     desccache) part desccache 480 bash -c "EPIRL_TMA_DESC_CACHE=0 python3 -P scripts/profile_host_launch.py --shape q3_o \
                 --calls 40; python3 -P scripts/profile_host_launch.py --shape q3_o --calls 40; EPIRL_TMA_DESC_CACHE=0 \
                 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 --kernel-sum --bases fp8; \
@@ -236,7 +240,7 @@ PY
                 -p no:cacheprovider -k 'one_launch or split_k_with_pdl or lora_down or decode_path or invariance'; \
                 for g in 0 1 0 1; do EPIRL_WS_DOWN_GROUP=\$g python3 -P scripts/bench_kernels.py --tokens 1 16 \
                 --train-tokens --shapes ${GROUP_SHAPES:-q3_qkv q3_o q3_gate_up q3_down} --json $OUT/bench_group\$g.json; done" ;;
-    gluon)    part gluontests 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
+    gluon)    part gluontests 300 python3 -P -m pytest -q -m gpu $W8A16_GPU_TESTS -p no:cacheprovider \
                 -k "gluon or every_table_config or tma_table or module_forward"
               for round in $(seq ${GLUON_STEPS:-1}); do for g in 0 1; do
                 EPIRL_WS_GLUON=$g part step_gluon$g 400 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --steps 2 \
@@ -283,7 +287,7 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --configs ${GLUON_CONFIGS:-128/64/4/16 128/64/4/16/s 256/64/3/16/s}
               part gfwds 200 python3 -P scripts/probe_gluon_fwd.py --tokens 8192 \
                 --shapes ${PROBE_SHAPES:-q3_o q3_down q3_gate q3_qkv q3_kv} --configs 256/64/4/16 128/64/4/16/s 256/64/3/16/s
-              part gdxtests 200 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
+              part gdxtests 200 python3 -P -m pytest -q -m gpu $W8A16_GPU_TESTS -p no:cacheprovider \
                 -k "gluon or tma_table"
               part gdxrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-300} --shapes q3_o q3_down \
                 --gluon 128/64/4/16/s 256/64/3/16/s
@@ -293,7 +297,7 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} --out $OUT/ws_configs.json
               part stepgonly 150 env EPIRL_WS_CONFIGS=$OUT/ws_configs.json python3 -P scripts/bench_trainer.py \
                 --shapes qwen3-8b --bases fp8 bf16 --steps 2 --kernel-sum --kernel-table 12 --json "$OUT/bench_step_gonly.json" ;;
-    gluondxtable) part gdxall 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider
+    gluondxtable) part gdxall 300 python3 -P -m pytest -q -m gpu $W8A16_GPU_TESTS -p no:cacheprovider
               part gdxrace2 120 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-300} --shapes q3_o q3_down \
                 --gluon 256/64/4/16
               part hostgluon 200 python3 -P scripts/profile_host_launch.py --shape q3_o --tokens 8192 --calls 20
@@ -303,7 +307,7 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --shapes q3_qkv q3_o q3_gate q3_down q3_kv q35_attn_qkv q35_gdn_qkvz --json "$OUT/bench_kernels_gdx.json"
               part stepgdx2 110 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 bf16 --steps 2 \
                 --kernel-sum --json "$OUT/bench_step_gdx2.json" ;;
-    ring)     part ringtests 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
+    ring)     part ringtests 300 python3 -P -m pytest -q -m gpu $W8A16_GPU_TESTS -p no:cacheprovider \
                 -k "gluon"
               for dx in "" --dx; do
                 part ring192$dx 200 python3 -P scripts/probe_gluon_fwd.py $dx --tokens 8192 --shapes q3_qkv --rank 192 \
@@ -313,13 +317,22 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
               done
               part ringrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} --shapes q3_qkv q3_o \
                 --gluon 256/64/4/16/r 256/64/4/16/r/p ;;
+    tall)     part talltests 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_gluon.py \
+                tests/kernels/test_gpu_timing.py -p no:cacheprovider -k "tall or interleaved or lora_ring"
+              for dx in "" --dx; do
+                part tall$dx 300 python3 -P scripts/probe_gluon_fwd.py $dx --tokens ${TALL_TOKENS:-8192} \
+                  --shapes ${TALL_SHAPES:-q3_down q3_o q3_qkv q3_gate_up q35_gdn_qkvz} \
+                  --configs 256/64/4/16 256/64/4/16/r 128/64/4/16/t 128/64/5/16/t
+              done
+              part tallrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} --shapes q3_o q3_down \
+                --gluon 128/64/5/16/t ;;
     ringtable) part steptold 120 env EPIRL_WS_CONFIGS=${OLD_TABLE:-.whl/ws_configs_old.json} python3 -P scripts/bench_trainer.py \
                 --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum --json "$OUT/bench_step_oldtable.json"
               part steptnew 150 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 bf16 --steps 2 \
                 --kernel-sum --kernel-table 12 --json "$OUT/bench_step_ringtable.json"
               part trainring 240 python3 -P scripts/bench_kernels.py --tokens 8192 --train-tokens 4096 8192 16384 \
                 --shapes q3_qkv q3_o q3_gate q3_down q3_kv q35_attn_qkv q35_gdn_qkvz --json "$OUT/bench_kernels_ring.json"
-              part ringall 540 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider
+              part ringall 540 python3 -P -m pytest -q -m gpu $W8A16_GPU_TESTS -p no:cacheprovider
               part ringrace2 120 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-100} --shapes q3_gate_up q3_down \
                 --gluon 256/64/4/16/r 256/64/4/16/r/p ;;
     tunegluon) part tunegluon 540 python3 -P scripts/tune_w8a16.py --tma --gluon --buckets 1000000000 \
