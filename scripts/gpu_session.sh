@@ -120,9 +120,6 @@
 #   ringtable  the step with the previous table (OLD_TABLE, default .whl/ws_configs_old.json: `git show
 #              HEAD~:kernels/gemm/ws_configs_tma.json`) and with the committed one, the trainer rows at 4096 / 8192 /
 #              16384 tokens, every W8A16 GPU test (needs ~8 min on its own), race_count.py on gate_up / down  ~12 min
-#   tall       the tall Gluon tile (ws_gluon_tall.py: 256 weight rows x 128 tokens) and the interleaved timer: their GPU
-#              tests, probe_gluon_fwd.py (fwd and dX) at 8192 tokens against the standard tile and cuBLAS on the Qwen
-#              shapes (TALL_SHAPES, TALL_TOKENS), race_count.py with it                                    ~9 min
 #   trainrows  bench_kernels.py trainer rows at 4096 / 8192 / 16384 tokens on the Qwen shapes, with the table a part
 #              before it wrote ($OUT/ws_configs.json: `gluononly`, `tunegluon`) if there is one, for the parts after it
 #              too                                                                                           ~4 min
@@ -320,15 +317,6 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
               done
               part ringrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} --shapes q3_qkv q3_o \
                 --gluon 256/64/4/16/r 256/64/4/16/r/p ;;
-    tall)     part talltests 300 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_gluon.py \
-                tests/kernels/test_gpu_timing.py -p no:cacheprovider -k "tall or interleaved or lora_ring"
-              for dx in "" --dx; do
-                part tall$dx 300 python3 -P scripts/probe_gluon_fwd.py $dx --tokens ${TALL_TOKENS:-8192} \
-                  --shapes ${TALL_SHAPES:-q3_down q3_o q3_qkv q3_gate_up q35_gdn_qkvz} \
-                  --configs 256/64/4/16 256/64/4/16/r 128/64/4/16/t 128/64/5/16/t
-              done
-              part tallrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} --shapes q3_o q3_down \
-                --gluon 128/64/5/16/t ;;
     trainrows) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
               part trainrows 240 python3 -P scripts/bench_kernels.py --tokens 8192 --train-tokens 4096 8192 16384 \
                 --shapes q3_qkv q3_o q3_gate q3_down q3_kv q35_attn_qkv q35_gdn_qkvz --json "$OUT/bench_kernels_rows.json" ;;
@@ -357,7 +345,7 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --skip-smollm2" ;;
     readfloor) part readfloor 240 python3 -P scripts/bench_read_floor.py --json $OUT/read_floor.json ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor ring ringtable gluononly gluondxtable traingdx tall trainrows)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor ring ringtable gluononly gluondxtable traingdx trainrows)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"

@@ -2,7 +2,7 @@
 
 On the GPU, per shape at --tokens (default 8192), with a rank-64 LoRA from a given xa (as the trainer's forward calls
 the base GEMM after `lora_down`) and the weight scale: the table entry's Triton kernel (TMA where it says; its
-"gluon" left out), the pointer kernel, and each Gluon config (`parse_config`: BM / BK / stages [/ GROUP_N] [/s] [/r] [/p] [/t]);
+"gluon" left out), the pointer kernel, and each Gluon config (`parse_config`: BM / BK / stages [/ GROUP_N] [/s] [/r] [/p]);
 every output compared bitwise with the pointer kernel's
 (count of differing elements), times in µs (CUDA-graph replay, L2 flushed: `gpu_timing.graph_us`) and the ratio to
 cuBLAS bf16 on a bf16 copy of the weight + the same LoRA as separate matmuls.
@@ -29,13 +29,13 @@ SHAPES = {"q3_down": (12288, 4096), "q3_qkv": (4096, 6144), "q3_o": (4096, 4096)
           "k256": (256, 4096), "k512": (512, 4096), "k1024": (1024, 4096)}
 
 
-FLAGS = {"s": "A_SMEM", "r": "LORA_RING", "p": "PERSISTENT", "t": "TALL"}  # a config's trailing letters
+FLAGS = {"s": "A_SMEM", "r": "LORA_RING", "p": "PERSISTENT"}  # a config's trailing letters
 
 
 def parse_config(text: str) -> dict:
     """BM/BK/STAGES[/GROUP_N][/s][/r][/p] (GROUP_N: weight-row tiles swept together over the token tiles, default 8;
     s: the codes widened into shared memory, A_SMEM; r: the LoRA ranks through the k-step ring, LORA_RING; p: a
-    program per SM over many tiles, PERSISTENT; t: 256 weight rows x BM tokens a tile, TALL)."""
+    program per SM over many tiles, PERSISTENT)."""
     fields = text.split("/")
     flags = [f for f in fields if f in FLAGS]
     bm, bk, stages, *group = map(int, fields[:len(fields) - len(flags)])
@@ -57,8 +57,7 @@ def compile_only(configs: list[dict], dx: bool = False, rank: int = 64) -> None:
     from epirl.kernels.gemm.weight_stationary import _epilogue_rows
     for c in configs:
         k = compile_gluon(c, br=_epilogue_rows(rank), dx=dx, a_smem=c.get("A_SMEM", False),
-                          lora_ring=c.get("LORA_RING", False), persistent=c.get("PERSISTENT", False),
-                          tall=c.get("TALL", False))
+                          lora_ring=c.get("LORA_RING", False), persistent=c.get("PERSISTENT", False))
         rep, notes = report(k.asm["cubin"]), ptxas_notes(k.asm["ptx"])
         loops = ", ".join(f"{r['instructions']}/{r['HGMMA']}/{r['spill']}" for r in loop_report(k.asm["cubin"]))
         print(f"# {'dx' if dx else 'fwd'} {config_label(c)}, rank {rank}: regs {rep['regs']}, stack {rep['stack']} B, "

@@ -246,33 +246,31 @@ def wgmma_cases() -> list[tuple[str, callable]]:
 
 
 def compile_gluon(cfg: dict, br: int = 64, dx: bool = False, a_smem: bool = False, lora_ring: bool = False,
-                  persistent: bool = False, tall: bool = False):
+                  persistent: bool = False):
     """`ws_gluon._ws_gluon_kernel` (the warp-specialized forward; dx: its dX form, codes and B read transposed; a_smem:
     the codes widened into shared memory, both wgmma operands from there; lora_ring: the LoRA ranks streamed through
-    the k-step ring 64 at a time, `_lora_ring`; persistent: a program per SM over many tiles, with lora_ring; tall:
-    `ws_gluon_tall._ws_gluon_tall_kernel`, 256 weight rows x BM tokens a tile) for sm_90a with LoRA, in a table
-    "gluon" config (BM / BK / num_stages): the compiled kernel (`.asm["ptx"]`, `["cubin"]`)."""
+    the k-step ring 64 at a time, `_lora_ring`; persistent: a program per SM over many tiles, with lora_ring) for
+    sm_90a with LoRA, in a table "gluon" config (BM / BK / num_stages):
+    the compiled kernel (`.asm["ptx"]`, `["cubin"]`)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from epirl.kernels.gemm import ws_gluon, ws_gluon_tall
-    fn = ws_gluon_tall._ws_gluon_tall_kernel if tall else ws_gluon._ws_gluon_kernel
-    rows = ws_gluon_tall.ROWS if tall else ws_gluon.BN
+    from epirl.kernels.gemm import ws_gluon
+    fn = ws_gluon._ws_gluon_kernel
     BM, BK = cfg["BM"], cfg["BK"]
 
     def desc(dtype: str, shape: list, gdtype) -> str:
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{gl.NVMMASharedLayout.get_default_for(shape, gdtype)!r}>"
-    w_block = [BK, 64] if dx else [rows, BK]
+    w_block = [BK, 64] if dx else [ws_gluon.BN, BK]
     chunk = 64 if lora_ring else br  # the LoRA boxes' rank columns
-    b_block = [chunk, 64] if dx else [rows, chunk]
+    b_block = [chunk, 64] if dx else [ws_gluon.BN, chunk]
     sig = dict(x_desc=desc("bf16", [BM, BK], gl.bfloat16), w_desc=desc("fp8e4nv", w_block, gl.float8e4nv),
                xa_desc=desc("bf16", [BM, chunk], gl.bfloat16), b_desc=desc("bf16", b_block, gl.bfloat16),
                y_ptr="*bf16", w_scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K_CHUNK="i32",
                N_CHUNKS="i32", lora_scale="fp32", stride_ym="i32")
     const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, BM=BM, BK=BK, BR=br, STAGES=cfg["num_stages"],
-                 GROUP_N=8, W_T=dx)
-    if not tall:
-        const.update(A_SMEM=a_smem, LORA_STEPS=br // 64 if lora_ring else 0, PERSISTENT=persistent)
+                 GROUP_N=8, W_T=dx, A_SMEM=a_smem, LORA_STEPS=br // 64 if lora_ring else 0,
+                 PERSISTENT=persistent)
     sig.update({k: "constexpr" for k in const})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "N", "K_CHUNK", "stride_ym")}
     return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),

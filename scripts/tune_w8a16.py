@@ -19,9 +19,9 @@ excluded; a table that selects them is refused with EPIRL_WS_TMA=0), and it prin
 separate matmuls) on the same shape beside the many-token bucket;
 `--flatten` adds, on the chunked forwards' many-token bucket, the twins with the chunk loop flattened into one
 pipelined loop (`_ws_single_kernel`'s FLATTEN; same bits). `--gluon` times the Gluon kernel's configs
-(`GLUON_CANDIDATES`, forward and dX: one tile a program or PERSISTENT, LoRA tiles or through the ring, standard or
-TALL tiles) beside each many-token entry's best and sets its "gluon" to the fastest that beats it (same bits), or
-drops it; without it an entry keeps its "gluon". `--shapes`/`--buckets` tune a subset and merge it into the table.
+(`GLUON_CANDIDATES`, forward and dX: one tile a program or PERSISTENT, LoRA tiles or through the ring) beside
+each many-token entry's best and sets its "gluon" to the fastest that beats it (same bits), or drops it; without it an entry keeps its
+"gluon". `--shapes`/`--buckets` tune a subset and merge it into the table.
 Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--flatten] [--gluon] [--no-lora]
        [--shapes q3_qkv ...] [--buckets 256 ...] [--big-tokens 4096 8192]
 """
@@ -84,11 +84,7 @@ DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
 GLUON_CANDIDATES = [dict(BM=256, BK=64, num_stages=4, GROUP_N=16), dict(BM=128, BK=64, num_stages=4, GROUP_N=16),
                     dict(BM=256, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True),
                     dict(BM=256, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True, PERSISTENT=True),
-                    dict(BM=128, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True, PERSISTENT=True),
-                    # TALL: 256 weight rows x 128 tokens a tile (ws_gluon_tall.py), a fifth less operand traffic per
-                    # multiply; at the fused qkv's rank 192 the call runs the standard tile with the ring instead
-                    dict(BM=128, BK=64, num_stages=4, GROUP_N=16, TALL=True),
-                    dict(BM=128, BK=64, num_stages=5, GROUP_N=16, TALL=True)]
+                    dict(BM=128, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True, PERSISTENT=True)]
 EXTRA_SHAPES = [("q3_kv_slice", 4096, 1024)]  # the engine calls k and v of the fused qkv per slice
 
 

@@ -107,13 +107,11 @@ def _xa_chunking(N: int, K: int, target_programs: int, min_chunks: int, xa_chunk
 def _gluon_config_ok(g) -> bool:
     """A table entry's "gluon" (the warp-specialized forward or dX, `ws_gluon.py`): its tokens per tile, k-step depth
     and ring depth; the entry's other fields stay the config of the Triton kernels that run where Gluon cannot."""
-    flags = ("A_SMEM", "LORA_RING", "PERSISTENT", "TALL")
+    flags = ("A_SMEM", "LORA_RING", "PERSISTENT")
     return (isinstance(g, dict) and set(g) <= {"BM", "BK", "num_stages", "GROUP_N", *flags}
             and g.get("BM") in (128, 256) and g.get("BK") in (32, 64, 128) and isinstance(g.get("num_stages"), int)
             and 2 <= g["num_stages"] <= 8 and isinstance(g.get("GROUP_N", 8), int) and g.get("GROUP_N", 8) >= 1
-            and all(isinstance(g.get(f, False), bool) for f in flags)
-            # a tall tile (`ws_gluon_tall.py`) is 128 tokens wide, holds its LoRA tiles, is not persistent
-            and not (g.get("TALL") and (g["BM"] != 128 or any(g.get(f) for f in flags[:3]))))
+            and all(isinstance(g.get(f, False), bool) for f in flags))
 
 
 @functools.lru_cache(maxsize=4)
@@ -138,8 +136,7 @@ def load_table(path: str | None = None) -> dict:
     if bad:
         raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}.gluon: an entry's Gluon config is "
                            f"{{\"BM\": 128 or 256, \"BK\": 32, 64 or 128, \"num_stages\": 2-8}} (and optionally "
-                           f"\"GROUP_N\" ≥ 1, \"A_SMEM\", \"LORA_RING\", \"PERSISTENT\", \"TALL\" true or false; "
-                           f"\"TALL\" only at BM 128 and without the other three)")
+                           f"\"GROUP_N\" ≥ 1, \"A_SMEM\", \"LORA_RING\", \"PERSISTENT\" true or false)")
     if not tma_enabled():
         tma = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
                for bound, cfg in row.items() if cfg.get("tma")]

@@ -394,9 +394,9 @@ def _epilogue(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, 
 
 
 @gluon.jit
-def _tile_offsets(tile, M, N, BM: gl.constexpr, GROUP_N: gl.constexpr, BN: gl.constexpr = 128):
-    """(off_n, off_m) of output tile `tile` [BN weight rows (the module's 128, or a tall tile's 256), BM tokens] in
-    grouped order (`_grouped_tile_ids_of`)."""
+def _tile_offsets(tile, M, N, BM: gl.constexpr, GROUP_N: gl.constexpr):
+    """(off_n, off_m) of output tile `tile` [128 weight rows, BM tokens] in grouped order (`_grouped_tile_ids_of`)."""
+    BN: gl.constexpr = 128  # the module's BN (a jit function reads only constexpr globals)
     tiles_m = gl.cdiv(M, BM)
     group = tile // (GROUP_N * tiles_m)
     first = group * GROUP_N
@@ -487,11 +487,6 @@ def _shared_layout(block: tuple, dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
-def tma_desc(t, block, dtype) -> TensorDescriptor:
-    """A TMA descriptor of t in `[block]` boxes with the shared layout wgmma reads."""
-    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), dtype))
-
-
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 CTA may use
 
 
@@ -528,11 +523,10 @@ def gluon_ok(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: in
     row-major (forward) or both the transposed views of row-major tensors (dX: `codes.t()`, B = the LoRA Aᵀ), all
     TMA-aligned, y with unit column stride, the chunks tiling K in an even number of BK steps each (`_mainloop` takes
     them in pairs), and the ring plus the LoRA tiles within a CTA's shared memory - or, where the LoRA goes through
-    the ring (`lora_through_ring`, which needs BK = 64), the ring plus its B ring `[STAGES, 128, 64]`. A "TALL" config
-    (`ws_gluon_tall.py`: 256 weight rows x 128 tokens) runs at BM = 128 with its LoRA tiles resident."""
+    the ring (`lora_through_ring`, which needs BK = 64), the ring plus its B ring `[STAGES, 128, 64]`."""
     BM, BK = cfg["BM"], cfg["BK"]
     ring = lora_through_ring(cfg, xa, br)
-    if (ring and BK != 64) or (cfg.get("TALL") and (BM != 128 or ring)):
+    if ring and BK != 64:
         return False
     w_t = _codes_transposed(w)
     row_major = (lambda t: _aligned(t.t())) if w_t else _aligned
@@ -546,10 +540,9 @@ def shared_bytes(cfg: dict, br: int, ring: bool) -> int:
     """Shared memory the kernel allocates in config cfg (bf16 x) with a LoRA of padded rank br, its tiles or (ring)
     its B ring, plus 1 KiB for the barriers and alignment: at least what ptxas reports (a CPU test compiles it)."""
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
-    rows = 256 if cfg.get("TALL") else BN  # weight rows of a tile (`ws_gluon_tall.ROWS`)
-    lora = stages * rows * 64 * 2 if ring else (BM + rows) * br * 2
+    lora = stages * BN * 64 * 2 if ring else (BM + BN) * br * 2
     widened = 4 * 64 * BK * 2 if cfg.get("A_SMEM") else 0  # the widened codes' buffers (`_step_smem_a`)
-    return stages * (rows * BK + BM * BK * 2) + lora + widened + 1024
+    return stages * (BN * BK + BM * BK * 2) + lora + widened + 1024
 
 
 def fitting_config(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: int) -> dict | None:
@@ -559,14 +552,9 @@ def fitting_config(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, 
     never change an element's arithmetic, so both give the same bits. Measured on the H200 (8192 tokens,
     BENCHMARKS.md): the narrowed forward beats the Triton TMA kernel (q3_qkv at rank 192: 1.14x against 1.24x
     cuBLAS); the narrowed dX does not (813 against 768 µs), so dX keeps the Triton kernel there. (A config with
-    "LORA_RING" fits at rank 192 without narrowing: the table's qkv entries carry it.) A "TALL" config holds its LoRA
-    tiles resident, which at rank 192 (B `[256, 256]`, xa `[128, 256]`: 192 KB) do not fit: there the standard
-    256-token tile with the ring runs (the fused qkv's, H100: 0.93x / 1.03x cuBLAS forward / dX)."""
+    "LORA_RING" fits at rank 192 without narrowing: the table's qkv entries carry it.)"""
     if gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, cfg, br):
         return cfg
-    if cfg.get("TALL"):
-        standard = dict({k: v for k, v in cfg.items() if k != "TALL"}, BM=256, LORA_RING=True)
-        return standard if gluon_ok(x, w, y, xa, lora_b, k_chunk, n_chunks, standard, br) else None
     if cfg["BM"] != 256 or _codes_transposed(w):
         return None
     narrow = dict(cfg, BM=128)
@@ -577,17 +565,16 @@ def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_
     """y `[M, N]` = the W8A16 GEMM of x `[M, K]` and codes w `[N, K]` (the forward; dX: w = `codes.t()`, B = the LoRA
     Aᵀ, both transposed views) with xa (bf16 `[M, r]`, given) and B `[N, r]` (`gluon_ok` must hold); cfg: BM (tokens
     per tile: 128 or 256), BK, num_stages, GROUP_N (default 8), A_SMEM (default false: the codes widened in
-    registers; true: in shared memory, `_step_smem_a`), LORA_RING (`lora_through_ring`), TALL (256 weight rows x 128
-    tokens a tile, `ws_gluon_tall.py`); br: r padded as the Triton kernels' epilogue pads it. The bits of `weight_stationary_gemm`'s other kernels."""
-    install_descriptor_cache()  # before this kernel's first launch builds its launcher (tma_desc_cache.py)
-    if cfg.get("TALL"):
-        from .ws_gluon_tall import launch_tall
-        return launch_tall(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, cfg, br)
+    registers; true: in shared memory, `_step_smem_a`), LORA_RING (`lora_through_ring`); br: r padded as the Triton
+    kernels' epilogue pads it. The bits of `weight_stationary_gemm`'s other kernels."""
     M, K = x.shape
     N = w.shape[0]
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
     w_t = _codes_transposed(w)
-    desc = tma_desc
+    install_descriptor_cache()  # before this kernel's first launch builds its launcher (tma_desc_cache.py)
+
+    def desc(t, block, dtype):
+        return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), dtype))
     x_desc = desc(x, [BM, BK], gl.bfloat16)
     # dX: the row-major codes `[K, N]` in `[BK, 64]` boxes, one per warpgroup's 64 output rows
     w_desc = desc(w.t(), [BK, 64], gl.float8e4nv) if w_t else desc(w, [BN, BK], gl.float8e4nv)

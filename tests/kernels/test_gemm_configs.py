@@ -168,11 +168,6 @@ def test_host_integer_helpers_match_triton():
     ("dx", {"BM": 64, "BK": 64, "num_stages": 4}, False),
     ("dx", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": True}, True),  # the codes widened in shared memory
     ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": "yes"}, False),
-    ("fwd", {"BM": 128, "BK": 64, "num_stages": 5, "TALL": True}, True),   # 256 weight rows x 128 tokens a tile
-    ("dx", {"BM": 128, "BK": 64, "num_stages": 4, "TALL": True}, True),
-    ("fwd", {"BM": 256, "BK": 64, "num_stages": 4, "TALL": True}, False),  # a tall tile is 128 tokens wide
-    ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "TALL": True, "LORA_RING": True}, False),  # holds its LoRA tiles
-    ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "TALL": True, "PERSISTENT": True}, False),
 ])
 def test_table_gluon_entries_are_checked_when_the_table_loads(tmp_path, op, gluon, ok):
     """A table entry's "gluon" (the warp-specialized forward or dX, kernels/gemm/ws_gluon.py) is validated with the

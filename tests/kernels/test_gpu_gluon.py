@@ -1,6 +1,6 @@
-"""GPU tests of the warp-specialized Gluon training GEMM (kernels/gemm/ws_gluon.py, ws_gluon_tall.py): every form of
-it - the table's configs, the LoRA ring, the persistent kernel, the codes widened in shared memory, dX, the tall tile -
-gives the pointer kernel's bits."""
+"""GPU tests of the warp-specialized Gluon training GEMM (kernels/gemm/ws_gluon.py): every form of it - the table's
+configs, the LoRA ring, the persistent kernel, the codes widened in shared memory, dX - gives the pointer kernel's
+bits."""
 
 import pytest
 import torch
@@ -183,50 +183,4 @@ def test_gluon_dx_gives_the_pointer_kernels_bits(K, N, gluon_cfg):
                 got = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=cfg, out=out,
                                              op="dx", **lora)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (K, N, M, r, cfg is None)
-    assert "broken" not in ws._GLUON, ws._GLUON
-
-
-TALL_CONFIGS = [{"BM": 128, "BK": 64, "num_stages": 4, "GROUP_N": 16, "TALL": True},
-                {"BM": 128, "BK": 64, "num_stages": 5, "GROUP_N": 8, "TALL": True}]
-
-
-@pytest.mark.parametrize("gluon_cfg", TALL_CONFIGS, ids=["stages4", "stages5"])
-@pytest.mark.parametrize("op", ["fwd", "dx"])
-@pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (4096, 6144)])
-def test_gluon_tall_tile_gives_the_pointer_kernels_bits(K, N, op, gluon_cfg):
-    """The tall tile (`ws_gluon_tall.py`: 256 weight rows x 128 tokens, two 64-row wgmma blocks a warpgroup) gives the
-    pointer kernel's bits, forward and dX: rank 64 and 16 with the LoRA tiles resident, no LoRA, with and without
-    bias (forward), at 257 and 4113 tokens (ragged last token tiles), into NaN-filled outputs, twice each. At the fused
-    qkv's rank 192 its LoRA tiles do not fit and `fitting_config` runs the standard tile with the ring: same bits."""
-    from epirl.kernels.gemm import weight_stationary as ws
-    from epirl.kernels.gemm.configs import k_chunking, ws_config
-    x, codes, scale, a, b, bias = problem(4113, K, N, 192, seed=K + 7 * N)
-    gy = torch.randn(4113, N, device=DEV).bfloat16()
-    gluon = ws._gluon()
-    fwd = op == "fwd"
-    table_cfg = dict(ws_config(op, N if fwd else K, K if fwd else N, 4096))
-    pointer = dict({k: v for k, v in table_cfg.items() if k not in ("gluon", "tma")}, tma=False)
-    w, n_out, chunking = (codes, N, k_chunking(N, K)) if fwd else (codes.t(), K, ws.whole_k(N))
-    for M in (257, 4113):
-        xs = x[:M] if fwd else gy[:M]
-        for r, with_bias in ((64, True), (16, False), (0, True), (192, False)):
-            br = ws._epilogue_rows(r) if r else 16
-            if fwd:
-                lora = dict(xa=lora_down(xs, a[:r], chunk_n=N), lora_b=b[:, :r].contiguous()) if r else {}
-                lora.update(bias=bias if with_bias else None)
-            else:
-                lora = dict(xa=(xs @ b[:, :r]).bfloat16(), lora_b=a[:r].t()) if r else {}
-            y = torch.empty(M, n_out, device=DEV, dtype=torch.bfloat16)
-            runs = gluon.fitting_config(xs, w, y, lora.get("xa"), lora.get("lora_b"), *chunking, gluon_cfg, br)
-            if r == 192:  # the resident LoRA tiles overflow: the standard 256-token tile, LoRA through the ring
-                assert runs == dict({k: v for k, v in gluon_cfg.items() if k != "TALL"}, BM=256, LORA_RING=True)
-            else:
-                assert runs == gluon_cfg, (r, runs)
-            args = dict(w_scale=scale, lora_scale=2.0, op=op, **lora)
-            want = weight_stationary_gemm(xs, w, torch.bfloat16, config=pointer, **args)
-            for _ in range(2):
-                out = torch.full((M, n_out), float("nan"), device=DEV, dtype=torch.bfloat16)
-                got = weight_stationary_gemm(xs, w, torch.bfloat16, config=dict(pointer, gluon=gluon_cfg), out=out,
-                                             **args)
-                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (K, N, op, M, r)
     assert "broken" not in ws._GLUON, ws._GLUON

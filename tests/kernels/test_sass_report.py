@@ -193,17 +193,16 @@ def _gluon_configs() -> list[str]:
     table = json.loads(TMA_TABLE_PATH.read_text())
 
     def label(op: str, g: dict) -> str:
-        flags = "".join(f"/{f}" for f, key in (("s", "A_SMEM"), ("r", "LORA_RING"), ("p", "PERSISTENT"), ("t", "TALL"))
-                        if g.get(key))
+        flags = "".join(f"/{f}" for f, key in (("s", "A_SMEM"), ("r", "LORA_RING"), ("p", "PERSISTENT")) if g.get(key))
         return f"{op}:{g['BM']}/{g['BK']}/{g['num_stages']}{flags}"
     table_cfgs = {label(op, c["gluon"]) for op in ("fwd", "dx") for row in table[op].values() for c in row.values()
                   if "gluon" in c}
     # the dX form, the codes widened into shared memory (A_SMEM: "/s") and the LoRA through the ring (LORA_RING:
-    # "/r", compiled at the fused qkv's padded rank 256), the persistent kernel ("/p", with the ring) and the tall tile
-    # ("/t", `ws_gluon_tall.py`), whether the table uses them or not
+    # "/r", compiled at the fused qkv's padded rank 256) and the persistent kernel ("/p", with the ring), whether the
+    # table uses them or not
     return sorted(table_cfgs | {"dx:256/64/4", "dx:128/64/4", "fwd:128/64/4/s", "fwd:256/64/3/s", "dx:128/64/4/s",
                                 "dx:256/64/3/s", "fwd:256/64/4/r", "dx:256/64/4/r", "dx:256/64/3/s/r", "fwd:256/64/4/r/p",
-                                "dx:256/64/4/r/p", "fwd:128/64/4/t", "dx:128/64/5/t"})
+                                "dx:256/64/4/r/p"})
 
 
 def _compile_gluon_config(cfg: str):
@@ -214,8 +213,7 @@ def _compile_gluon_config(cfg: str):
     bm, bk, stages = map(int, fields[:3])
     ring = "r" in fields
     return sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), br=256 if ring else 64, dx=op == "dx",
-                                     a_smem="s" in fields, lora_ring=ring, persistent="p" in fields,
-                                     tall="t" in fields)
+                                     a_smem="s" in fields, lora_ring=ring, persistent="p" in fields)
 
 
 @pytest.mark.parametrize("cfg", _gluon_configs())
@@ -237,12 +235,11 @@ def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operand
 
 
 @pytest.mark.parametrize("cfg", ["fwd:256/64/4", "fwd:256/64/4/r", "fwd:128/64/4", "dx:256/64/4/r", "dx:256/64/3/s/r",
-                                 "fwd:256/64/3/s", "fwd:128/64/5/t", "dx:128/64/4/t"])
+                                 "fwd:256/64/3/s"])
 def test_gluon_shared_memory_estimate_covers_the_compiled_kernel(cfg):
     """`ws_gluon.shared_bytes` (what `gluon_ok` checks against a CTA's limit before a launch) is at least the shared
     memory of the compiled kernel and within its 1 KiB margin of it - at rank 256, the LoRA tiles that overflow at 256
-    tokens (360,700 B) and the ring that fits in their place; the tall tile's resident LoRA tiles (256 + 128 rows)
-    overflow at rank 256 too (`fitting_config` then runs the standard tile with the ring)."""
+    tokens (360,700 B) and the ring that fits in their place."""
     import sass_report
     pytest.importorskip("triton.experimental.gluon")
     if not _have_tools():
@@ -250,16 +247,15 @@ def test_gluon_shared_memory_estimate_covers_the_compiled_kernel(cfg):
     from epirl.kernels.gemm import ws_gluon
     fields = cfg.split(":")[1].split("/")
     bm, bk, stages = map(int, fields[:3])
-    ring, tall = "r" in fields, "t" in fields
-    estimate = ws_gluon.shared_bytes(dict(BM=bm, BK=bk, num_stages=stages, A_SMEM="s" in fields, TALL=tall), 256,
-                                     ring)
+    ring = "r" in fields
+    estimate = ws_gluon.shared_bytes(dict(BM=bm, BK=bk, num_stages=stages, A_SMEM="s" in fields), 256, ring)
     k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), br=256, dx=cfg.startswith("dx"),
-                                  a_smem="s" in fields, lora_ring=ring, tall=tall)
+                                  a_smem="s" in fields, lora_ring=ring)
     assert 0 <= estimate - k.metadata.shared <= 1024, (estimate, k.metadata.shared)
-    assert (estimate <= ws_gluon.SMEM_LIMIT) == (ring or (bm == 128 and not tall)), estimate
+    assert (estimate <= ws_gluon.SMEM_LIMIT) == (ring or bm == 128), estimate
 
 
-@pytest.mark.parametrize("text", ["256/64/4/16", "128/64/4/s", "256/64/3/8/s/r", "256/64/4/16/r", "128/64/5/16/t"])
+@pytest.mark.parametrize("text", ["256/64/4/16", "128/64/4/s", "256/64/3/8/s/r", "256/64/4/16/r"])
 def test_gluon_config_text_round_trips(text):
     """The probe's and race_count's config text (`probe_gluon_fwd.parse_config`: BM/BK/STAGES[/GROUP_N][/s][/r]) reads
     into the fields `ws_gluon` takes and prints back the same (GROUP_N written out)."""
@@ -268,7 +264,6 @@ def test_gluon_config_text_round_trips(text):
     fields = text.split("/")
     assert (cfg["BM"], cfg["BK"], cfg["num_stages"]) == tuple(map(int, fields[:3]))
     assert cfg["A_SMEM"] == ("s" in fields) and cfg["LORA_RING"] == ("r" in fields), cfg
-    assert cfg["TALL"] == ("t" in fields), cfg
     assert parse_config(config_label(cfg)) == cfg and config_label(cfg).count("/") >= 3
 
 
@@ -276,12 +271,11 @@ def test_gluon_kernel_never_specializes_its_chunk_count():
     """dX runs in one K chunk (`whole_k`): were N_CHUNKS = 1 specialized into a constant (Triton's default for an
     integer argument equal to 1), ptxas would serialize the kernel's wgmmas (C7515, 864 B of spills under Triton 3.6)
     and dX would run 5x slower on the H200; the chunk loop compiled for a runtime count is the one the SASS tests
-    above check. The same for the tall tile's kernel."""
+    above check."""
     pytest.importorskip("triton.experimental.gluon")
-    from epirl.kernels.gemm import ws_gluon, ws_gluon_tall
-    for kernel in (ws_gluon._ws_gluon_kernel, ws_gluon_tall._ws_gluon_tall_kernel):
-        flags = {p.name: p.do_not_specialize for p in kernel.params}
-        assert flags["N_CHUNKS"], flags
+    from epirl.kernels.gemm import ws_gluon
+    flags = {p.name: p.do_not_specialize for p in ws_gluon._ws_gluon_kernel.params}
+    assert flags["N_CHUNKS"], flags
 
 
 def test_register_hazard_check_flags_a_write_to_an_in_flight_operand(monkeypatch):
