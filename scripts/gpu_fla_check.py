@@ -81,7 +81,10 @@ def exit_code(results: list[Result]) -> int:
 
 
 def _load_by_path(name: str, path: Path):
-    """Import a file of tests/ by path: `tests` is no package, and a site-packages `tests` must not shadow it."""
+    """Import a file of tests/ by path: `tests` is no package, and a site-packages `tests` must not shadow it. Its
+    folder goes on sys.path, as pytest puts it there, for the helpers it imports (tests/kernels/gpu_problem.py)."""
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
