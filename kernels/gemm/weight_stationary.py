@@ -25,6 +25,7 @@ The σ·LoRA + y step is an explicit `tl.fma` (no compiler-chosen contraction).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -248,7 +249,7 @@ def _launch_partials(x, w, lora_a, M, N, K, R, k_chunk, n_chunks, cfg, xa_chunk=
 
 
 def down_parts_per_program(cfg: dict, K: int, k_chunk: int, n_chunks: int, rows: int, xa_chunk: int,
-                           x_bytes: int) -> int:
+                           x_bytes: int, device_groups: bool = True) -> int:
     """Sub-chunks of xa per `lora_down` program at decode, where the base GEMM (config `cfg`) runs as its PDL
     dependent. Behind an 8-warp base tile (one CTA an SM) the down programs, which start first, each hold an SM a base
     program then waits for: 24 one-sub-chunk programs beside q3_down's 128 base programs. There a down program takes as
@@ -256,11 +257,21 @@ def down_parts_per_program(cfg: dict, K: int, k_chunk: int, n_chunks: int, rows:
     K for a single pass): q3_down 4 programs of 6, LoRA +14 -> +10 % at 16 tokens (24.2 -> 23.2 µs, H200, two runs
     each way). Behind 4-warp tiles, two or three CTAs an SM, a down CTA finds room and longer programs only lengthen
     xa's chain (q3_qkv +0.3 µs grouped): one sub-chunk each. Same partials, same order, same bits
-    (`_ws_ticket_kernel`'s GROUPED). EPIRL_WS_DOWN_GROUP=0: one sub-chunk per program (for A/B timing)."""
-    if os.environ.get(DOWN_GROUP_ENV, "1") == "0" or cfg["num_warps"] < 8:
+    (`_ws_ticket_kernel`'s GROUPED). device_groups (`_device_groups_down`): whether this device gains from it at all -
+    an H100 does not (q3_down 26.1 / 28.0 µs ungrouped against 30.1 / 31.8 grouped at 1 / 16 tokens, two runs each
+    way, 2026-12-05). EPIRL_WS_DOWN_GROUP=0 / 1: one sub-chunk per program / grouped on any device (for A/B timing)."""
+    setting = os.environ.get(DOWN_GROUP_ENV, "")
+    if setting == "0" or (setting != "1" and not device_groups) or cfg["num_warps"] < 8:
         return 1
     base_depth = k_chunk if cfg.get("split", True) and n_chunks > 1 else K
     return max(1, (cfg["BN"] * base_depth) // (rows * xa_chunk * x_bytes))
+
+
+@functools.lru_cache(maxsize=8)
+def _device_groups_down(device_index) -> bool:
+    """Whether `lora_down` groups its decode programs on this CUDA device (`down_parts_per_program`): measured a gain
+    on the H200 (the decode table's device) and a loss on the H100; other devices follow the H200."""
+    return "H100" not in torch.cuda.get_device_name(device_index)
 
 
 def _gluon_gemm(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, gluon_cfg, br, pointer,
@@ -328,7 +339,8 @@ def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool 
         return _down_single_pass(x, lora_a, out, xa_chunk, n_xa, rows)
     cfg = ws_config(op, chunk_n or R, K, M)
     if ticket_enabled():  # one launch (ws_splitk): at decode the launch pair's tail, in training a launch's host time
-        group = down_parts_per_program(cfg, K, k_chunk, n_chunks, rows, xa_chunk, x.element_size()) if pdl else 1
+        group = down_parts_per_program(cfg, K, k_chunk, n_chunks, rows, xa_chunk, x.element_size(),
+                                       _device_groups_down(x.device.index) if x.is_cuda else True) if pdl else 1
         return launch_ticket(x, lora_a, out, R, xa_chunk, n_xa, dict(cfg, BN=rows), down=True,
                              launch_dependents=pdl, dot_f32=interpreting(), even_k=even_k(K, k_chunk, n_chunks),
                              parts_per_program=group, keep=keep)

@@ -283,9 +283,12 @@ def case_grouped_down_programs_equal_one_part_each():
     assert rule(dict(big, BN=64), 4096, 1024, 4, 64, 512, 2) == 1  # as long already
     assert rule(dict(big, split=False), 4096, 2048, 2, 64, 512, 2) == 8  # a single pass reads all of K
     assert rule(dict(big, num_warps=4), 12288, 3072, 4, 64, 512, 2) == 1  # q3_qkv's 4-warp tiles: as before
+    assert rule(big, 12288, 3072, 4, 64, 512, 2, device_groups=False) == 1  # a device that loses by it (H100)
     os.environ[ws.DOWN_GROUP_ENV] = "0"
     try:
         assert rule(big, 12288, 3072, 4, 64, 512, 2) == 1
+        os.environ[ws.DOWN_GROUP_ENV] = "1"  # grouped on any device
+        assert rule(big, 12288, 3072, 4, 64, 512, 2, device_groups=False) == 6
     finally:
         os.environ.pop(ws.DOWN_GROUP_ENV)
 
