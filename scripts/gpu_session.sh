@@ -121,10 +121,14 @@
 #              HEAD~:kernels/gemm/ws_configs_tma.json`) and with the committed one, the trainer rows at 4096 / 8192 /
 #              16384 tokens, every W8A16 GPU test (needs ~8 min on its own), race_count.py on gate_up / down  ~12 min
 #   tablecheck the targets on the committed table in one job: the FP8 + bf16 step with it and the FP8 step with the
-#              previous one (OLD_TABLE), the decode rows at 1/4/16/64 tokens, the Gluon GPU tests (carry .whl) ~10 min
+#              previous one (OLD_TABLE, when that file exists), the decode rows at 1/4/16/64 tokens, the Gluon GPU
+#              tests (carry .whl)                                                                            ~10 min
+#   tablenow   `tablecheck` without the previous table and the Gluon tests: the step and the decode rows    ~5 min
 #   trainrows  bench_kernels.py trainer rows at 4096 / 8192 / 16384 tokens on the Qwen shapes, with the table a part
 #              before it wrote ($OUT/ws_configs.json: `gluononly`, `tunegluon`) if there is one, for the parts after it
 #              too                                                                                           ~4 min
+#   downprof   profile_trainer_linear.py on PROF_SHAPES (default q3_down q3_gate, the 1.0x target's misses) at 4096 / 8192
+#              tokens: each kernel's µs of one fwd + bwd, FP8 beside bf16                                    ~3 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -319,13 +323,17 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
               done
               part ringrace 200 python3 -P scripts/race_count.py --calls ${RACE_CALLS:-200} --shapes q3_qkv q3_o \
                 --gluon 256/64/4/16/r 256/64/4/16/r/p ;;
-    tablecheck) part stepold 120 env EPIRL_WS_CONFIGS=${OLD_TABLE:-.whl/ws_configs_old.json} python3 -P \
+    tablecheck|tablenow) [ "$name" = tablecheck ] && [ -f "${OLD_TABLE:-.whl/ws_configs_old.json}" ] && part stepold 120 \
+                env EPIRL_WS_CONFIGS=${OLD_TABLE:-.whl/ws_configs_old.json} python3 -P \
                 scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 --steps 2 --kernel-sum --json "$OUT/bench_step_old.json"
               part stepnew 150 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 bf16 --steps 2 \
                 --kernel-sum --kernel-table 12 --json "$OUT/bench_step_new.json"
               part decoderows 150 python3 -P scripts/bench_kernels.py --tokens 1 4 16 64 --train-tokens \
                 --json $OUT/bench_decode.json
-              part gluontests 240 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_gluon.py -p no:cacheprovider ;;
+              [ "$name" = tablecheck ] && part gluontests 240 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_gluon.py \
+                -p no:cacheprovider ;;
+    downprof) part downprof 240 python3 -P scripts/profile_trainer_linear.py --shapes ${PROF_SHAPES:-q3_down q3_gate} \
+                --tokens 4096 8192 --steps 3 ;;
     trainrows) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
               part trainrows 240 python3 -P scripts/bench_kernels.py --tokens 8192 --train-tokens 4096 8192 16384 \
                 --shapes q3_qkv q3_o q3_gate q3_down q3_kv q35_attn_qkv q35_gdn_qkvz --json "$OUT/bench_kernels_rows.json" ;;
@@ -354,7 +362,7 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --skip-smollm2" ;;
     readfloor) part readfloor 240 python3 -P scripts/bench_read_floor.py --json $OUT/read_floor.json ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor ring ringtable gluononly gluondxtable traingdx trainrows tablecheck)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor ring ringtable gluononly gluondxtable traingdx trainrows tablecheck tablenow downprof)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
