@@ -129,6 +129,9 @@
 #              too                                                                                           ~4 min
 #   downprof   profile_trainer_linear.py on PROF_SHAPES (default q3_down q3_gate, the 1.0x target's misses) at 4096 / 8192
 #              tokens: each kernel's µs of one fwd + bwd, FP8 beside bf16                                    ~3 min
+#   clock      probe_clock.py: the W8A16 forward and cuBLAS bf16 run for seconds each at 8192 tokens (down, gate_up), the
+#              SM clock and board power sampled: TFLOP/s per GHz (is the ceiling power or work per cycle?), then the
+#              same on down with EPIRL_WIDEN=cvt (Triton's conversions instead of the PTX widening)          ~2 min
 #   racecount39 `racecount` under the Triton 3.9 unpacked at $HOME/t39 (scripts/stage_triton.sh builds the archive; the
 #              device call that carries it unpacks it there before starting the job)                      ~4 min
 set -o pipefail
@@ -332,6 +335,8 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --json $OUT/bench_decode.json
               [ "$name" = tablecheck ] && part gluontests 240 python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_gluon.py \
                 -p no:cacheprovider ;;
+    clock)    part clock 200 python3 -P scripts/probe_clock.py
+              part clockcvt 120 env EPIRL_WIDEN=cvt python3 -P scripts/probe_clock.py --shapes q3_down ;;
     downprof) part downprof 240 python3 -P scripts/profile_trainer_linear.py --shapes ${PROF_SHAPES:-q3_down q3_gate} \
                 --tokens 4096 8192 --steps 3 ;;
     trainrows) [ -f "$OUT/ws_configs.json" ] && export EPIRL_WS_CONFIGS=$OUT/ws_configs.json
@@ -362,7 +367,7 @@ json.dump(t, open(sys.argv[1], 'w'), indent=1)" $OUT/table_no_gluon_qkv.json
                 --skip-smollm2" ;;
     readfloor) part readfloor 240 python3 -P scripts/bench_read_floor.py --json $OUT/read_floor.json ;;
     q35w8a16) part q35w8a16 1200 env STEPS=3 TIMEOUT=1150 bash scripts/gpu_main_recipe.sh q35w8a16 ;;
-    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor ring ringtable gluononly gluondxtable traingdx trainrows tablecheck tablenow downprof)" ;;
+    *) echo "unknown part: $name (kernels flush tune engine mismatch serving servingall tenants decode loopk publish decodeprof q35w8a16 trainerprof b32 step hostprof kernelsq tunebig bitsgu tmaprobe tmavar tunex stepgu enginetpot widen tunedec ticket hostlaunch stepgaps gputrim train816 hostdiag step1t gpuall trainhf stepfused gpufused enginefused benchfused chunkprobe enginebits readfloor ring ringtable gluononly gluondxtable traingdx trainrows tablecheck tablenow downprof clock)" ;;
   esac
 done
 echo "== all parts done at $(( $(date +%s) - t0 )) s"
