@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import SHAPES, bench_us, kernel_us_per_step, make_layer, trainer_steps  # noqa: E402
+from bench_kernels import SHAPES, TRAINER_SHAPES, bench_us, kernel_us_per_step, make_layer, trainer_steps  # noqa: E402
 
 
 def host_enqueue_us(step, params, reps: int = 15) -> float:
@@ -87,7 +87,7 @@ def main():
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the FP8 step's host side (first shape, first token count)")
     args = ap.parse_args()
-    by_name = {s[0]: s for s in SHAPES}
+    by_name = {s[0]: s for s in SHAPES + TRAINER_SHAPES}  # q3_gate / q3_kv: the trainer's unfused modules
     unknown = [s for s in args.shapes if s not in by_name]
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; known: {sorted(by_name)}")
