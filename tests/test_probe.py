@@ -57,6 +57,50 @@ def test_decide_never_fires_on_healthy_steps_and_catches_resolvable_stale_ones()
     assert caught > 500  # the resolvable share of the simulated steps
 
 
+def _flipping_step(generator, tokens, smooth, flips, noise):
+    """A step whose effect on the log-probs is mostly rounding flips: the trainer's δ = smooth part + its own flips, the
+    dithered trainer's δ' = the same smooth part + other flips, and the engine (other kernels) makes flips of its own."""
+    def draw(scale):
+        return scale * torch.randn(tokens, generator=generator)
+
+    old = -torch.rand(tokens, generator=generator) * 5
+    step = draw(smooth)
+    scored = {"old": old, "new": old + step + draw(flips), "base": old - draw(1.0)}
+    shift = draw(0.01)  # the dither moves every hypothesis a little, the same way
+    instrument = {"old": old + shift, "new": old + shift + step + draw(flips), "base": scored["base"] + shift}
+    engine_old = old + draw(noise)
+    return scored, instrument, engine_old, engine_old + step + draw(flips)
+
+
+def test_flips_dilute_the_plain_fit_but_not_the_instrumented_one():
+    """When a step moves the log-probs mostly by rounding flips that the engine's arithmetic does not share, the plain
+    fit of the engine onto the trainer's δ is pulled towards 0 and stops healthy runs (as on the GPU); the fit with the
+    dithered instrument finds β ≈ 1 for a served step and ≈ 0 for a skipped one."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        scored, instrument, engine_old, engine_new = _flipping_step(generator, 3000, smooth=0.04, flips=0.06,
+                                                                    noise=0.005)
+        plain = PublishProbe(_cfg(), [[1]], "cpu", 0, enforce=False)
+        diluted = plain.decide(engine_new, scored, 1)
+        assert diluted.get("probe/failed") == 1.0 and diluted["probe/arrival_vs_old"] < 0.5
+        healthy = PublishProbe(_cfg(), [[1]], "cpu", 0).decide(engine_new, scored, 1, instrument)
+        assert healthy["probe/resolved"] == 1.0 and abs(healthy["probe/arrival_vs_old"] - 1) < 0.3, healthy
+        assert 0.1 < healthy["probe/reliability_vs_old"] < 0.5
+        with pytest.raises(ProbeMismatch, match="β="):
+            PublishProbe(_cfg(), [[1]], "cpu", 0).decide(engine_old, scored, 1, instrument)
+
+
+def test_a_step_made_only_of_flips_is_not_decided():
+    """No part of the step survives another rounding (a tiny update under FP8 activations): unresolved, never failed."""
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(50):
+        scored, instrument, engine_old, engine_new = _flipping_step(generator, 3000, smooth=0.0, flips=0.06,
+                                                                    noise=0.005)
+        for engine_N in (engine_old, engine_new):
+            metrics = PublishProbe(_cfg(), [[1]], "cpu", 0).decide(engine_N, scored, 1, instrument)
+            assert metrics["probe/separation_vs_old"] < 8.0
+
+
 def test_decide_fires_on_non_finite_and_on_a_broken_engine():
     probe = PublishProbe(_cfg(), [[1]], "cpu", 0)
     scored = {"new": torch.full((8,), -1.0), "base": torch.full((8,), -1.0)}
@@ -210,9 +254,10 @@ def test_w8a8_engines_are_probed_against_the_fp8_activation_trainer(precision, b
     engine_lps = lp[0, len(prompt) - 1:].float().tolist()
     metrics = probe(_EngineAnswering(tokens, engine_lps), policy, old, 1)
     assert metrics["probe/fp8_activations"] == float(fake_quant)
-    assert len(entered) == (3 if fake_quant else 0)
+    assert len(entered) == (6 if fake_quant else 0)  # new, old, base: plainly and with dithered roundings
     if fake_quant:
-        assert entered[2] == 0.0 and entered[0] == entered[1] > 0  # new, old: the adapter's σ; base: σ = 0
+        sigma = entered[0]
+        assert sigma > 0 and entered == [sigma, sigma, 0.0] * 2  # new, old: the adapter's σ; base: σ = 0
     assert abs(metrics["probe/arrival_vs_old"] - 1) < 1e-3 and abs(metrics["probe/arrival_vs_base"] - 1) < 1e-3
 
 

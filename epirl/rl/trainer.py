@@ -77,9 +77,10 @@ def build_batch(sequences: list[tuple[list[int], list[int], list[float], float]]
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: EpirlConfig):
     """AdamW over the LoRA parameters and a linear-warmup-then-constant LR schedule."""
-    fused = all(p.is_cuda for p in params)
+    # fused on every device (torch has it on CPU too): the CPU tests run the optimizer the GPU runs, which updates
+    # the parameters in place without bumping their `_version` (nothing may key a cache on it)
     optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, betas=tuple(cfg.trainer.betas),
-                                  weight_decay=cfg.trainer.weight_decay, fused=fused or None)
+                                  weight_decay=cfg.trainer.weight_decay, fused=True)
     warmup = cfg.trainer.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0)
     return optimizer, scheduler

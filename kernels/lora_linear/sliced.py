@@ -21,8 +21,8 @@ class Fp8SlicedLoRAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, codes, scale, bias, lora_scale, backend, widths, operands, *lora_ab):
-        """operands: (A_cat, B_bd) of lora_ab in x's dtype (`sliced_lora_operands`), built by the caller, which may
-        reuse them while the parameters do not change."""
+        """operands: (A_cat, B_bd) of lora_ab in x's dtype (`sliced_lora_operands`), built by the caller from the
+        parameters' current values."""
         slices = len(widths)
         lora_a, lora_b = lora_ab[:slices], lora_ab[slices:]
         a_cat, b_bd = operands
@@ -78,7 +78,6 @@ class SliceGroup:
         self.bias = None if not given else torch.cat(
             [b if b is not None else given[0].new_zeros(w) for b, w in zip(biases, self.widths)])
         self._pending = None  # [x, x._version, slice outputs, indices taken]
-        self._operands = None  # (adapter tensors, (dtype, their versions), (A_cat, B_bd))
 
     @staticmethod
     def why_not(members: list[torch.nn.Module]) -> str | None:
@@ -113,18 +112,15 @@ class SliceGroup:
         return torch.split(y, self.widths, dim=-1)
 
     def _block_operands(self, lora_a, lora_b, dtype):
-        """(A_cat, B_bd), built again only when an adapter tensor changed (the optimizer step bumps its version):
-        the forward and the recomputed forward of a step share them."""
-        tensors = tuple(t for t in (*lora_a, *lora_b) if t is not None)
-        versions = (dtype, tuple(t._version for t in tensors))
-        cached = self._operands
-        # the tensors themselves are kept and compared by identity: a replaced parameter is never mistaken for
-        # the old one (ids and addresses can be reused)
-        if (cached is None or cached[1] != versions or len(cached[0]) != len(tensors)
-                or any(a is not b for a, b in zip(cached[0], tensors))):
-            with torch.no_grad():
-                self._operands = cached = (tensors, versions, sliced_lora_operands(lora_a, lora_b, self.widths, dtype))
-        return cached[2]
+        """(A_cat, B_bd) from the adapter tensors as they are now, built on every call (two small copies per layer).
+
+        Never cached across calls: nothing reliable says when an adapter changed. A fused optimizer step
+        (`torch.optim.AdamW(fused=True)`, the trainer's on CUDA) updates the parameters in place without bumping
+        their `_version`, and a swap of `param.data` (the probe scoring the previous adapter) keeps it too; a cache
+        keyed on versions served the first step's operands for the whole run, so the trainer's q, k, v never saw
+        their trained adapter while the engine served it."""
+        with torch.no_grad():
+            return sliced_lora_operands(lora_a, lora_b, self.widths, dtype)
 
 
 def attach_slice_group(members: list[torch.nn.Module]) -> SliceGroup:

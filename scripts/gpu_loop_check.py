@@ -1,0 +1,197 @@
+"""The GPU loop check every kernel change runs: the SmolLM2 recipe with real weights under each engine/trainer pairing,
+CUDA graphs on, KV release on, the probe on, and one table.
+
+    source scripts/device_env.sh && python3 -P scripts/gpu_loop_check.py            # ~8 min on an H100 with vLLM staged
+    python3 scripts/gpu_loop_check.py --steps 20 --pairings bf16,w8a16 --faults none
+
+Each pairing runs `epirl train recipes/smollm2_arith_cpu.yaml` in its own process (a normal run folder under
+--output-dir). Then fault injections run a pairing with a broken publish and must be stopped by the probe: `skip`
+(matched pairing) and `skip-w8a8` (the W8A8 default): from step 3 on the engine keeps the adapter it has; `stale`
+(matched): from step 3 on every new request is served with the previous adapter's tensors, one step behind.
+
+Printed: per pairing the steps completed, whether the probe stopped it, KL(engine‖trainer) first / median / last
+and the median ratio to the bf16 pairing's, the probe's arrival fraction against the previous adapter (median, lowest
+resolved), and accuracy first -> last. Exit 1 when a healthy pairing stops or fails, when the matched pairing's median
+KL exceeds 1.2x the bf16 pairing's, or when a fault injection is not stopped by the probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIRINGS = {
+    "bf16": ["engine.precision=bf16", "trainer.base=bf16", "rl.correction=tis"],
+    "w8a16": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none"],
+    "w8a16-noslices": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none", "trainer.fused_slices=false"],
+    "w8a8": ["engine.precision=w8a8", "trainer.base=fp8", "rl.correction=tis", "engine.serving_kernels=auto"],
+    "w8a8-off": ["engine.precision=w8a8", "trainer.base=fp8", "rl.correction=tis", "engine.serving_kernels=off"],
+}
+MATCHED = ("w8a16", "w8a16-noslices")
+KL_RATIO_LIMIT = 1.2
+FAULTS = {"skip": "w8a16", "stale": "w8a16", "skip-w8a8": "w8a8"}  # fault -> the pairing it is injected into
+FAULT_FROM_STEP = 3
+
+
+def common_overrides(args, name: str) -> list[str]:
+    return [f"name={name}", f"output_dir={args.output_dir}", "tracking.wandb=disabled", f"rl.steps={args.steps}",
+            f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "checkpoint.every=0",
+            "model.max_model_len=512", f"engine.enforce_eager={str(args.eager).lower()}"]
+
+
+def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
+    """One training run in its own process; returns its row (metrics and how it ended)."""
+    name = f"loop_{pairing}" + (f"_fault_{fault}" if fault else "")
+    overrides = common_overrides(args, name) + PAIRINGS[pairing]
+    if fault:  # the run goes through this file's `inject` entry, which breaks the publish and starts `epirl train`
+        command = [sys.executable, "-P", str(Path(__file__).resolve()), "--inject", fault, "--",
+                   "train", "recipes/smollm2_arith_cpu.yaml", *overrides]
+    else:
+        command = [sys.executable, "-P", "-m", "epirl.cli", "train", "recipes/smollm2_arith_cpu.yaml", *overrides]
+    run_dir = Path(args.output_dir, name)
+    for stale in (run_dir, run_dir.with_name(name + ".failed")):
+        subprocess.run(["rm", "-rf", str(stale)], check=False)
+    t0 = time.time()
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    console = proc.stdout + proc.stderr
+    Path(args.output_dir, name + ".console").write_text(console)
+    row = {"pairing": pairing, "fault": fault, "rc": proc.returncode, "seconds": time.time() - t0,
+           "probe_stop": "ProbeMismatch" in console or "does not serve the adapter" in console
+           or "serves none of the adapter" in console}
+    metrics_file = run_dir / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    row["steps"] = len(steps)
+    kl = [s["mismatch/k3_kl"] for s in steps if "mismatch/k3_kl" in s]
+    row["kl"] = kl
+    for alt in ("old", "base"):  # the probe's decided fits, and the plain fit on the same steps (not decided on)
+        resolved = [s for s in steps if s.get(f"probe/separation_vs_{alt}", 0.0) >= args.probe_separation]
+        row[f"resolved_{alt}"] = len(resolved)
+        for key, metric in (("beta", "arrival"), ("plain", "plain_arrival"), ("reliability", "reliability")):
+            values = [s[f"probe/{metric}_vs_{alt}"] for s in resolved if f"probe/{metric}_vs_{alt}" in s]
+            row[f"{key}_{alt}"] = (statistics.median(values), min(values)) if values else None
+    acc = [s["reward/accuracy"] for s in steps if "reward/accuracy" in s]
+    row["acc"] = (acc[0], acc[-1]) if acc else None
+    if proc.returncode != 0:
+        lines = [ln for ln in console.splitlines() if ln.strip()]
+        row["last_line"] = lines[-1][:300] if lines else ""
+    return row
+
+
+def inject(fault: str, cli_args: list[str]) -> int:
+    """`epirl train` with the publish broken from step FAULT_FROM_STEP on (the probe must stop the run)."""
+    from epirl import cli
+    from epirl.engine import lora_publish
+
+    publish = lora_publish.AdapterPublisher.publish
+    build = lora_publish.lora_model_from_tensors
+
+    def broken_publish(self, tensors, step):
+        if step >= FAULT_FROM_STEP and self.current is not None:
+            if fault.startswith("skip"):  # the engine keeps serving what it has: no publish at all
+                return {}
+            if fault == "stale":  # a new request whose slot is filled with the previous adapter's tensors
+                previous = self.current
+                stale = {self._names.vllm_adapter_key(k): v.clone() for k, v in previous.tensors.items()}
+                lora_publish.lora_model_from_tensors = lambda mgr, lora_id, _tensors, *rest: build(
+                    mgr, lora_id, {k: v.clone() for k, v in stale.items()}, *rest)
+                metrics = publish(self, tensors, step)
+                self.current.modules = previous.modules  # what the matched engine's own buffers load from
+                return metrics
+        return publish(self, tensors, step)
+
+    lora_publish.AdapterPublisher.publish = broken_publish
+    return cli.main(cli_args)
+
+
+def fmt(value, spec="{:.2e}") -> str:
+    return "–" if value is None else spec.format(value)
+
+
+def pair(values, spec="{:.2f}") -> str:
+    return "–" if values is None else f"{spec.format(values[0])} ({spec.format(values[1])})"
+
+
+def table(rows: list[dict], bf16_median: float | None) -> str:
+    lines = ["| pairing | steps | probe stop | KL(engine‖trainer) first / median / last | median KL ÷ bf16 | "
+             "resolved vs old / base | β vs old: median (lowest) | plain fit vs old | reliability vs old | "
+             "β vs base | accuracy first → last | s |", "|---" * 12 + "|"]
+    for r in rows:
+        kl = r["kl"]
+        median = statistics.median(kl) if kl else None
+        ratio = median / bf16_median if median is not None and bf16_median else None
+        name = r["pairing"] + (f" + fault `{r['fault']}`" if r["fault"] else "")
+        acc = f"{r['acc'][0]:.3f} → {r['acc'][1]:.3f}" if r["acc"] else "–"
+        lines.append(f"| {name} | {r['steps']} | {'**yes**' if r['probe_stop'] else 'no'} | "
+                     f"{fmt(kl[0] if kl else None)} / {fmt(median)} / {fmt(kl[-1] if kl else None)} | "
+                     f"{fmt(ratio, '{:.2f}')} | {r['resolved_old']} / {r['resolved_base']} | {pair(r['beta_old'])} | "
+                     f"{pair(r['plain_old'])} | {pair(r['reliability_old'])} | {pair(r['beta_base'])} | {acc} | "
+                     f"{r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict], steps: int, bf16_median: float | None) -> list[str]:
+    problems = []
+    for r in rows:
+        if r["fault"]:
+            if not r["probe_stop"]:
+                problems.append(f"fault {r['fault']} in {r['pairing']}: not stopped by the probe")
+            continue
+        if r["rc"] != 0 or r["steps"] < steps:
+            problems.append(f"{r['pairing']}: {r['steps']} of {steps} steps, rc {r['rc']}"
+                            + (" (probe stop)" if r["probe_stop"] else "") + f": {r.get('last_line', '')}")
+        if r["pairing"] in MATCHED and r["kl"] and bf16_median:
+            ratio = statistics.median(r["kl"]) / bf16_median
+            if ratio > KL_RATIO_LIMIT:
+                problems.append(f"{r['pairing']}: median KL {ratio:.2f}x the bf16 pairing's (limit {KL_RATIO_LIMIT})")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--pairings", default=",".join(PAIRINGS), help=f"comma-separated, of {sorted(PAIRINGS)}")
+    parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault injections, or none")
+    parser.add_argument("--eager", action="store_true", help="engine without CUDA graphs (default: graphs on)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    parser.add_argument("--output-dir", default="/tmp/loop_check")
+    parser.add_argument("--probe-separation", type=float, default=8.0, help="the recipe's engine.probe_separation")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
+    parser.add_argument("--inject", choices=sorted(FAULTS), help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
+    if args.inject:
+        return inject(args.inject, [a for a in rest if a != "--"])
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    pairings = [p for p in args.pairings.split(",") if p]
+    unknown = [p for p in pairings if p not in PAIRINGS]
+    if unknown:
+        parser.error(f"--pairings: unknown {unknown}; known: {sorted(PAIRINGS)}")
+    faults = [] if args.faults == "none" else [f for f in args.faults.split(",") if f]
+    rows = []
+    for pairing in pairings:
+        rows.append(run_pairing(args, pairing))
+        print(f"{pairing}: {rows[-1]['steps']} steps, rc {rows[-1]['rc']}, {rows[-1]['seconds']:.0f} s", flush=True)
+    for fault in faults:
+        rows.append(run_pairing(args, FAULTS[fault], fault))
+        print(f"fault {fault}: stopped by the probe: {rows[-1]['probe_stop']}", flush=True)
+    bf16 = next((r for r in rows if r["pairing"] == "bf16" and not r["fault"] and r["kl"]), None)
+    bf16_median = statistics.median(bf16["kl"]) if bf16 else None
+    text = table(rows, bf16_median)
+    problems = verdict(rows, args.steps, bf16_median)
+    print(text)
+    print("\n".join(f"FAIL: {p}" for p in problems) if problems else "loop check passed")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "loop_check.md").write_text(text + "\n")
+        Path(out, "loop_check.json").write_text(json.dumps(rows, indent=1))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
