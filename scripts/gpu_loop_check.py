@@ -174,12 +174,9 @@ def main() -> int:
         parser.error(f"--pairings: unknown {unknown}; known: {sorted(PAIRINGS)}")
     faults = [] if args.faults == "none" else [f for f in args.faults.split(",") if f]
     rows = []
-    for pairing in pairings:
-        rows.append(run_pairing(args, pairing))
-        print(f"{pairing}: {rows[-1]['steps']} steps, rc {rows[-1]['rc']}, {rows[-1]['seconds']:.0f} s", flush=True)
-    for fault in faults:
-        rows.append(run_pairing(args, FAULTS[fault], fault))
-        print(f"fault {fault}: stopped by the probe: {rows[-1]['probe_stop']}", flush=True)
+    for pairing, fault in [(p, None) for p in pairings] + [(FAULTS[f], f) for f in faults]:
+        rows.append(run_pairing(args, pairing, fault))
+        print(table(rows[-1:], None).splitlines()[-1], flush=True)  # each row as it comes (a killed call keeps them)
     bf16 = next((r for r in rows if r["pairing"] == "bf16" and not r["fault"] and r["kl"]), None)
     bf16_median = statistics.median(bf16["kl"]) if bf16 else None
     text = table(rows, bf16_median)
