@@ -40,8 +40,8 @@ FAULTS = {"skip": "w8a16", "stale": "w8a16", "skip-w8a8": "w8a8"}  # fault -> th
 FAULT_FROM_STEP = 3
 
 
-def common_overrides(args, name: str) -> list[str]:
-    return [f"name={name}", f"output_dir={args.output_dir}", "tracking.wandb=disabled", f"rl.steps={args.steps}",
+def common_overrides(args, name: str, steps: int) -> list[str]:
+    return [f"name={name}", f"output_dir={args.output_dir}", "tracking.wandb=disabled", f"rl.steps={steps}",
             f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "checkpoint.every=0",
             "model.max_model_len=512", f"engine.enforce_eager={str(args.eager).lower()}"]
 
@@ -49,7 +49,7 @@ def common_overrides(args, name: str) -> list[str]:
 def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
     """One training run in its own process; returns its row (metrics and how it ended)."""
     name = f"loop_{pairing}" + (f"_fault_{fault}" if fault else "")
-    overrides = common_overrides(args, name) + PAIRINGS[pairing]
+    overrides = common_overrides(args, name, args.fault_steps if fault else args.steps) + PAIRINGS[pairing]
     if fault:  # the run goes through this file's `inject` entry, which breaks the publish and starts `epirl train`
         command = [sys.executable, "-P", str(Path(__file__).resolve()), "--inject", fault, "--",
                    "train", "recipes/smollm2_arith_cpu.yaml", *overrides]
@@ -158,6 +158,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--pairings", default=",".join(PAIRINGS), help=f"comma-separated, of {sorted(PAIRINGS)}")
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault injections, or none")
+    parser.add_argument("--fault-steps", type=int, default=10, help="steps of a fault-injection run (broken from step "
+                        f"{FAULT_FROM_STEP} on)")
     parser.add_argument("--eager", action="store_true", help="engine without CUDA graphs (default: graphs on)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     parser.add_argument("--output-dir", default="/tmp/loop_check")

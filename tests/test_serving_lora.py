@@ -160,6 +160,15 @@ def test_epirl_engine_arguments_key_the_compile_cache_by_the_mode(monkeypatch, t
     assert extra("timed")["epirl_serving_kernels"] == "timed" and extra("fused")["epirl_serving_kernels"] == "fused"
     both = extra("1", precision="w8a16")
     assert both["epirl_serving_kernels"] == "timed" and "epirl_w8a16_lora" in both
+    # the matched engine's fused slices change its qkv op's arguments: a graph compiled with them on must not be
+    # replayed with them off (and the reverse)
+    from epirl.kernels.w8a16_lora.slices import SLICES_ENV
+
+    monkeypatch.setenv(SLICES_ENV, "1")
+    fused = extra("0", precision="w8a16")["epirl_w8a16_lora"]
+    monkeypatch.setenv(SLICES_ENV, "0")
+    per_slice = extra("0", precision="w8a16")["epirl_w8a16_lora"]
+    assert fused["fused_slices"] is True and per_slice["fused_slices"] is False
 
 
 def test_batches_from_the_vllm_threshold_run_vllms_own_lora_path(monkeypatch):

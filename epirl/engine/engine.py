@@ -27,6 +27,7 @@ from epirl.engine.lora_publish import AdapterPublisher
 from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, kv_cache, logits_lora, model_access, prompt_logprobs,
                                       shutdown)
 from epirl.engine.vllm_compat.detect import on_cuda, vllm_version
+from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,11 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
     if cfg.engine.precision == "w8a16" and engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
         # σ = alpha/r enters the fused op as a Python float, which torch.compile bakes into the graph; vLLM's
         # compile cache is keyed by config hashes that see the rank slot but not alpha. additional_config is
-        # hashed: a run with other LoRA settings never replays a graph compiled with the old σ.
-        kwargs["additional_config"] = {"epirl_w8a16_lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha}}
+        # hashed: a run with other LoRA settings never replays a graph compiled with the old σ. Fused slices
+        # (trainer.fused_slices) change the op's arguments in every qkv layer: a graph compiled with the other
+        # setting fails at the first replay (an engine with them off started after one with them on did).
+        kwargs["additional_config"] = {"epirl_w8a16_lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
+                                                            "fused_slices": fused_slices_enabled()}}
     serving = serving_lora.compile_key_mode()
     if serving != "off" and engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
         # EPIRL_SERVING_KERNELS changes what torch.compile traces in every LoRA layer; vLLM's compile cache key
