@@ -4,8 +4,8 @@
 # WITH_SMOLLM2=1; carry `.whl` for math-verify). Each part writes small reports under $OUT (at most 8 files
 # come back per call) and prints the tables.
 #
-#   bash scripts/gpu_evidence.sh loop      # ~7 min: SmolLM2 recipe 20 steps (w8a16 + FP8 trainer + KV release),
-#                                          #         then bf16 and w8a8 pairings, 10 steps each
+#   bash scripts/gpu_evidence.sh loop      # the GPU loop check (scripts/gpu_loop_check.py): the SmolLM2 recipe
+#                                          #         under every pairing, 20 steps, and fault injections
 #   bash scripts/gpu_evidence.sh engine    # ~6 min: 8B-shape TPOT / publish / shared views (w8a16, w8a8)
 #   bash scripts/gpu_evidence.sh engine2   # ~5 min: vllm_compat version checks on the staged vLLM, KV x20
 #                                          #         (CUDA graphs), layer bitwise (eager), SmolLM2
@@ -25,8 +25,7 @@ engine_section() {  # name, timeout, then gpu_engine.py arguments; each in its o
 
 case "$part" in
   loop)
-    bash scripts/gpu_train_smollm2.sh 20 w8a16
-    bash scripts/gpu_train_smollm2.sh 10 bf16 w8a8
+    python3 -P scripts/gpu_loop_check.py
     ;;
   engine)
     engine_section main 280 --precisions w8a16 --sections publish,tpot,shared --skip-smollm2

@@ -26,7 +26,7 @@
 #              1/8/32 adapters vs vLLM's own LoRA kernels, --sweep of K2/shrink tiles; vLLM staged)   ~8 min
 #   decode     the W8A16 decode-path GPU tests (split-K, PDL, lora_down, invariance), then bench_kernels.py at
 #              1/4/16/64 tokens without trainer rows                                                      ~3 min
-#   loopk      the SmolLM2 RL loop, 10 steps, W8A8 engine with vLLM's LoRA kernels and with engine.serving_kernels=auto
+#   loopk      the GPU loop check on the W8A8 pairings (vLLM's LoRA kernels and engine.serving_kernels=auto) and its W8A8 fault
 #              (epirl's serving kernels; the run that decides that default; carry .whl)               ~8 min
 #   publish    gpu_publish_check.py for w8a8 (vLLM's kernels, epirl's fused), bf16, w8a16: each engine serves every
 #              publish the loop makes (re-publish, publish while the KV cache is released, decode), β vs the trainer ~5 min
@@ -178,7 +178,7 @@ for name in "$@"; do
     decode)   part decode 300 bash -c "python3 -P -m pytest -q -m gpu tests/kernels/test_gpu_kernels.py -p no:cacheprovider \
                 -k 'pdl or lora_down or split_k or bitwise'; python3 -P scripts/bench_kernels.py --tokens 1 4 16 64 \
                 --train-tokens --json $OUT/bench_decode.json" ;;
-    loopk)    part loopk 560 bash scripts/gpu_train_smollm2.sh 10 w8a8 w8a8k ;;
+    loopk)    part loopk 560 python3 -P scripts/gpu_loop_check.py --pairings w8a8,w8a8-off --faults skip-w8a8 ;;
     publish)  part publish 400 bash -c 'python3 -P -m epirl.model.smollm2 > /dev/null; for pk in "w8a8 env" \
                 "w8a8 fused" "bf16 env" "w8a16 env"; do set -- $pk; timeout 110 python3 -P scripts/gpu_publish_check.py \
                 --precisions $1 --serving-kernels $2; done' ;;
