@@ -49,7 +49,7 @@ def common_overrides(args, name: str, steps: int) -> list[str]:
 def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
     """One training run in its own process; returns its row (metrics and how it ended)."""
     name = f"loop_{pairing}" + (f"_fault_{fault}" if fault else "")
-    overrides = common_overrides(args, name, args.fault_steps if fault else args.steps) + PAIRINGS[pairing]
+    overrides = common_overrides(args, name, args.fault_steps if fault else args.steps) + PAIRINGS[pairing] + args.extra
     if fault:  # the run goes through this file's `inject` entry, which breaks the publish and starts `epirl train`
         command = [sys.executable, "-P", str(Path(__file__).resolve()), "--inject", fault, "--",
                    "train", "recipes/smollm2_arith_cpu.yaml", *overrides]
@@ -169,12 +169,17 @@ def main() -> int:
     args, rest = parser.parse_known_args()
     if args.inject:
         return inject(args.inject, [a for a in rest if a != "--"])
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    args.extra = [a for a in rest if "=" in a and not a.startswith("-")]  # key=value overrides for every run
+    if len(args.extra) != len(rest):
+        parser.error(f"unrecognized arguments: {[a for a in rest if a not in args.extra]}")
     pairings = [p for p in args.pairings.split(",") if p]
     unknown = [p for p in pairings if p not in PAIRINGS]
     if unknown:
         parser.error(f"--pairings: unknown {unknown}; known: {sorted(PAIRINGS)}")
     faults = [] if args.faults == "none" else [f for f in args.faults.split(",") if f]
+    if any(f not in FAULTS for f in faults):
+        parser.error(f"--faults: unknown {[f for f in faults if f not in FAULTS]}; known: {sorted(FAULTS)} or none")
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for pairing, fault in [(p, None) for p in pairings] + [(FAULTS[f], f) for f in faults]:
         rows.append(run_pairing(args, pairing, fault))
