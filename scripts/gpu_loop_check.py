@@ -1,8 +1,12 @@
 """The GPU loop check every kernel change runs: the SmolLM2 recipe with real weights under each engine/trainer pairing,
 CUDA graphs on, KV release on, the probe on, and one table.
 
-    source scripts/device_env.sh && python3 -P scripts/gpu_loop_check.py            # ~8 min on an H100 with vLLM staged
-    python3 scripts/gpu_loop_check.py --steps 20 --pairings bf16,w8a16 --faults none
+    source scripts/device_env.sh && python3 -P scripts/gpu_loop_check.py            # vLLM staged on the GPU machine
+    python3 -P scripts/gpu_loop_check.py --steps 20 --pairings bf16,w8a16 --faults none [key=value ...]
+
+A 20-step run takes ~150 s on an H100, 83 s of it engine and trainer start-up with CUDA-graph capture (a W8A8 engine
+with `engine.serving_kernels=auto` also times its dispatch at start: over 260 s), so the whole check needs two or three
+10-minute device calls: split it with --pairings / --faults (rows print as each run ends).
 
 Each pairing runs `epirl train recipes/smollm2_arith_cpu.yaml` in its own process (a normal run folder under
 --output-dir). Then fault injections run a pairing with a broken publish and must be stopped by the probe: `skip`
