@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -26,13 +27,9 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 import torch  # noqa: E402
 
-PAIRINGS = {
-    "bf16": ["engine.precision=bf16", "trainer.base=bf16", "rl.correction=tis"],
-    "w8a16": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none"],
-    "w8a16-noslices": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none", "trainer.fused_slices=false"],
-    "w8a8": ["engine.precision=w8a8", "trainer.base=fp8", "rl.correction=tis", "engine.serving_kernels=auto"],
-    "w8a8-off": ["engine.precision=w8a8", "trainer.base=fp8", "rl.correction=tis", "engine.serving_kernels=off"],
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_loop_check import PAIRINGS  # noqa: E402  (one definition of the pairings for both scripts)
+
 ROWS: list[dict] = []
 
 
@@ -58,7 +55,7 @@ def flat(lists):
 def analyze(probe, engine, policy, previous, step):
     from epirl.engine.matched_check import capture_lora_layers, compare_with_trainer
     from epirl.mismatch.variants import fake_quant_activations, fp8_projections
-    from epirl.rl.probe import lora_swapped
+    from epirl.rl.probe import dithered_roundings, lora_swapped
     from epirl.rl.trainer import build_batch
 
     cfg = probe.cfg
@@ -103,24 +100,13 @@ def analyze(probe, engine, policy, previous, step):
                 amp = {n: previous[n].float() + k * (new_tensors[n].float() - previous[n].float()) for n in new_tensors}
                 with lora_swapped(policy, amp):
                     row[f"amp{k}_{tag}"] = score(quant)
-            with dithered(policy):  # the same hypotheses with other rounding flips: an instrument for δ
+            with dithered_roundings(policy):  # the same hypotheses with other rounding flips: the probe's instrument
                 row[f"newd_{tag}"] = score(quant)
                 with lora_swapped(policy, previous):
                     row[f"oldd_{tag}"] = score(quant)
     row["new_b_train_mode"] = score(False, train_mode=True)
     policy.model.eval()
     report(row, e, quantized)
-
-
-@contextlib.contextmanager
-def dithered(policy, factor=1.0 + 2.0 ** -7):
-    """The input embeddings scaled by `factor` (RMSNorm removes the scale; the bf16 roundings downstream change)."""
-    module = policy.model.get_input_embeddings()
-    handle = module.register_forward_hook(lambda mod, args, out: out * factor)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def report(row, e, quantized):
