@@ -1,0 +1,88 @@
+"""Held-out accuracy of a pairing over seeds, and its paired difference to the reference pairing, with intervals.
+
+Data: `correct[s, j]` = 1 when seed s's adapter answered held-out problem j (greedy, one answer per problem). Every
+pairing is scored on the same problems, so problems are the unit of resampling: the percentile bootstrap
+(scipy.stats.bootstrap) resamples problems and averages over seeds, i.e. it bootstraps the mean of the per-problem
+seed averages. The interval says how much the accuracy could move on another draw of problems from the task with
+these trained adapters; the seed-to-seed spread is reported beside it (per-seed accuracies), not folded in.
+
+The paired difference uses the per-problem difference of the two pairings' seed averages, resampled together
+(same problems), which removes the problems' shared difficulty from its variance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+
+@dataclass(frozen=True)
+class Interval:
+    estimate: float
+    low: float
+    high: float
+
+    def covers(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+    def as_dict(self) -> dict[str, float]:
+        return {"estimate": self.estimate, "ci_low": self.low, "ci_high": self.high}
+
+
+def seed_averaged(correct_S_M) -> np.ndarray:
+    """Per problem, the fraction of seeds whose adapter got it right: [M]."""
+    correct = np.asarray(correct_S_M, dtype=float)
+    if correct.ndim != 2 or correct.shape[0] < 1 or correct.shape[1] < 1:
+        raise ValueError(f"need a [seeds, problems] matrix with at least one of each, got shape {correct.shape}")
+    return correct.mean(axis=0)
+
+
+def bootstrap_mean(values_M, resamples: int = 10_000, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """The mean of `values_M` with its percentile-bootstrap interval (problems resampled with replacement)."""
+    values = np.asarray(values_M, dtype=float)
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError("bootstrap_mean needs a non-empty vector")
+    estimate = float(values.mean())
+    if np.all(values == values[0]):  # every resample has the same mean (scipy would warn about degenerate data)
+        return Interval(estimate, estimate, estimate)
+    result = stats.bootstrap((values,), np.mean, n_resamples=resamples, confidence_level=confidence,
+                             method="percentile", vectorized=True, batch=1000, rng=np.random.default_rng(seed))
+    return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
+
+
+def accuracy_interval(correct_S_M, resamples: int = 10_000, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """Accuracy averaged over seeds and problems, with the bootstrap over problems."""
+    return bootstrap_mean(seed_averaged(correct_S_M), resamples, confidence, seed)
+
+
+def paired_difference(correct_a_S_M, correct_b_S_M, resamples: int = 10_000, confidence: float = 0.95,
+                      seed: int = 0) -> Interval:
+    """accuracy(a) − accuracy(b) on the same problems (the seed counts may differ), problems resampled together."""
+    a, b = seed_averaged(correct_a_S_M), seed_averaged(correct_b_S_M)
+    if a.shape != b.shape:
+        raise ValueError(f"paired_difference needs the same problems, got {a.size} and {b.size}")
+    return bootstrap_mean(a - b, resamples, confidence, seed)
+
+
+# ------------------------------------------------------------------------------------------------ step metrics
+def finite(values) -> list[float]:
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def median_or_none(values) -> float | None:
+    kept = finite(values)
+    return float(np.median(kept)) if kept else None
+
+
+def mean_or_none(values) -> float | None:
+    kept = finite(values)
+    return float(np.mean(kept)) if kept else None
+
+
+def worst_arrival(betas) -> float | None:
+    """The arrival fraction farthest from 1 (the probe accepts 1/2 ≤ β ≤ 3/2 around the ideal 1)."""
+    kept = finite(betas)
+    return max(kept, key=lambda beta: abs(beta - 1.0)) if kept else None
