@@ -44,14 +44,24 @@ def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A usage mistake (unknown option, `--max-tokens abc`, a missing value) is one line and exit code 2, like
+    every other bad input; the usage it would print is what `--help` shows. Subcommand parsers inherit it."""
+
+    def error(self, message: str):
+        error_line(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epirl", description="RL post-training of LoRA adapters on one FP8 base.")
+    parser = OneLineErrorParser(prog="epirl", description="RL post-training of LoRA adapters on one FP8 base.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_train_args(sub)
     add_mismatch_args(sub)
     add_eval_args(sub)
+    parser.set_defaults(command_parsers=sub.choices)  # a subcommand's own usage errors name it
     return parser
 
 
@@ -62,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
             args.overrides = [*args.overrides, *extra]
         else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command != "train":
         setup_logging(args.verbose)
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: completed checkpoints are intact; continue with --resume")
+    except KeyboardInterrupt:  # a training run reports its own folder; elsewhere results are written at the end
+        console.print("[yellow]interrupted[/]: no results were written", soft_wrap=True, highlight=False)
         return 130
 
 

@@ -481,6 +481,29 @@ def _format_validation_error(err: ValidationError, source: str, overrides: list[
     return f"{where}: {field}: {message} (got {first.get('input')!r})"
 
 
+def _read_recipe(path: Path) -> dict:
+    """The recipe's YAML mapping. An empty file or one whose top level is a list or a scalar is an error, not a
+    run on all defaults: such a file is almost always the wrong file or a broken edit."""
+    if path.is_dir():
+        raise ConfigError(f"recipe {path} is a folder; give a YAML file (see recipes/)")
+    if not path.is_file():
+        raise ConfigError(f"recipe file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"recipe {path} cannot be read: {type(exc).__name__}") from None
+    if tree is None:
+        raise ConfigError(f"recipe {path} is empty; a recipe is a mapping of sections (model:, data:, rl:, ...)")
+    if not isinstance(tree, dict):
+        kind = "a list" if isinstance(tree, list) else f"the single value {tree!r}"
+        raise ConfigError(f"recipe {path}: the top level is {kind}, not a mapping of sections (model:, data:, rl:, ...)")
+    return tree
+
+
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> EpirlConfig:
     """Read a YAML recipe, apply `key.sub=value` overrides, validate. Raises ConfigError (one line).
 
@@ -490,16 +513,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     if recipe is not None:
         path = Path(recipe)
         source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"recipe file not found: {path}")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}:{where} is not valid YAML") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: a recipe must be a mapping of sections")
+        tree = _read_recipe(path)
     tree = apply_overrides(tree, overrides or [])
     try:
         return EpirlConfig.model_validate(tree)

@@ -13,6 +13,7 @@ its own stdout handler (`VLLM_CONFIGURE_LOGGING=0`) so its records reach train.l
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -29,6 +30,19 @@ QUIET_LIBRARY_LOGGERS = ("httpx", "urllib3", "filelock", "datasets", "matplotlib
 def error_line(console: Console, message: str) -> None:
     """One line, however long: rich would hard-wrap at 80 columns when stderr is not a terminal."""
     console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)  # "[...]" is not markup
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` with every option's default: appended as "(default: ...)" unless the help text already says
+    it (an option whose default is computed names it in words). The description keeps its line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or "%(default" in text or action.default is argparse.SUPPRESS or action.required:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text  # a required positional has no default
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def log_tail(path: Path, lines: int = 25) -> list[str]:

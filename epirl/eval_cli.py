@@ -1,9 +1,14 @@
-"""`epirl eval`: evaluate a base model and/or PEFT adapters on OlympiadBench, Minerva and MATH-500.
+"""`epirl eval`: evaluate a base model and/or PEFT adapters on OlympiadBench, Minerva, MATH-500 and the
+arithmetic training task.
 
     epirl eval --model Qwen/Qwen3-8B --adapter runs/a/adapter --adapter runs/b/adapter \\
                --benchmarks olympiadbench,minerva=data/minerva.jsonl --samples 1 --out eval_out
+    epirl eval --model smollm2 --adapter runs/smollm2_arith_cpu/adapter --benchmarks arithmetic --limit 200
 
 Without ``--adapter`` the base model is evaluated; two adapters are compared pairwise (McNemar).
+The math benchmarks ask for the answer in \\boxed{} and grade the last box. `arithmetic` is the training
+task itself: with the run's config.yaml beside the adapter (runs/<name>/adapter or a checkpoint's adapter),
+its problems, prompt and answer grading (reward.style) are the run's own.
 Bad input (unknown benchmark, missing file or folder, impossible settings) prints one line naming the
 flag or file and exits with code 2 before any model is loaded.
 """
@@ -16,8 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from epirl.config import ENGINE_PRECISIONS
+from rich.console import Console
+
+from epirl.config import ENGINE_PRECISIONS, ConfigError, load_config
+from epirl.console import DefaultsHelpFormatter, error_line
 from epirl.data import DataError
+from epirl.eval.benchmarks import BENCHMARK_NAMES, TrainingTask, local_file_columns
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +41,29 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
     """Register the ``eval`` subcommand on an ``argparse`` subparsers object."""
     parser = subparsers.add_parser(
         "eval", help="evaluate a model / adapters on math benchmarks",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, formatter_class=DefaultsHelpFormatter,
+        epilog="local benchmark files (name=FILE: .jsonl, .json or .parquet, one problem per row) need the columns\n"
+               + "\n".join(f"  {line}" for line in local_file_columns()),
     )
-    parser.add_argument("--model", required=True, help="hub id, local folder, or alias (smollm2)")
+    parser.add_argument("--model", required=True, help="hub id, local folder, or alias (smollm2); required")
     parser.add_argument("--adapter", action="append", default=[], metavar="DIR",
-                        help="PEFT adapter folder; repeat to compare (two adapters: paired McNemar test)")
+                        help="PEFT adapter folder; repeat to compare (two adapters: paired McNemar test) "
+                             "(default: none, the base model is evaluated)")
     parser.add_argument("--benchmarks", default="olympiadbench,minerva,math500",
-                        help="comma-separated names (olympiadbench, minerva, math500), each optionally name=local.jsonl|parquet")
+                        help=f"comma-separated names ({', '.join(BENCHMARK_NAMES)}); a math benchmark may be "
+                             "name=local.jsonl|parquet (columns below)")
     parser.add_argument("--samples", type=int, default=1, help="completions per problem (avg@k, pass@k)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (needs --samples 1)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--engine", default="bf16", help="engine precision: bf16 | w8a8 | w8a16")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    parser.add_argument("--engine", default="bf16", help=f"engine precision: {' | '.join(ENGINE_PRECISIONS)}")
     parser.add_argument("--max-tokens", type=int, default=2048, help="longest completion (tokens)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help=f"engine context length (default: --max-tokens + {PROMPT_ROOM_TOKENS})")
-    parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="first N problems of each benchmark (default: all)")
     parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                         help="chat-template enable_thinking (Qwen3/3.5)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--reward-workers", type=int, default=2, help="grading processes")
     parser.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per graded answer")
     parser.add_argument("--out", default=None, help="output folder (default: runs/eval-<time>)")
@@ -83,6 +97,34 @@ def _check_model(model: str) -> None:
         raise EvalUsageError(f"--model: '{model}' is not a folder, a hub id (org/name) or an alias {MODEL_ALIASES}")
 
 
+def training_config_file(adapter_dir: str) -> Path | None:
+    """The config.yaml of the run that wrote an adapter: beside `runs/<name>/adapter`, or two folders up from a
+    checkpoint's `runs/<name>/checkpoints/step_N/adapter`; None when there is none."""
+    adapter = Path(adapter_dir)
+    candidates = [adapter.parent / "config.yaml"]
+    if adapter.parent.parent.name == "checkpoints":
+        candidates.append(adapter.parents[2] / "config.yaml")
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def training_task(adapter_dir: str) -> TrainingTask | None:
+    """What the adapter was trained on, from its run's config.yaml; None without one. A config that no longer
+    loads is named in one warning and ignored: grading then follows each benchmark's own answer format."""
+    path = training_config_file(adapter_dir)
+    if path is None:
+        return None
+    try:
+        return TrainingTask.from_config(load_config(path), str(path))
+    except ConfigError as exc:
+        log.warning("--adapter %s: %s not used (%s)", adapter_dir, path, exc)
+        return None
+
+
+def _check_out(out: str | None) -> None:
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise EvalUsageError(f"--out {out}: is a file, not a folder")
+
+
 def _variant_labels(adapters: list[str]) -> list[str]:
     """Short labels (folder names); the full path where two folders share a name."""
     names = [Path(a).name or a for a in adapters]
@@ -110,20 +152,26 @@ def validate_args(args: argparse.Namespace):
     if max_model_len <= args.max_tokens:
         raise EvalUsageError(f"--max-model-len ({max_model_len}) must exceed --max-tokens ({args.max_tokens})")
     _check_model(args.model)
+    _check_out(args.out)
     loras = [_adapter_lora(adapter) for adapter in args.adapter]
     if args.engine == "w8a16" and len(set(loras)) > 1:
         # The matched engine sizes its fused LoRA buffers and σ = alpha/r once, at start.
         raise EvalUsageError(f"--engine w8a16 serves one LoRA shape, the adapters have (r, alpha) = {sorted(set(loras))}; "
                              "compare them with --engine bf16 or w8a8")
+    trainings = [training_task(adapter) for adapter in args.adapter]
+    # The arithmetic benchmark is one problem list for every variant: the first adapter's training run's.
+    first_training = next((task for task in trainings if task is not None), None)
     try:
-        benchmarks = [load_benchmark(name, path, args.limit) for name, path in parse_benchmark_list(args.benchmarks)]
+        benchmarks = [load_benchmark(name, path, args.limit, first_training)
+                      for name, path in parse_benchmark_list(args.benchmarks)]
     except DataError as error:
         raise EvalUsageError(f"--benchmarks: {error}") from None
     settings = EvalSettings(samples=args.samples, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, thinking=args.thinking, seed=args.seed,
                             max_model_len=max_model_len)
     if args.adapter:
-        variants = [Variant(label, adapter) for label, adapter in zip(_variant_labels(args.adapter), args.adapter)]
+        variants = [Variant(label, adapter, training=training)
+                    for label, adapter, training in zip(_variant_labels(args.adapter), args.adapter, trainings)]
     else:
         variants = [Variant("base")]
     # The slot holds the largest rank (vLLM's own LoRA path reads each adapter's alpha from its file).
@@ -161,7 +209,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         settings, benchmarks, variants, adapter_lora = validate_args(args)
         cfg = build_engine_config(args, settings.max_model_len, adapter_lora)
     except (EvalUsageError, ValueError) as error:
-        print(f"epirl eval: error: {error}", file=sys.stderr)
+        error_line(Console(stderr=True), str(error))
         return 2
     out_dir = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
 

@@ -60,6 +60,13 @@ def read_rows(metrics_file: Path, up_to_step: int) -> list[dict]:
     return rows
 
 
+def folder_entries(folder: Path) -> list[str]:
+    """Every entry of the run folder, sorted, folders marked with a trailing `/` (what the run left on disk)."""
+    if not folder.is_dir():
+        return []
+    return sorted(entry.name + ("/" if entry.is_dir() else "") for entry in folder.iterdir())
+
+
 def _duration(seconds: float) -> str:
     minutes, sec = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
@@ -159,8 +166,6 @@ class RunProgress:
 
     def print_summary(self, out_dir: Path) -> None:
         self.stop()
-        files = [name for name in ("adapter/", "metrics.jsonl", "reward.png", "train.log")
-                 if (out_dir / name.rstrip("/")).exists()]
-        self._say(f"done in {_duration(time.perf_counter() - self.t0)}: {out_dir} ({', '.join(files)})")
+        self._say(f"done in {_duration(time.perf_counter() - self.t0)}: {out_dir} ({', '.join(folder_entries(out_dir))})")
         for line in self.summary_lines():
             self._say(line)

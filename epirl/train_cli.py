@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from epirl.checkpoint import STATE_FILE, latest_checkpoint
+from epirl.checkpoint import latest_checkpoint, read_state, resumable_checkpoint
 from epirl.config import (ConfigError, EpirlConfig, describe_fields, first_line, load_config, resolve_model_path,
                           resolve_runtime)
 from epirl.console import RunOutput, error_line, log_tail, quiet_library_environment
@@ -110,11 +110,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.print_config:
             sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             return 0
-        start_step = _resume_step(args.resume)
+        start_step, resume_note = _resume_step(args.resume)
         benchmark = _benchmark_settings(args, cfg)
     except InputError as exc:
         error_line(console, str(exc))
         return 2
+    if resume_note is not None and rank == 0:  # one line per job, not per rank
+        console.print(f"[yellow]warning:[/] {escape(resume_note)}", soft_wrap=True, highlight=False)
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     quiet_library_environment()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -123,6 +125,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Rank 0 owns the run folder and the console; other ranks log to train.rank<r>.log and remove nothing.
     created = _first_missing(run_dir) if rank == 0 else None
     with RunOutput(run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log"), verbose, args.log_level) as out:
+        if resume_note is not None:  # shown on the terminal above; train.log keeps it too
+            log.warning(resume_note, extra={"terminal": False})
         return _run(cfg, run_dir, start_step, out, created, resume=args.resume is not None, benchmark=benchmark,
                     rank=rank)
 
@@ -161,13 +165,22 @@ def _recipe_and_config(args):
         raise InputError(str(exc)) from None
 
 
-def _resume_step(resume: str | None) -> int:
+def _resume_step(resume: str | None) -> tuple[int, str | None]:
+    """(the step `--resume` continues after, a one-line warning naming damaged newer checkpoints or None).
+
+    Every file of a checkpoint is checked before it is used; none whole is an InputError (one line)."""
     if resume is None:
-        return 0
-    checkpoint = latest_checkpoint(Path(resume))
+        return 0, None
+    checkpoint, damaged = resumable_checkpoint(Path(resume))
+    found = ", ".join(f"{folder.name} ({reason})" for folder, reason in damaged)
     if checkpoint is None:
-        raise InputError(f"--resume {resume}: no complete checkpoint under {Path(resume) / 'checkpoints'}")
-    return int(json.loads((checkpoint / STATE_FILE).read_text())["step"])
+        detail = f"; damaged: {found}" if found else ""
+        raise InputError(f"--resume {resume}: no complete checkpoint under {Path(resume) / 'checkpoints'}{detail}")
+    step = int(read_state(checkpoint)["step"])
+    if not damaged:
+        return step, None
+    verb = "is" if len(damaged) == 1 else "are"
+    return step, f"--resume {resume}: checkpoint {found} {verb} damaged; continuing from {checkpoint.name} (step {step})"
 
 
 def _check_and_plan(cfg, run_dir: Path, console: Console, benchmark=None) -> list | None:
@@ -266,8 +279,7 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
         observer.stop()
         log.warning("interrupted", extra={"terminal": False})
         kept = _keep_failed(run_dir, created, observer)
-        console.print(f"[yellow]interrupted[/]: completed checkpoints are intact; continue with "
-                      f"--resume {kept}" if kept == run_dir else f"[yellow]interrupted[/] before step 1; log in {kept}",
+        console.print(f"[yellow]interrupted[/]: {escape(interrupted_state(run_dir, kept, benchmark is not None))}",
                       soft_wrap=True, highlight=False)
         return 130
     except Exception as exc:  # noqa: BLE001 - reported below: one line, or the end of train.log
@@ -306,6 +318,20 @@ def _bad_input(out: RunOutput, exc: Exception, run_dir: Path, created: Path | No
         _remove_created(run_dir, created)
     error_line(out.console, str(exc))
     return 2
+
+
+def interrupted_state(run_dir: Path, kept: Path, benchmark: bool) -> str:
+    """What an interrupted run left on disk, and what to do with it: only a whole checkpoint can be resumed."""
+    if kept != run_dir:
+        return f"before step 1; nothing to resume; log in {kept / 'train.log'}"
+    if benchmark:
+        return f"a benchmark writes no checkpoints; log in {run_dir / 'train.log'}"
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return (f"no complete checkpoint under {run_dir / 'checkpoints'}, so there is nothing to resume; "
+                f"log in {run_dir / 'train.log'}")
+    return (f"the last complete checkpoint is {checkpoint.name} (step {read_state(checkpoint)['step']}); "
+            f"continue with --resume {run_dir}")
 
 
 def _keep_failed(run_dir: Path, created: Path | None, observer) -> Path:

@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from epirl.eval.stats import paired_comparison, summarize_correctness
 
 POOLED = "pooled"
 MAX_WANDB_FAILURES = 500  # rows of the W&B failure table (long completions make big tables)
+# What each answer style (epirl.rewards ANSWER_STYLES) reads as the answer, in the words of a one-line note.
+STYLE_WORDS = {"boxed": "the last \\boxed{...}", "dapo": "a last 'Answer: ...' line", "number": "the last number"}
 
 
 def correctness_matrix(records: Sequence[dict], variant: str, benchmark: str | None = None) -> dict[tuple[str, str], list[bool]]:
@@ -35,6 +38,9 @@ def summarize_variant(records: Sequence[dict], variant: str, benchmark_names: Se
     per_benchmark = {name: summarize_correctness(list(correctness_matrix(records, variant, name).values()), seed)
                      for name in benchmark_names}
     pooled = summarize_correctness(list(correctness_matrix(records, variant).values()), seed)
+    for name, metrics in [*per_benchmark.items(), (None, pooled)]:  # samples whose answer could not be read
+        metrics["no_answer"] = sum(1 for record in records if record["variant"] == variant
+                                   and record["grade_status"] == "no_answer" and name in (None, record["benchmark"]))
     statuses = Counter(record["grade_status"] for record in records if record["variant"] == variant)
     finish = Counter(record["finish_reason"] for record in records if record["variant"] == variant)
     return {"benchmarks": per_benchmark, POOLED: pooled, "grade_status": dict(statuses), "finish_reason": dict(finish)}
@@ -92,7 +98,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     """Accuracy table (one row per variant × benchmark, then pooled) and the paired comparisons."""
     samples = report["settings"]["samples"]
     table = Table(title=f"epirl eval (k={samples}, T={report['settings']['temperature']}, {report['wall_s']:.0f}s)")
-    for column in ("variant", "benchmark", "problems", f"avg@{samples} %", "95% CI", f"pass@{samples} %"):
+    for column in ("variant", "benchmark", "problems", f"avg@{samples} %", "95% CI", f"pass@{samples} %", "no answer"):
         table.add_column(column, justify="left" if column in ("variant", "benchmark") else "right")
     for variant, summary in report["variants"].items():
         rows = list(summary["benchmarks"].items()) + [(POOLED, summary[POOLED])]
@@ -100,10 +106,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             size_note = "" if name == POOLED or report["benchmarks"][name]["size_matches"] else " *"
             table.add_row(variant, name + size_note, str(metrics["problems"]), _percent(metrics["accuracy"]),
                           f"[{_percent(metrics['ci95_low'])}, {_percent(metrics['ci95_high'])}]",
-                          _percent(metrics[f"pass@{samples}"]))
+                          _percent(metrics[f"pass@{samples}"]), str(metrics.get("no_answer", 0)))
     console.print(table)
     if any(not info["size_matches"] for info in report["benchmarks"].values()):
         console.print("* source size differs from the published benchmark (see eval.json → benchmarks)")
+    for note in report.get("notes", []):
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True, highlight=False)
     for comparison in report["comparisons"]:
         paired = Table(title=f"paired: {comparison['b']} − {comparison['a']} ({comparison['outcome']})")
         for column in ("benchmark", "n", "acc a %", "acc b %", "Δ pts", "95% CI", "only a", "only b", "McNemar p"):
@@ -113,6 +121,35 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                            f"{100 * row['diff']:+.1f}", f"[{100 * row['diff_ci95_low']:+.1f}, {100 * row['diff_ci95_high']:+.1f}]",
                            str(row["only_a_correct"]), str(row["only_b_correct"]), f"{row['mcnemar_p']:.3g}")
         console.print(paired)
+
+
+def unparseable_notes(records: Sequence[dict], training_by_variant: dict[str, Any], max_tokens: int) -> list[str]:
+    """One line per (variant, benchmark) where not one generated answer could be read, saying why: a reward style
+    the adapter was not trained for, completions cut at the token limit, or no answer in the graded format.
+
+    `training_by_variant`: each variant's `TrainingTask` (its run's config) or None."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for record in records:
+        if record["grade_status"] != "not_generated":
+            groups[(record["variant"], record["benchmark"])].append(record)
+    notes = []
+    for (variant, benchmark), generated in groups.items():
+        if any(record["grade_status"] != "no_answer" for record in generated):
+            continue
+        style = generated[0].get("grading_style", "boxed")
+        training = training_by_variant.get(variant)
+        if training is not None and training.reward_style != style:
+            where = f" ({training.config_file})" if training.config_file else ""
+            why = (f"{benchmark} is graded by {STYLE_WORDS.get(style, style)}, but {variant} was trained with "
+                   f"reward.style: {training.reward_style}{where}")
+            if training.is_arithmetic:
+                why += "; evaluate it on its own task with --benchmarks arithmetic"
+        elif all(record["finish_reason"] == "length" for record in generated):
+            why = f"every completion stopped at the token limit ({max_tokens}) before an answer"
+        else:
+            why = f"{benchmark} is graded by {STYLE_WORDS.get(style, style)} and no completion has one (see records.jsonl)"
+        notes.append(f"{variant} on {benchmark}: no answer could be read from any of {len(generated)} completion(s): {why}")
+    return notes
 
 
 def wandb_summary(report: dict[str, Any]) -> dict[str, float]:

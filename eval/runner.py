@@ -18,13 +18,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from epirl.data import BOXED_INSTRUCTION, render_prompt
-from epirl.eval.benchmarks import Benchmark, EvalProblem
-from epirl.eval.report import build_report, log_to_wandb, print_report, write_outputs
+from epirl.eval.benchmarks import Benchmark, EvalProblem, TrainingTask
+from epirl.eval.report import build_report, log_to_wandb, print_report, unparseable_notes, write_outputs
 from epirl.rewards import RewardPool
 
 log = logging.getLogger(__name__)
-
-GRADING_STYLE = "boxed"  # the prompt asks for \boxed{}; the last box is graded (see epirl.rewards)
 
 
 class Engine(Protocol):
@@ -72,15 +70,32 @@ class Variant:
     label: str
     adapter_dir: str | None = None
     use_adapter: bool = False
+    training: TrainingTask | None = None
+    """What the adapter was trained on (its run's config.yaml), when known: the training task's benchmark is
+    graded with its `reward.style`."""
 
 
-def eval_prompt_messages(problem: EvalProblem) -> list[dict[str, str]]:
-    """The Qwen math convention: the problem, then the step-by-step / \\boxed{} instruction."""
-    return [{"role": "user", "content": f"{problem.problem}\n\n{BOXED_INSTRUCTION}"}]
+def grading_style(benchmark: Benchmark, variant: Variant) -> str:
+    """The benchmark's own answer format, except on the training task's data for an adapter trained on it:
+    there the answer is read the way its training rewards read it."""
+    if benchmark.training_task and variant.training is not None and variant.training.is_arithmetic:
+        return variant.training.reward_style
+    return benchmark.grading_style
 
 
-def render_prompts(tokenizer, problems: Sequence[EvalProblem], thinking: bool) -> list[list[int]]:
-    return [render_prompt(tokenizer, eval_prompt_messages(problem), thinking) for problem in problems]
+def eval_prompt_messages(problem: EvalProblem, instruction: str = BOXED_INSTRUCTION,
+                         system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The Qwen math convention: the problem, then the step-by-step / \\boxed{} instruction (a benchmark whose
+    problems carry their own instruction passes "")."""
+    content = f"{problem.problem}\n\n{instruction}" if instruction else problem.problem
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*system, {"role": "user", "content": content}]
+
+
+def render_prompts(tokenizer, problems: Sequence[EvalProblem], thinking: bool, instruction: str = BOXED_INSTRUCTION,
+                   system_prompt: str | None = None) -> list[list[int]]:
+    return [render_prompt(tokenizer, eval_prompt_messages(problem, instruction, system_prompt), thinking)
+            for problem in problems]
 
 
 def generate_completions(
@@ -122,12 +137,12 @@ def generate_completions(
 
 def grade_and_record(
     pool: RewardPool, variant: Variant, problems: Sequence[EvalProblem], completions: list[list[Any] | None],
-    gen_seconds: list[float], samples: int,
+    gen_seconds: list[float], samples: int, style: str = "boxed",
 ) -> list[dict[str, Any]]:
-    """Grade every sample with the pool and build one record per (problem, sample)."""
+    """Grade every sample with the pool (answers read by `style`) and build one record per (problem, sample)."""
     flat = [(p, s) for p, problem_samples in enumerate(completions) if problem_samples is not None for s in range(samples)]
     texts = [completions[p][s].text for p, s in flat]  # type: ignore[index]
-    graded = pool.grade_batch_detailed(texts, [problems[p].gold for p, _ in flat], GRADING_STYLE)
+    graded = pool.grade_batch_detailed(texts, [problems[p].gold for p, _ in flat], style)
     outcome = {key: result for key, result in zip(flat, graded)}
     records = []
     for p, problem in enumerate(problems):
@@ -144,6 +159,7 @@ def grade_and_record(
                 "extracted_answer": result.answer if result is not None else None,
                 "correct": bool(result is not None and result.reward == 1.0),
                 "grade_status": result.status if result is not None else "not_generated",
+                "grading_style": style,
                 "grade_s": round(result.seconds, 4) if result is not None else 0.0,
                 "gen_s": round(gen_seconds[p], 4),
                 "completion_tokens": len(completion.token_ids) if completion is not None else 0,
@@ -163,9 +179,11 @@ def evaluate_variant(
     records: list[dict[str, Any]] = []
     for benchmark in benchmarks:
         task_id = progress.add_task(f"{variant.label} · {benchmark.name}", total=len(benchmark.problems)) if progress else None
-        prompt_ids = render_prompts(engine.tokenizer, benchmark.problems, settings.thinking)
+        prompt_ids = render_prompts(engine.tokenizer, benchmark.problems, settings.thinking, benchmark.instruction,
+                                    benchmark.system_prompt)
         completions, gen_seconds = generate_completions(engine, prompt_ids, settings, use_adapter, progress, task_id)
-        records += grade_and_record(pool, variant, benchmark.problems, completions, gen_seconds, settings.samples)
+        records += grade_and_record(pool, variant, benchmark.problems, completions, gen_seconds, settings.samples,
+                                    grading_style(benchmark, variant))
     return records
 
 
@@ -188,6 +206,7 @@ def run_eval(
         for variant in variants:
             records += evaluate_variant(engine, pool, benchmarks, settings, variant, progress)
     report = build_report(records, benchmarks, settings, [v.label for v in variants], time.perf_counter() - started)
+    report["notes"] = unparseable_notes(records, {v.label: v.training for v in variants}, settings.max_tokens)
     print_report(report, console)
     if out_dir is not None:
         write_outputs(Path(out_dir), report, records)

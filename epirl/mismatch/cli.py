@@ -15,7 +15,9 @@ from pathlib import Path
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from epirl.config import ENGINE_PRECISIONS, ConfigError, load_config, resolve_runtime
+from epirl import hub
+from epirl.config import ENGINE_PRECISIONS, MODEL_ALIASES, ConfigError, first_line, load_config, resolve_runtime
+from epirl.console import DefaultsHelpFormatter, error_line
 from epirl.data import DataError, load_problems, render_prompt
 from epirl.engine.engine import check_vllm_args
 from epirl.mismatch.measure import measure_engines
@@ -34,15 +36,19 @@ class MismatchInputError(ValueError):
 def add_mismatch_args(subparsers) -> argparse.ArgumentParser:
     """Register the `mismatch` subcommand on an argparse subparsers object."""
     parser = subparsers.add_parser("mismatch", help="δW/δA/δK decomposition of the engine–trainer mismatch",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__, formatter_class=DefaultsHelpFormatter,
+                                   epilog="local prompt files (.jsonl, .json or .parquet, one prompt per row) need "
+                                          "the columns\n" + "\n".join(f"  {line}" for line in PROMPT_FILE_COLUMNS))
     parser.add_argument("--model", default="smollm2", help="hub id, local folder, or alias (smollm2)")
-    parser.add_argument("--adapter", default=None, metavar="DIR", help="PEFT LoRA adapter folder (engine + trainer)")
+    parser.add_argument("--adapter", default=None, metavar="DIR",
+                        help="PEFT LoRA adapter folder (engine + trainer) (default: none, the base model)")
     parser.add_argument("--prompts", default="arithmetic",
-                        help="arithmetic (offline, generated), a hub dataset id, or a .jsonl/.json/.parquet file")
-    parser.add_argument("--n-prompts", type=int, default=128)
+                        help="arithmetic (offline, generated), a hub dataset id, or a .jsonl/.json/.parquet file "
+                             "(columns below)")
+    parser.add_argument("--n-prompts", type=int, default=128, help="prompts measured (a seeded subset of the source)")
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=256, help="longest completion (tokens)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
     parser.add_argument("--engines", default="bf16,w8a8,w8a16",
                         help="comma-separated engine precisions; w8a8 is vLLM's W8A8 engine with its own LoRA kernels, "
                              "w8a8@timed / w8a8@fused the W8A8 engine with epirl's serving kernels (what "
@@ -50,15 +56,20 @@ def add_mismatch_args(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--topk", type=int, default=20,
                         help=f"engine log-probs per position for the KL (top-k + tail bucket; ≤ {MAX_TOPK})")
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates (over prompts)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt subset and of sampling")
     parser.add_argument("--out", default=None, help="output folder (default: runs/mismatch-<time>)")
-    parser.add_argument("--wandb", default="disabled", choices=("disabled", "offline", "online"))
-    parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value (e.g. model.dtype=bfloat16)")
+    parser.add_argument("--wandb", default="disabled", choices=("disabled", "offline", "online"),
+                        help="log the summary and chart to a W&B run")
+    parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value, e.g. model.dtype=bfloat16 "
+                                                     "(default: none; `epirl train --help-config` lists the keys)")
     parser.set_defaults(func=run_mismatch_command)
     return parser
 
 
 SERVING_SPECS = ("w8a8@fused", "w8a8@timed")  # the W8A8 engine with epirl's serving kernels (serving_lora)
+# What epirl.data reads from a prompt file (data.format auto); --help names it.
+PROMPT_FILE_COLUMNS = ("math: problem (or question), answer; optional: unique_id (or id)",
+                       "dapo: prompt (a string or chat messages), reward_model.ground_truth")
 
 
 def parse_engines(text: str) -> list[str]:
@@ -115,33 +126,51 @@ def build_config(args, lora: dict):
     return cfg
 
 
-def load_prompt_ids(cfg, tokenizer, n_prompts: int, seed: int) -> list[list[int]]:
-    """Token ids of `n_prompts` chat prompts from `data.source` (a seeded subset when there are more)."""
+def load_prompt_problems(cfg, n_prompts: int, seed: int) -> list:
+    """`n_prompts` problems from `data.source` (a seeded subset when there are more)."""
     try:
         problems = load_problems(cfg.data, seed)
     except DataError as exc:
-        raise MismatchInputError(f"--prompts: {exc}") from None
+        raise MismatchInputError(f"--prompts: {str(exc).removeprefix('data.source: ')}") from None
+    if not problems:
+        raise MismatchInputError(f"--prompts {cfg.data.source}: no prompts")
     if len(problems) > n_prompts:
         keep = sorted(random.Random(seed).sample(range(len(problems)), n_prompts))
         problems = [problems[i] for i in keep]
-    return [render_prompt(tokenizer, p.messages, cfg.model.thinking) for p in problems]
+    return problems
+
+
+def _model_dir(model: str) -> Path:
+    """The local folder of --model: a missing folder, or a hub id while the hub is unreachable, is one line at
+    once (the hub client would retry for a minute)."""
+    if model not in MODEL_ALIASES:
+        local = hub.local_path(model)
+        if local is None:
+            hub.require_hub("--model", model, MismatchInputError)
+        elif not local.is_dir():
+            raise MismatchInputError(f"--model {model}: no such folder (a hub id is spelled org/name)")
+    try:
+        return local_model_dir(model)
+    except Exception as exc:  # noqa: BLE001 - unknown hub id, a folder that is no model: one line
+        raise MismatchInputError(f"--model {model}: {type(exc).__name__}: {first_line(exc)}") from None
 
 
 def _prepare(args):
     """Validate input and build (cfg, device, prompt ids, engines, adapter dir); MismatchInputError on bad input."""
     engines = parse_engines(args.engines)
     _check_numbers(args)
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise MismatchInputError(f"--out {args.out}: is a file, not a folder")
     lora = adapter_settings(args.adapter)
     cfg = build_config(args, lora)
     try:
-        model_dir = local_model_dir(cfg.model.path)
-    except Exception as exc:  # unknown hub id, offline, missing folder: one line
-        raise MismatchInputError(f"--model {args.model}: {type(exc).__name__}: {exc}") from None
-    device = resolve_runtime(cfg)
+        device = resolve_runtime(cfg)
+    except ConfigError as exc:
+        raise MismatchInputError(str(exc)) from None
+    model_dir = _model_dir(args.model)
+    problems = load_prompt_problems(cfg, args.n_prompts, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompt_ids = load_prompt_ids(cfg, tokenizer, args.n_prompts, args.seed)
-    if not prompt_ids:
-        raise MismatchInputError(f"--prompts {args.prompts}: no prompts")
+    prompt_ids = [render_prompt(tokenizer, p.messages, cfg.model.thinking) for p in problems]
     longest = max(len(p) for p in prompt_ids) + args.max_tokens
     cfg.model.max_model_len = max(64, -(-longest // 64) * 64)
     return cfg, device, prompt_ids, engines
@@ -155,10 +184,9 @@ def run_mismatch_command(args: argparse.Namespace) -> int:
     try:
         cfg, device, prompt_ids, engines = _prepare(args)
     except MismatchInputError as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", soft_wrap=True)
+        error_line(Console(stderr=True), str(exc))
         return 2
     out_dir = Path(args.out or f"runs/mismatch-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     summary, _ = measure_engines(cfg, prompt_ids, engines, args.samples, args.max_tokens, args.temperature,
                                  args.topk, args.seed, device, args.adapter, args.bootstrap)
@@ -168,6 +196,7 @@ def run_mismatch_command(args: argparse.Namespace) -> int:
                            "seed": args.seed, "dtype": cfg.model.dtype, "device": str(device),
                            "wall_s": round(time.perf_counter() - t0, 1)}
     render_tables(summary, console)
+    out_dir.mkdir(parents=True, exist_ok=True)  # only now: an interrupted or failed measurement leaves no folder
     json_path = write_json(summary, out_dir)
     chart_path = write_chart(summary, out_dir)
     log_wandb(summary, chart_path, args.wandb, cfg.tracking.project, f"mismatch-{args.model}", out_dir)
