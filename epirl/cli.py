@@ -1,4 +1,4 @@
-"""`epirl` command line: `train`, `mismatch`, `eval`.
+"""`epirl` command line: `train`, `mismatch`, `eval`, `compare`.
 
     epirl train recipes/smollm2_arith_cpu.yaml rl.steps=20 engine.precision=w8a16
     epirl train recipes/qwen35_9b_dapo.yaml --resume runs/qwen35_9b_dapo
@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
+from epirl.compare_cli import add_compare_args
 from epirl.eval_cli import add_eval_args
 from epirl.mismatch.cli import add_mismatch_args
 from epirl.train_cli import add_train_args
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(sub)
     add_mismatch_args(sub)
     add_eval_args(sub)
+    add_compare_args(sub)
     parser.set_defaults(command_parsers=sub.choices)  # a subcommand's own usage errors name it
     return parser
 
