@@ -169,7 +169,7 @@ def collect_study(plan: StudyPlan) -> tuple[list[RunResult], dict[str, dict]]:
     for name, pairing_results in by_pairing.items():
         summaries[name] = pairing_summary(plan, name, pairing_results) | {"heldout": heldout.get(name)}
     reference_kl = summaries.get(plan.spec.reference, {}).get("kl_median")
-    for summary in summaries.values():  # the issue's health bar: the matched pairing's KL within 1.2x bf16's
+    for summary in summaries.values():  # the health bar: the matched pairing's KL within 1.2x bf16's
         summary["kl_vs_reference"] = (summary["kl_median"] / reference_kl
                                       if summary["kl_median"] is not None and reference_kl else None)
     return results, summaries

@@ -18,7 +18,7 @@ import yaml
 
 from epirl.config import ENGINE_PRECISIONS
 
-# The precision study (issue: "does RL with an FP8 engine and an FP8 trainer learn as well as bf16?").
+# The precision study: does RL with an FP8 engine and an FP8 trainer learn as well as bf16?
 # `w8a8` is the main recipe's default (recipes/qwen35_9b_dapo.yaml: W8A8 engine + TIS, trainer on the engine's own
 # FP8 weights); `w8a8-notis` is the same without correction, to show what TIS buys.
 BUILTIN_PAIRINGS: dict[str, tuple[str, ...]] = {
