@@ -126,19 +126,3 @@ def run_compare_command(args: argparse.Namespace) -> int:
         error_line(console, str(exc))
         return 2
     return run_study(spec, console)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m epirl.compare_cli RECIPE ...`: the same command where `epirl compare` is not registered."""
-    from epirl.cli import OneLineErrorParser
-
-    parser = OneLineErrorParser(prog="epirl")
-    add_compare_args(parser.add_subparsers(dest="command", required=True))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(["compare", *argv])
-    args.argv = argv
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,7 +31,7 @@ from epirl.compare.report import write_summary
 from epirl.compare.spec import (BUILTIN_PAIRINGS, CompareInputError, CompareSpec, Pairing, parse_seeds,
                                 read_pairings_file, select_pairings)
 from epirl.compare.study import run_study
-from epirl.compare_cli import main as compare_main
+from epirl.cli import main as cli_main
 from epirl.config import dump_config, load_config
 from epirl.data import PromptStream, arithmetic_problems, load_problems
 from epirl.model.adapter_io import peft_adapter_config
@@ -477,11 +477,15 @@ TINY = ["rl.prompts_per_step=2", "rl.samples_per_prompt=4", "rl.max_tokens=16", 
         "tracking.wandb=disabled", "engine.probe_prompts=2", "model.max_model_len=256"]
 
 
+def compare_main(argv: list[str]) -> int:
+    return cli_main(["compare", *argv])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_compare_on_the_cpu_recipe(tmp_path):
     """bf16 and w8a16, two seeds, two steps each, real engines; held-out evaluation of every adapter."""
-    command = [sys.executable, "-m", "epirl.compare_cli", str(RECIPE), "--pairings", "bf16,w8a16", "--seeds", "2",
+    command = [sys.executable, "-m", "epirl.cli", "compare", str(RECIPE), "--pairings", "bf16,w8a16", "--seeds", "2",
                "--steps", "2", "--heldout-size", "24", "--resamples", "1000", f"output_dir={tmp_path}", *TINY]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=3500, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
