@@ -23,9 +23,10 @@ dithered (the input embeddings scaled by 1 + 2⁻⁷, which RMSNorm removes whil
 estimates the arrival fraction free of the trainer's own flips. reliability = <δ, δ'> / ||δ||² says which share of
 the step was not flips (1 for a large step, near 0 for a tiny step under FP8 activations).
 
-The standard error of β is σ ||δ'|| / <δ, δ'> for engine noise of rms σ, so the test is decided only when the
-separation <δ, δ'> / (σ ||δ'||) ≥ `engine.probe_separation` (default 8: β's error ≤ 1/8, the 1/2 threshold 4
-standard errors from both 1 and 0). Then the run stops unless 1/2 ≤ β ≤ 3/2 (above 3/2: the engine moved further
+The standard error of β is σ ||δ'|| / <δ, δ'> for engine noise of rms σ, widened by the uncertainty of <δ, δ'>
+itself (the flips in δ and δ'; `arrival`), so the test is decided only when the separation, <δ, δ'> over that
+spread, is ≥ `engine.probe_separation` (default 8: β's error ≤ 1/8, the 1/2 threshold 4 standard errors from
+both 1 and 0). Then the run stops unless 1/2 ≤ β ≤ 3/2 (above 3/2: the engine moved further
 than the trainer, e.g. a LoRA scale applied twice).
 
 A step whose new and old adapters barely differ (a skipped update, a tiny learning rate, FP8 activation noise)
@@ -120,7 +121,8 @@ def arrival(engine_N: torch.Tensor, new_N: torch.Tensor, alt_N: torch.Tensor, no
     # estimated token by token from v ≈ (δ - δ')² / 2 and s² ≈ δ δ'.
     flips_N = (delta_N - instrument_N).pow(2) / 2
     smooth_N = (delta_N * instrument_N).clamp(min=0.0)
-    spread2 = (noise * float(instrument_N.pow(2).sum().sqrt())) ** 2 + float((2 * smooth_N * flips_N + flips_N.pow(2)).sum())
+    spread2 = ((noise * float(instrument_N.pow(2).sum().sqrt())) ** 2
+               + float((2 * smooth_N * flips_N + flips_N.pow(2)).sum()))
     return beta, common / math.sqrt(spread2), common / norm2
 
 
