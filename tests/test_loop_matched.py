@@ -57,7 +57,8 @@ def test_matched_engine_equals_the_trainer_under_the_trained_adapter(tmp_path, f
                     break
             assert trained == 3
         policy = run.policy
-        assert all(float(m.lora_B.abs().max()) > 0 for m in policy.lora_modules().values())  # every module's adapter moved off its zero init
+        # every module's adapter moved off its zero init
+        assert all(float(m.lora_B.abs().max()) > 0 for m in policy.lora_modules().values())
         prompts = run.probe.prompts
         with capture_lora_layers(engine) as captured:
             outs = engine.generate(prompts, n=1, max_tokens=12, temperature=1.0, seed=1)
