@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -25,6 +26,7 @@ from epirl.checkpoint import latest_checkpoint
 from epirl.compare.heldout import ArithmeticSplit, build_split, digest, problem_rows, rows_text, uses_arithmetic
 from epirl.compare.spec import CompareInputError, CompareSpec, Pairing
 from epirl.config import ConfigError, EpirlConfig, load_config
+from epirl.progress import read_rows
 
 STUDY_LOCATION_KEYS = ("name", "output_dir")
 PROBE_STOP_MARK = "ProbeMismatch"  # the exception name train.log's traceback carries when the probe stopped a run
@@ -76,17 +78,9 @@ class StudyPlan:
 
 # ------------------------------------------------------------------------------------------------ run folders
 def read_metric_rows(run_dir: Path) -> list[dict]:
-    """metrics.jsonl rows (torn lines skipped), one per step, the last row of a step winning."""
-    path = run_dir / "metrics.jsonl"
-    by_step: dict[int, dict] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                by_step[row["step"]] = row
+    """metrics.jsonl rows (torn lines skipped, `epirl.progress.read_rows`), one per step, the last row of a step
+    winning (a resumed run logs the steps after its checkpoint again)."""
+    by_step = {row["step"]: row for row in read_rows(run_dir / "metrics.jsonl", up_to_step=sys.maxsize)}
     return [by_step[step] for step in sorted(by_step)]
 
 
