@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from epirl.compare.plan import read_metric_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 PAIRINGS = {
     "bf16": ["engine.precision=bf16", "trainer.base=bf16", "rl.correction=tis"],
@@ -69,8 +71,7 @@ def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
     row = {"pairing": pairing, "fault": fault, "rc": proc.returncode, "seconds": time.time() - t0,
            "probe_stop": "ProbeMismatch" in console or "does not serve the adapter" in console
            or "serves none of the adapter" in console}
-    metrics_file = run_dir / "metrics.jsonl"
-    steps = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    steps = read_metric_rows(run_dir)  # one row per step; torn lines skipped
     row["steps"] = len(steps)
     kl = [s["mismatch/k3_kl"] for s in steps if "mismatch/k3_kl" in s]
     row["kl"] = kl
