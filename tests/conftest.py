@@ -258,3 +258,15 @@ def ptx_for(fn, signature, constants, **options):
             pytest.skip(f"no CUDA backend in this Triton: {exc}")
         raise
     return compiled.asm["ptx"]
+
+
+def load_script(name: str):
+    """A file of scripts/ imported as a module (scripts/ is no package), for tests of its functions."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

