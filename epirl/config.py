@@ -79,7 +79,7 @@ class EngineConfig(Section):
     serving_kernels: Literal["env", "auto", "off", "fused", "timed"] = "auto"
     """How a `precision: w8a8` engine computes its LoRA layers: `auto` (default) = `timed` for a W8A8 engine on
     CUDA, else `env`; `timed` = per shape and batch size the fastest of epirl's multi-adapter FP8 kernels
-    (`epirl.kernels.w8a8_multi_lora`; README "Serving adapters with epirl's kernels") and vLLM's own, timed at the
+    (`epirl.kernels.w8a8_multi_lora`; docs/SERVING.md) and vLLM's own, timed at the
     first engine start (~1-2 min) and cached on disk; `fused` = always epirl's; `off` = vLLM's; `env` = what the
     variable EPIRL_SERVING_KERNELS says (off when unset). `fused`/`timed` need precision w8a8."""
     kv_release: bool = True

@@ -73,7 +73,7 @@ def add_train_args(sub) -> None:
     train.add_argument("--benchmark-out", default=None, help="--benchmark JSON path (default RUN/benchmark.json)")
     train.add_argument("--nproc", type=int, metavar="N",
                        help="N data-parallel ranks on this node, one GPU each (execs torchrun --nproc-per-node N; "
-                            "several nodes: run torchrun yourself, see README)")
+                            "several nodes: run torchrun yourself, see docs/GPU.md § Several GPUs)")
     train.set_defaults(func=cmd_train)
 
 

@@ -281,7 +281,7 @@ def check_compile_key(additional_config: dict | None = None) -> bool:
         return True
     log.warning("epirl serving kernels: %s=%s but the engine's additional_config lacks {%r: %r}; vLLM's compile "
                 "cache does not see this setting and may load graphs built with another one (pass "
-                "additional_config / --additional-config, see README \"Serving adapters with epirl's kernels\")",
+                "additional_config / --additional-config, see docs/SERVING.md)",
                 ENV, mode(), CONFIG_KEY, mode())
     return False
 
