@@ -1,11 +1,11 @@
-"""`epirl` command line: `train`, `mismatch`, `eval`, `compare`.
+"""`epirl` command line: `train`, `mismatch`, `eval`, `compare`, `kernels`.
 
     epirl train recipes/smollm2_arith_cpu.yaml rl.steps=20 engine.precision=w8a16
     epirl train recipes/qwen35_9b_dapo.yaml --resume runs/qwen35_9b_dapo
     epirl train --help-config            # every config key with its default and meaning
 
 `train` lives in epirl.train_cli (quiet console, plan, progress, summary), `eval` in epirl.eval_cli,
-`mismatch` in epirl.mismatch.cli.
+`mismatch` in epirl.mismatch.cli, `kernels explain` (which kernel runs per projection) in epirl.kernels_cli.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from epirl.compare_cli import add_compare_args
 from epirl.eval_cli import add_eval_args
+from epirl.kernels_cli import add_kernels_args
 from epirl.mismatch.cli import add_mismatch_args
 from epirl.train_cli import add_train_args
 
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_mismatch_args(sub)
     add_eval_args(sub)
     add_compare_args(sub)
+    add_kernels_args(sub)
     parser.set_defaults(command_parsers=sub.choices)  # a subcommand's own usage errors name it
     return parser
 

@@ -143,18 +143,21 @@ class TrainerConfig(Section):
     """Linear LR warmup (optimizer steps), then constant."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient clipping by global L2 norm."""
-    w8a16_tma: bool | None = None
-    """The TMA-load tiles of the W8A16 GEMM (the FP8 trainer's and the matched engine's): on by default
-    (None: as EPIRL_WS_TMA says, on unless it is 0); false turns them off for the process. Qwen3-8B step 1.12x a
-    bf16 trainer's with them, 1.31x without, on the H200. Same bits as the pointer kernel: Triton 3.6 miscompiles
-    the TMA kernel for some tiles, so each table TMA call is checked bitwise against the pointer kernel on its
-    first call per shape and every 1024 calls, and falls back with a warning on a difference (kernels/README.md)."""
-    fused_slices: bool | None = None
+
+
+class KernelsConfig(Section):
+    """Choices of epirl's kernels that a run passes down to the engine's layers and the trainer's modules (the rest
+    is decided per call by `epirl.kernels.plan`: `epirl kernels explain` prints it)."""
+
+    fused_slices: bool = True
     """One W8A16 call for the fused q, k, v layer (epirl.model.loading.ONE_CALL_LAYERS) in both the matched engine
     and the FP8 trainer, instead of one per slice: each slice's LoRA becomes a block of one block-diagonal rank-S·r
-    term, same bits on both sides (kernels/w8a16_lora/slices.py). None: as EPIRL_FUSED_SLICES says (on unless 0).
-    On the H200 it cuts the matched engine's TPOT by 8-13 % and the trainer's qkv GEMMs from 1.15x to 0.92x bf16
-    (BENCHMARKS.md, fifteenth session); false runs one call per slice."""
+    term, same bits on both sides (kernels/w8a16_lora/slices.py). On the H200 it cuts the matched engine's TPOT by
+    8-13 % and the trainer's qkv GEMMs from 1.15x to 0.92x bf16 (BENCHMARKS.md); false runs one call per slice."""
+    serving_vllm_from: int | None = Field(None, ge=1)
+    """With `engine.serving_kernels` fused or timed: batches of at least this many tokens run vLLM's own LoRA path
+    (base GEMM + punica kernels) in the served layers; None (default): never - in timed mode the dispatch then times
+    vLLM's kernels beside epirl's per batch size and keeps the faster (epirl/engine/serving_lora.py)."""
 
 
 class LoRAConfig(Section):
@@ -322,6 +325,31 @@ class EpirlConfig(Section):
     """Checkpoints and resume."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Several ranks (torchrun): collective timeouts."""
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    """Kernel choices passed to the engine's layers and the trainer (`epirl kernels explain` prints what runs)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_kernel_fields(cls, data: Any) -> Any:
+        """Recipes written before the `kernels` section still load: `trainer.fused_slices` moves there, and
+        `trainer.w8a16_tma` (the pointer-only table, removed: kernels/README.md "What we tried") is dropped; both with
+        a warning."""
+        trainer = data.get("trainer") if isinstance(data, dict) else None
+        if not isinstance(trainer, dict) or not {"fused_slices", "w8a16_tma"} & set(trainer):
+            return data
+        trainer = dict(trainer)
+        log = logging.getLogger(__name__)
+        if "w8a16_tma" in trainer:
+            trainer.pop("w8a16_tma")
+            log.warning("trainer.w8a16_tma is ignored: the W8A16 GEMM has one tile table (TMA entries checked at "
+                        "run time against the pointer kernel)")
+        data = dict(data, trainer=trainer)
+        if "fused_slices" in trainer:
+            value = trainer.pop("fused_slices")
+            log.warning("trainer.fused_slices moved to kernels.fused_slices")
+            if value is not None:
+                data["kernels"] = {**(data.get("kernels") or {}), "fused_slices": value}
+        return data
 
     @property
     def run_dir(self) -> Path:
@@ -378,14 +406,6 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
         raise ConfigError("trainer.base=shared with trainer.device=cpu: the engine's weights live on the GPU; "
                           "use trainer.device=auto (or trainer.base=fp8)")
     cfg.model.dtype = concrete_dtype(cfg.model.dtype, device.type)
-    if cfg.trainer.w8a16_tma is not None:  # before any W8A16 kernel runs, in the engine or the trainer
-        from epirl.kernels.gemm.configs import set_tma
-
-        set_tma(cfg.trainer.w8a16_tma)
-    if cfg.trainer.fused_slices is not None:  # before the engine quantizes its layers and the trainer groups its own
-        from epirl.kernels.w8a16_lora.slices import set_fused_slices
-
-        set_fused_slices(cfg.trainer.fused_slices)
     return device
 
 

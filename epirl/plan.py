@@ -58,17 +58,14 @@ def memory_line(cfg: EpirlConfig, device: torch.device) -> str:
 
 
 def _w8a16_tiles(cfg: EpirlConfig, device: torch.device) -> str:
-    """Which tiles the W8A16 GEMM runs (on CUDA, where the FP8 trainer or the matched engine calls it): TMA loads,
-    each verified against the pointer kernel at run time, unless turned off (kernels/README.md)."""
+    """How the W8A16 GEMM runs (on CUDA, where the FP8 trainer or the matched engine calls it): the committed tile
+    table, its TMA and Gluon entries each verified against the pointer kernel at run time (`epirl kernels explain`
+    prints the kernel per projection), and whether q, k, v are one call (`kernels.fused_slices`)."""
     if device.type != "cuda" or (cfg.trainer.base == "bf16" and cfg.engine.precision != "w8a16"):
         return ""
-    from epirl.kernels.gemm.configs import tma_enabled
-    from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
-
-    tiles = (", W8A16 GEMM with TMA-load tiles (each checked against the pointer kernel)" if tma_enabled()
-             else ", W8A16 GEMM with pointer-load tiles (TMA off: EPIRL_WS_TMA=0)")
-    return tiles + (", q, k, v as one call" if fused_slices_enabled()
-                    else ", q, k, v as one call per slice (EPIRL_FUSED_SLICES=0)")
+    return (", W8A16 GEMM with TMA-load tiles (each checked against the pointer kernel)"
+            + (", q, k, v as one call" if cfg.kernels.fused_slices
+               else ", q, k, v as one call per slice (kernels.fused_slices=false)"))
 
 
 def plan_lines(cfg: EpirlConfig, device: torch.device, problems: int, threads: str | None,

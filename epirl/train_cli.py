@@ -35,7 +35,7 @@ from epirl.console import RunOutput, error_line, log_tail, quiet_library_environ
 from epirl.cpu_threads import apply_thread_plan, plan_threads
 from epirl.data import DataError
 from epirl.engine import plugin
-from epirl.engine.engine import _llm_kwargs, _quantization
+from epirl.engine.engine import llm_kwargs, quantization_method
 from epirl.engine.vllm_compat import engine_args
 from epirl.model.memory import PreflightError, preflight_beside_engine
 from epirl.plan import plan_lines
@@ -231,7 +231,7 @@ def _check_engine_config(cfg) -> None:
     try:
         engine_args.set_process_env(cfg.engine.cpu_kv_cache_gb)  # read by vLLM when it is imported (next)
         plugin.register()  # epirl's quantization methods, which the arguments may name
-        kwargs = _llm_kwargs(cfg, resolve_model_path(cfg.model.path), _quantization(cfg.engine.precision))
+        kwargs = llm_kwargs(cfg, resolve_model_path(cfg.model.path), quantization_method(cfg.engine.precision))
         engine_args.validate_engine_config(kwargs)  # imports vLLM: only here, once output goes to train.log
     except ConfigError as exc:
         raise InputError(str(exc)) from None

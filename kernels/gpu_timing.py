@@ -1,16 +1,15 @@
 """CUDA-graph replay timer with an L2 flush before each call: what the benchmarks and the timed dispatch use, so
 small-M kernels are timed without Python launch overhead and without a warm L2 (kernels/README.md § Performance).
 
-The flush reads a 256 MB buffer (`EPIRL_L2_FLUSH=read`, the default since 2026-12-01): the L2 is then full of clean
-lines, which the timed call evicts for free. The earlier flush wrote the buffer (`EPIRL_L2_FLUSH=write`, what
-`triton.testing.do_bench` does): it leaves the L2 full of dirty lines, so the timed call also paid for writing back
-as many bytes as it brought in (up to the L2's ~50 MB), i.e. up to twice a decode kernel's traffic, which the
-subtracted flush-only time does not remove. Numbers measured with the two flushes are not comparable.
+The flush reads a 256 MB buffer: the L2 is then full of clean lines, which the timed call evicts for free. A flush
+that writes the buffer (what `triton.testing.do_bench` does; `l2_flush(..., "write")`) leaves the L2 full of dirty
+lines, so the timed call also pays for writing back as many bytes as it brought in (up to the L2's ~50 MB), i.e. up
+to twice a decode kernel's traffic, which the subtracted flush-only time does not remove. Numbers measured with the
+two flushes are not comparable.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
 
@@ -18,14 +17,12 @@ import torch
 
 _FLUSH: dict[str, torch.Tensor] = {}
 FLUSH_BYTES = 256 * 2 ** 20
-FLUSH_ENV = "EPIRL_L2_FLUSH"
+FLUSH_MODE = "read"
 
 
 def flush_mode() -> str:
-    mode = os.environ.get(FLUSH_ENV, "read")
-    if mode not in ("read", "write"):
-        raise ValueError(f"{FLUSH_ENV}={mode!r}: expected read or write")
-    return mode
+    """The timer's L2 flush ("read"; the benchmarks print it beside their numbers)."""
+    return FLUSH_MODE
 
 
 def l2_flush(buf: torch.Tensor, sink: torch.Tensor, mode: str) -> None:

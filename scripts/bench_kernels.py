@@ -2,8 +2,8 @@
 
 Forward (rank-64 LoRA, Qwen3-8B and Qwen3.5-9B projection shapes, 1..16384 tokens): our W8A16 and W8A8
 kernels vs cuBLAS bf16 + separate LoRA matmuls and vs our FP8 quant + torch._scaled_mm + LoRA, with the
-HBM floor (bytes of the W8A16 call / 4.4 TB/s), and the W8A16 + LoRA call with the split-K reduce launched
-as a PDL dependent and not (EPIRL_WS_PDL; same bits). Trainer: Fp8LoRALinear forward+backward vs a frozen bf16
+HBM floor (bytes of the W8A16 call / 4.4 TB/s), and the W8A16 + LoRA call as planned for this GPU with and
+without programmatic dependent launch (`plan.Device.pdl`; same bits). Trainer: Fp8LoRALinear forward+backward vs a frozen bf16
 nn.Linear + LoRA (time and peak memory). Timing: forward calls are replayed from a CUDA graph (as vLLM
 decodes; without it Python launch overhead, ~20-40 µs per call, hides the GPU time) with a 256 MB L2 flush
 before each call, whose own time is measured in a flush-only graph and subtracted; trainer steps use
@@ -14,7 +14,6 @@ Usage: python scripts/bench_kernels.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
@@ -24,8 +23,11 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from epirl.kernels import Fp8LoRALinear, quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora
-from epirl.kernels.gemm.weight_stationary import PDL_ENV, split_pdl
+from dataclasses import replace
+
+from epirl.kernels.gemm.weight_stationary import weight_stationary_gemm
 from epirl.kernels.gpu_timing import flush_mode, graph_us
+from epirl.kernels.plan import describe
 
 HBM_BYTES_PER_S = 4.4e12
 RANK, ALPHA = 64, 128
@@ -38,7 +40,6 @@ SHAPES = [("q3_qkv", 4096, 6144), ("q3_o", 4096, 4096), ("q3_gate_up", 4096, 245
 TRAINER_SHAPES = [("q3_kv", 4096, 1024), ("q3_gate", 4096, 12288)]
 TOKENS = [1, 4, 16, 64, 512, 4096, 16384]
 TRAIN_TOKENS = [4096, 8192]
-FLUSH_ENV_NOTE = "EPIRL_L2_FLUSH=write: the write-flush used before 2026-12-01"
 
 
 def bench_us(fn, **kw) -> float:
@@ -71,9 +72,13 @@ def forward_row(name, K, N, M, w16, codes, scale, a, b):
     row = dict(shape=name, K=K, N=N, M=M, floor_us=floor_us(M, K, N))
     row["w8a16_lora_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, sigma))
     row["w8a16_us"] = graph_us(lambda: w8a16_lora(x, codes, scale))
-    with pdl_setting(not split_pdl(x)):  # the other setting of the split-K reduce's PDL launch, same bits
-        row["w8a16_lora_other_pdl_us"] = graph_us(lambda: w8a16_lora(x, codes, scale, a, b, sigma))
-    row["pdl"] = split_pdl(x)
+    here = describe(x.device)
+    # the other path, same bits: lora_down + its PDL dependent, or the down-projection fused into split-K (PDL needs a
+    # Hopper GPU: elsewhere, e.g. in Triton's interpreter, both rows time the one path)
+    other = replace(here, pdl=not here.pdl) if here.hopper else here
+    row["w8a16_lora_other_pdl_us"] = graph_us(lambda: weight_stationary_gemm(
+        x, codes, torch.bfloat16, w_scale=scale.float().reshape(1), lora_a=a, lora_b=b, lora_scale=sigma, device=other))
+    row["pdl"] = here.pdl
     row["w8a8_lora_us"] = graph_us(lambda: w8a8_lora(x, codes, scale, a, b, sigma))
     row["bf16_lora_us"] = graph_us(lambda: x @ w16.t() + sigma * ((x @ a.t()) @ b.t()))
     row["scaled_mm_lora_us"] = graph_us(scaled_mm_lora)
@@ -178,16 +183,6 @@ def sweep_weight_stationary():
     return rows
 
 
-@contextlib.contextmanager
-def pdl_setting(on: bool):
-    old = os.environ.get(PDL_ENV)
-    os.environ[PDL_ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(PDL_ENV) if old is None else os.environ.__setitem__(PDL_ENV, old)
-
-
 def pdl_on_off(r) -> str:
     on, off = ((r["w8a16_lora_us"], r["w8a16_lora_other_pdl_us"]) if r["pdl"]
                else (r["w8a16_lora_other_pdl_us"], r["w8a16_lora_us"]))
@@ -196,7 +191,7 @@ def pdl_on_off(r) -> str:
 
 def print_tables(fwd, train):
     print("\n| shape | K→N | tokens | floor µs | w8a16+LoRA µs | ×floor | w8a16 µs | LoRA +% | w8a8+LoRA µs "
-          "| bf16 cuBLAS+LoRA µs | quant+_scaled_mm+LoRA µs | w8a16+LoRA, split-K reduce PDL on / off µs |")
+          "| bf16 cuBLAS+LoRA µs | quant+_scaled_mm+LoRA µs | w8a16+LoRA, PDL on / off µs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in fwd:
         print(f"| {r['shape']} | {r['K']}→{r['N']} | {r['M']} | {r['floor_us']:.1f} | {r['w8a16_lora_us']:.1f} "
@@ -233,7 +228,7 @@ def main():
     train_tokens = (args.train_tokens if args.train_tokens is not None
                     else TRAIN_TOKENS[:1] if args.quick else TRAIN_TOKENS)
     t0 = time.time()
-    print(f"# timer: CUDA-graph replays, L2 {flush_mode()}-flushed before each call ({FLUSH_ENV_NOTE})", flush=True)
+    print(f"# timer: CUDA-graph replays, L2 {flush_mode()}-flushed before each call", flush=True)
     sweep = sweep_weight_stationary() if args.sweep else []
     fwd, train = [], []
     for name, K, N in shapes:

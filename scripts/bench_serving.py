@@ -404,15 +404,16 @@ def vllm_layer_numerics(model):
     from epirl.engine import serving_lora
     from epirl.engine.vllm_compat.lora_layers import lora_linear_base_class
 
-    previous, rows = serving_lora.mode(), {}
+    rows = {}
     for name, layer in model.named_modules():
         if isinstance(layer, lora_linear_base_class()) and ".layers.0." in f".{name}.":
+            previous = serving_lora.layer_mode(layer), getattr(layer, "_epirl_vllm_from", None)
             try:
                 rows[name] = _layer_delta(layer)
             except Exception as exc:  # one line per layer: the run's other numbers still come back
                 rows[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             finally:
-                serving_lora.set_mode(previous)
+                serving_lora.register_layer(layer, *previous)
     return rows
 
 
@@ -422,9 +423,8 @@ def _layer_delta(layer):
 
     M = layer.punica_wrapper.token_lora_indices.numel()
     x = torch.randn(M, layer.input_size, device=layer.base_layer.weight.device, dtype=torch.bfloat16)
-    serving_lora.set_mode("fused")
     ours = serving_lora.serving_apply(layer, x, None)
-    serving_lora.set_mode("off")
+    serving_lora.register_layer(layer, "off")  # the layer's own apply is then vLLM's (the caller restores its mode)
     theirs = layer.apply(x)
     if ours is None:
         return "not served"

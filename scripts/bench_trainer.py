@@ -46,7 +46,8 @@ def bench_one(shape: str, base: str, args) -> dict:
     torch.cuda.reset_peak_memory_stats()
     config = SHAPES[shape]()
     policy = random_policy(config, base, "cuda", rank=args.rank, alpha=2.0 * args.rank, targets=list(ALL_PROJECTIONS),
-                           seed=0, gradient_checkpointing=not args.no_checkpointing)
+                           seed=0, gradient_checkpointing=not args.no_checkpointing,
+                           fused_slices=getattr(args, "fused_slices", "on") == "on")
     load_peak = torch.cuda.max_memory_allocated()
     optimizer = torch.optim.AdamW(policy.lora_parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.seqs, args.seq_len + 1), device="cuda",
@@ -153,21 +154,18 @@ def main() -> None:
     parser.add_argument("--backward-thread", choices=["autograd", "caller"], default="autograd",
                         help="caller: run backward on the calling thread (torch.autograd.set_multithreading_enabled"
                              "(False)) instead of autograd's CUDA device thread")
-    parser.add_argument("--fused-slices", choices=["on", "off"], default=None,
-                        help="on: the FP8 trainer runs each layer of ONE_CALL_LAYERS (q, k, v) as one call (the "
-                             "matched engine's call, kernels/w8a16_lora/slices.py); off: one call per slice; default: "
-                             "as EPIRL_FUSED_SLICES says (on unless 0)")
+    parser.add_argument("--fused-slices", choices=["on", "off"], default="on",
+                        help="on (default, `kernels.fused_slices`): the FP8 trainer runs each layer of ONE_CALL_LAYERS "
+                             "(q, k, v) as one call (the matched engine's call, kernels/w8a16_lora/slices.py); off: one "
+                             "call per slice")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="with --kernel-sum: print the step's kernel time by group and its N largest kernels")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    from epirl.kernels.w8a16_lora.slices import fused_slices_enabled, set_fused_slices
-    if args.fused_slices is not None:  # read when the policy is built (its FP8 modules are grouped) and per forward
-        set_fused_slices(args.fused_slices == "on")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.seqs} x {args.seq_len} tokens, micro-batch {args.micro_batch}, rank {args.rank}, "
           f"gradient checkpointing {'off' if args.no_checkpointing else 'on'}, backward on the {args.backward_thread} "
-          f"thread, q, k, v as {'one call' if fused_slices_enabled() else 'one call per slice'}, "
+          f"thread, q, k, v as {'one call' if args.fused_slices == 'on' else 'one call per slice'}, "
           f"flash-linear-attention {'yes' if has_fla() else 'NO (Qwen3.5 uses the torch GDN fallback)'}")
     results = []
     torch.autograd.set_multithreading_enabled(args.backward_thread == "autograd")

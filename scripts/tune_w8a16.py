@@ -1,4 +1,4 @@
-"""Tune the weight-stationary W8A16 GEMM's tile table (kernels/gemm/ws_configs.json) on the GPU.
+"""Tune the weight-stationary W8A16 GEMM's tile table (kernels/gemm/ws_configs_tma.json) on the GPU.
 
 For each Qwen3-8B / Qwen3.5-9B projection shape, op ("fwd": y = x·Wᵀ; "dx": dX = dY·W, codes read
 transposed) and M bucket, times every candidate config (CUDA-graph replays, L2 flushed, a bucket's candidates
@@ -12,17 +12,15 @@ Each candidate is timed on the call the engine and the trainer make, with a rank
 its down-projection (on the GPU at decode sizes a separate launch, with the base GEMM as its PDL dependent, split-K
 or single pass as `split` says - since 2026-12-03 also with LoRA; without PDL fused into split-K), dX gets
 gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
-`--tma` adds TMA-load twins of the candidates (x and the codes through descriptors, and x alone; buckets >= 256;
-`kernels/gemm/ws_tma.py`; of the tiles
-`configs.TMA_TUNER_TILES`, of all with `--tma-all`; a twin that gives other bits than the first candidate is
-excluded; a table that selects them is refused with EPIRL_WS_TMA=0), and it prints cuBLAS bf16 (+ the same LoRA as
-separate matmuls) on the same shape beside the many-token bucket;
-`--flatten` adds, on the chunked forwards' many-token bucket, the twins with the chunk loop flattened into one
-pipelined loop (`_ws_single_kernel`'s FLATTEN; same bits). `--gluon` times the Gluon kernel's configs
+`--tma` adds TMA-load twins of the candidates (x and the codes through descriptors; buckets >= 256;
+`kernels/gemm/ws_tma.py`; of the tiles `configs.TMA_TUNER_TILES`, of all with `--tma-all`; a twin that gives other
+bits than the first candidate is excluded), and it prints cuBLAS bf16 (+ the same LoRA as separate matmuls) on the
+same shape beside the many-token bucket. `--gluon` times the Gluon kernel's configs
 (`GLUON_CANDIDATES`, forward and dX: one tile a program or PERSISTENT, LoRA tiles or through the ring) beside
 each many-token entry's best and sets its "gluon" to the fastest that beats it (same bits), or drops it; without it an entry keeps its
-"gluon". `--shapes`/`--buckets` tune a subset and merge it into the table.
-Usage: python scripts/tune_w8a16.py [--out PATH] [--quick] [--tma [--tma-all]] [--flatten] [--gluon] [--no-lora]
+"gluon". `--shapes`/`--buckets` tune a subset and merge it into the table (`--start`: the table to start from, by
+default the committed one).
+Usage: python scripts/tune_w8a16.py [--out PATH] [--start PATH] [--quick] [--tma [--tma-all]] [--gluon] [--no-lora]
        [--shapes q3_qkv ...] [--buckets 256 ...] [--big-tokens 4096 8192]
 """
 
@@ -120,24 +118,15 @@ def one_chunk_us(x, w, scale, c):
 
 
 def with_twins(cands, tma=False):
-    """The pointer-load candidates plus, with tma, two TMA twins (same tiles; `kernels/gemm/ws_tma.py`) of the tiles
-    worth timing (`configs.TMA_TUNER_TILES`; of every tile with tma="all"): both operands through descriptors
-    (tma=True) and x alone (tma="x", the codes by pointers)."""
-    twins = [dict(c, tma=mode) for c in cands if tile_of(c) in TMA_TUNER_TILES or tma == "all"
-             for mode in (True, "x")] if tma else []
+    """The pointer-load candidates plus, with tma, the TMA twin (same tile, x and the codes through descriptors;
+    `kernels/gemm/ws_tma.py`) of the tiles worth timing (`configs.TMA_TUNER_TILES`; of every tile with tma="all")."""
+    twins = [dict(c, tma=True) for c in cands if tile_of(c) in TMA_TUNER_TILES or tma == "all"] if tma else []
     return cands + twins
 
 
-def with_flattened(cands):
-    """cands plus the flattened-chunk-loop twin (`_ws_single_kernel`'s FLATTEN: one pipelined loop over every chunk,
-    same bits) of each one of the tiles worth timing (`configs.TMA_TUNER_TILES`), pointer or TMA."""
-    return cands + [dict(c, flatten=True) for c in cands if tile_of(c) in TMA_TUNER_TILES]
-
-
 def describe(c):
-    tma = {True: " tma", "x": " tma-x"}.get(c.get("tma"), "")
     tile = "/".join(str(c[k]) for k in ("BN", "BM", "BK", "num_warps", "num_stages"))
-    return tile + (" split" if c["split"] else "") + tma + (" flat" if c.get("flatten") else "")
+    return tile + (" split" if c["split"] else "") + (" tma" if c.get("tma") else "")
 
 
 def compiled_kernels() -> dict:
@@ -253,7 +242,7 @@ def cublas_us(op, x, codes, scale, lora=None):
     return graph_us(lambda: base() + s * (xa() @ b_t))
 
 
-def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=False, gluon=False, kept=None):
+def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, gluon=False, kept=None):
     """kept (`--gluon-only`): {op: the table's many-token entry}, the one Triton candidate of that bucket (its
     "gluon" decided anew); other buckets are skipped."""
     _, codes, scale, a, b = make_layer(K, N)
@@ -269,8 +258,6 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=
             cands = with_twins(cands, tma) if bound >= 256 else cands
             if kept is not None:
                 cands = [{k: v for k, v in kept[op].items() if k != "gluon"}]
-            if flatten and op == "fwd" and bound == BIG and k_chunking(n_out, k_red)[1] > 1:
-                cands = with_flattened(cands)
             xs = [torch.randn(M, k_red, device="cuda", dtype=torch.bfloat16) for M in tokens]
             xs_loras = [(x, lora_args(op, x, a, b)) for x in xs]
             x, lora = xs_loras[-1]
@@ -282,9 +269,8 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=
             row[str(bound)] = best
             ref = f" | {cublas_us(op, x, codes, scale, lora):.1f}" if bound == BIG else " | –"
             if tma and bound >= 256:  # best of each kernel kind: what TMA loads bought
-                kinds = {kind + (" flat" if flat else ""): [t for t in timed if t[1].get("tma", False) == mode
-                                                            and t[1].get("flatten", False) == flat]
-                         for kind, mode in (("ptr", False), ("tma", True), ("tma-x", "x")) for flat in (False, True)}
+                kinds = {kind: [t for t in timed if t[1].get("tma", False) == mode]
+                         for kind, mode in (("ptr", False), ("tma", True))}
                 ref += " | " + ", ".join(f"{k} {min(v, key=lambda t: t[0])[0]:.1f}" for k, v in kinds.items() if v)
             print(f"| {name} | {op} | ≤{bound} | {tokens} | {best_us:.1f} | {describe(best)} | "
                   f"{max(t[0] for t in timed):.1f}{ref} |", flush=True)
@@ -304,7 +290,8 @@ def tune_shape(name, K, N, log, bounds=None, tma=False, with_lora=True, flatten=
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ws_configs.json"))
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "ws_configs_tma.json"))
+    ap.add_argument("--start", default=None, help="the table to start from and merge into (default: the committed one)")
     ap.add_argument("--quick", action="store_true", help="two shapes only")
     ap.add_argument("--shapes", nargs="*", help="shape names (default: all)")
     ap.add_argument("--buckets", nargs="*", type=int, help="bucket bounds to tune (default: all; 1000000000 = many)")
@@ -313,8 +300,6 @@ def main():
     ap.add_argument("--no-lora", action="store_true", help="time the base GEMM alone (no rank-64 LoRA)")
     ap.add_argument("--big-tokens", type=int, nargs="+", default=None,
                     help="token counts timed for the many-token bucket (default 4096; the trainer's steps run 8192)")
-    ap.add_argument("--flatten", action="store_true",
-                    help="also the flattened chunk loop twins of the chunked forwards' many-token candidates")
     ap.add_argument("--gluon", action="store_true",
                     help="time the Gluon kernel's configs (GLUON_CANDIDATES) beside the many-token bucket's best, forward "
                          "and dX, and set or drop each entry's \"gluon\" by the result")
@@ -325,7 +310,7 @@ def main():
     if args.big_tokens:
         for buckets in (FWD_BUCKETS, DX_BUCKETS):
             buckets[BIG] = (args.big_tokens, buckets[BIG][1])
-    table = json.loads(json.dumps(load_table()))  # start from the table in effect (the TMA one unless EPIRL_WS_TMA=0)
+    table = json.loads(json.dumps(load_table(args.start)))  # a copy: the loaded table is cached
     log = []
     t0 = time.time()
     print("| shape | op | bucket | tokens | best µs | BN/BM/BK/warps/stages | worst µs | cuBLAS bf16 µs (many) "
@@ -335,11 +320,11 @@ def main():
     for name, K, N in shapes:
         tma = "all" if args.tma and args.tma_all else args.tma
         kept = None
-        if args.gluon_only:  # the entry of the table in effect (`ws_config`'s key: "{N}x{K}" of the op's output)
+        if args.gluon_only:  # the entry of the starting table (`ws_config`'s key: "{N}x{K}" of the op's output)
             kept = {op: table[op].get(f"{n}x{k}", table[op]["default"])[str(BIG)]
                     for op, n, k in (("fwd", N, K), ("dx", K, N))}
-        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora,
-                                         args.flatten, args.gluon, kept).items():
+        for op, (key, row) in tune_shape(name, K, N, log, args.buckets, tma, not args.no_lora, args.gluon,
+                                         kept).items():
             old = table[op].setdefault(key, {})
             old.update({b: merged_entry(old.get(b, {}), c) for b, c in row.items()})
         print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)

@@ -113,13 +113,11 @@ class EnginePool:
         self.start_s: dict[str, float] = {}
 
     def get(self, precision: str, dtype: str = "bfloat16", fused_slices: bool | None = None):
-        """fused_slices: an engine started with EPIRL_FUSED_SLICES=1 / 0 (one call per fused layer or per slice; the
-        switch is read when the engine quantizes its layers); None: as the process says (the default: one call)."""
+        """fused_slices: an engine started with `kernels.fused_slices` on / off (one call per fused layer or per slice;
+        the engine's layers read it from its spec when vLLM builds them); None: the default (one call)."""
         from epirl.engine import RolloutEngine
 
-        from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
-
-        fused_slices = fused_slices_enabled() if fused_slices is None else fused_slices
+        fused_slices = True if fused_slices is None else fused_slices
         key = f"{precision}/{dtype}" + ("" if fused_slices else "/per-slice")
         if key in self.engines:
             self.engines[key] = self.engines.pop(key)  # most recently used last
@@ -127,12 +125,8 @@ class EnginePool:
         while len(self.engines) >= self.size:
             oldest = next(iter(self.engines))
             self.engines.pop(oldest).close()
-        previous = os.environ.get("EPIRL_FUSED_SLICES")
-        os.environ["EPIRL_FUSED_SLICES"] = "1" if fused_slices else "0"
-        try:
-            engine = RolloutEngine(engine_test_config(precision, model={"dtype": dtype}))
-        finally:
-            os.environ.pop("EPIRL_FUSED_SLICES") if previous is None else os.environ.update(EPIRL_FUSED_SLICES=previous)
+        engine = RolloutEngine(engine_test_config(precision, model={"dtype": dtype},
+                                                  kernels={"fused_slices": fused_slices}))
         self.engines[key] = engine
         self.start_s[key] = engine.start_s
         return engine

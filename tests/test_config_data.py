@@ -243,55 +243,29 @@ def test_one_list_of_engine_precisions_and_one_auto_dtype_rule():
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
 
 
-def test_w8a16_tma_sets_the_process_table(monkeypatch):
-    """`trainer.w8a16_tma` is EPIRL_WS_TMA for the process, set where the runtime is resolved (before the engine or
-    the trainer runs a W8A16 kernel); unset, the environment decides (TMA on unless EPIRL_WS_TMA=0)."""
-    from epirl.config import resolve_runtime
-    from epirl.kernels.gemm.configs import TABLE_PATH, TMA_TABLE_PATH, load_table
+def test_kernel_fields_of_older_recipes_move_or_go(caplog):
+    """`trainer.fused_slices` moved to `kernels.fused_slices`; `trainer.w8a16_tma` (the removed pointer-only table) is
+    dropped; both with a warning, so that older recipes still load."""
+    import logging
 
-    monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
-    monkeypatch.delenv("EPIRL_WS_CONFIGS", raising=False)
-    resolve_runtime(load_config(None, ["trainer.device=cpu"]))
-    assert "EPIRL_WS_TMA" not in os.environ
-    try:
-        for value, env, table in (("false", "0", TABLE_PATH), ("true", "1", TMA_TABLE_PATH)):
-            resolve_runtime(load_config(None, ["trainer.device=cpu", f"trainer.w8a16_tma={value}"]))
-            assert os.environ["EPIRL_WS_TMA"] == env
-            assert load_table() == json.loads(table.read_text())
-    finally:
-        monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
-        load_table.cache_clear()
+    assert load_config(None, []).kernels.fused_slices is True  # the default: qkv as one call
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config(None, ["trainer.fused_slices=false", "trainer.w8a16_tma=false"])
+    assert cfg.kernels.fused_slices is False and not hasattr(cfg.trainer, "w8a16_tma")
+    assert "kernels.fused_slices" in caplog.text and "w8a16_tma is ignored" in caplog.text
+    assert load_config(None, ["kernels.fused_slices=false"]).kernels.fused_slices is False
 
 
-def test_fused_slices_sets_the_process_switch(monkeypatch):
-    """`trainer.fused_slices` is EPIRL_FUSED_SLICES for the process (read by the engine when it quantizes its layers
-    and by the trainer when it builds and runs its modules); unset, the environment decides (on unless 0)."""
-    from epirl.config import resolve_runtime
-    from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
-
-    monkeypatch.delenv("EPIRL_FUSED_SLICES", raising=False)
-    resolve_runtime(load_config(None, ["trainer.device=cpu"]))
-    assert "EPIRL_FUSED_SLICES" not in os.environ and fused_slices_enabled()  # the default: qkv as one call
-    for value, on in (("true", True), ("false", False)):
-        resolve_runtime(load_config(None, ["trainer.device=cpu", f"trainer.fused_slices={value}"]))
-        assert fused_slices_enabled() is on
-    monkeypatch.delenv("EPIRL_FUSED_SLICES", raising=False)
-
-
-def test_plan_says_which_w8a16_tiles_run(monkeypatch):
+def test_plan_says_which_w8a16_tiles_run():
     """The plan's trainer row names the W8A16 GEMM's tiles where that kernel runs (CUDA, an FP8 base or the matched
     engine), and nothing where it does not."""
     from epirl.plan import _w8a16_tiles
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.delenv("EPIRL_WS_TMA", raising=False)
     fp8 = load_config(None, ["trainer.base=fp8"])
     assert "TMA-load tiles" in _w8a16_tiles(fp8, cuda)
     assert "TMA-load tiles" in _w8a16_tiles(load_config(None, ["engine.precision=w8a16"]), cuda)
     assert _w8a16_tiles(fp8, cpu) == "" and _w8a16_tiles(load_config(None, []), cuda) == ""
-    monkeypatch.setenv("EPIRL_WS_TMA", "0")
-    assert "pointer-load tiles" in _w8a16_tiles(fp8, cuda)
-    monkeypatch.delenv("EPIRL_FUSED_SLICES", raising=False)
     assert _w8a16_tiles(fp8, cuda).endswith("q, k, v as one call")
-    monkeypatch.setenv("EPIRL_FUSED_SLICES", "0")
-    assert "one call per slice" in _w8a16_tiles(fp8, cuda)
+    per_slice = load_config(None, ["trainer.base=fp8", "kernels.fused_slices=false"])
+    assert "one call per slice" in _w8a16_tiles(per_slice, cuda)

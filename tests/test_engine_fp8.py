@@ -125,7 +125,7 @@ def test_matched_engine_agrees_with_fp8_trainer_better_than_w8a8(engine_pool, ad
 
 
 def test_fused_slices_engine_layers_are_one_block_diagonal_call(engine_pool, adapter):
-    """EPIRL_FUSED_SLICES=1 (kept last in this file: a new engine): each fused layer of ONE_CALL_LAYERS is one
+    """`kernels.fused_slices` on (kept last in this file: a new engine): each fused layer of ONE_CALL_LAYERS is one
     `w8a16_lora` over the whole layer with the slices' adapters as A_cat / B_bd — bitwise the trainer's SliceGroup call
     (tests/kernels/test_fused_slices.py checks the group against the same call); plain layers are unchanged."""
     from epirl.engine import plugin

@@ -111,11 +111,11 @@ def test_vllm_args_pass_through_checked_and_vl_checkpoints_load_the_language_mod
     import json
 
     from epirl.config import EpirlConfig
-    from epirl.engine.engine import _llm_kwargs
+    from epirl.engine.engine import llm_kwargs
 
     def kwargs(model_dir, **vllm_args):
         cfg = EpirlConfig.model_validate({"model": {"path": str(model_dir)}, "engine": {"vllm_args": vllm_args}})
-        return _llm_kwargs(cfg, str(model_dir), None)
+        return llm_kwargs(cfg, str(model_dir), None)
 
     text, vl = tmp_path / "text", tmp_path / "vl"
     for folder, config in ((text, {"model_type": "qwen3"}), (vl, {"model_type": "qwen3_5", "vision_config": {}})):
@@ -135,14 +135,14 @@ def test_dummy_weights_with_a_tokenizer_folder_pass_it_to_vllm(tmp_path):
     import json
 
     from epirl.config import EpirlConfig
-    from epirl.engine.engine import _llm_kwargs
+    from epirl.engine.engine import llm_kwargs
 
     model_dir, tok_dir = tmp_path / "arch", tmp_path / "tok"
     model_dir.mkdir(), tok_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     cfg = EpirlConfig.model_validate({"model": {"path": str(model_dir), "load_format": "dummy",
                                                 "tokenizer": str(tok_dir)}})
-    kwargs = _llm_kwargs(cfg, str(model_dir), None)
+    kwargs = llm_kwargs(cfg, str(model_dir), None)
     assert kwargs["load_format"] == "dummy" and kwargs["tokenizer"] == str(tok_dir)
     assert "skip_tokenizer_init" not in kwargs
 
@@ -192,23 +192,27 @@ def test_serving_kernels_auto_is_timed_for_w8a8_engines_on_cuda_only(precision, 
     assert serving_mode_for(explicit, True) == "off"
 
 
-def test_engine_serving_kernels_mode_is_set_before_vllm_builds_the_model_and_restored(monkeypatch):
-    """engine.serving_kernels: the mode is active while vLLM builds the model (the LoRA layers register, torch.compile
-    traces the op) and is the old one again once the engine is gone, also when vLLM fails to start."""
+def test_engine_serving_kernels_mode_reaches_vllm_in_the_engine_spec(monkeypatch):
+    """engine.serving_kernels: the mode goes to vLLM in the engine's spec (additional_config, which the LoRA layers
+    read when vLLM builds them and which keys the compile cache), with the wrappers installed first; no process-wide
+    mode is set."""
     import vllm
 
     from epirl.config import load_config
     from epirl.engine import RolloutEngine, serving_lora
+    from epirl.engine.spec import EngineSpec
 
-    seen = []
+    seen, installed = [], []
 
     def fake_llm(**kwargs):
-        seen.append((serving_lora.mode(), kwargs.get("additional_config", {}).get(serving_lora.CONFIG_KEY)))
+        seen.append(EngineSpec.from_additional_config(kwargs.get("additional_config")))
         raise RuntimeError("no engine in this test")
 
     monkeypatch.setattr(vllm, "LLM", fake_llm)
-    before = serving_lora.mode()
-    cfg = load_config(None, ["engine.precision=w8a8", "engine.serving_kernels=timed", "model.path=smollm2"])
+    monkeypatch.setattr(serving_lora, "install", lambda: installed.append(True) or 0)
+    cfg = load_config(None, ["engine.precision=w8a8", "engine.serving_kernels=timed", "model.path=smollm2",
+                             "kernels.serving_vllm_from=64"])
     with pytest.raises(RuntimeError, match="no engine in this test"):
         RolloutEngine(cfg)
-    assert seen == [("timed", "timed")] and serving_lora.mode() == before
+    assert installed and [(s.serving_kernels, s.serving_vllm_from, s.lora_rank) for s in seen] == [
+        ("timed", 64, cfg.lora.rank)]

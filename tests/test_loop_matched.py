@@ -31,13 +31,11 @@ def test_matched_engine_equals_the_trainer_under_the_trained_adapter(tmp_path, f
     from epirl.config import resolve_runtime
     from epirl.engine import RolloutEngine
     from epirl.engine.matched_check import capture_lora_layers, compare_with_trainer
-    from epirl.kernels.w8a16_lora.slices import SLICES_ENV
     from epirl.rewards import RewardPool
     from epirl.rl.loop import check_inputs, run_step, start_run
     from epirl.rl.trainer import build_batch
 
-    monkeypatch.setenv(SLICES_ENV, "1")  # resolve_runtime sets it from the config; restored after the test
-    cfg = load_config(RECIPE, MATCHED + [f"output_dir={tmp_path}", f"trainer.fused_slices={str(fused_slices).lower()}"])
+    cfg = load_config(RECIPE, MATCHED + [f"output_dir={tmp_path}", f"kernels.fused_slices={str(fused_slices).lower()}"])
     problems = check_inputs(cfg)
     device = resolve_runtime(cfg)
     engine = RolloutEngine(cfg)

@@ -104,7 +104,7 @@ def test_timed_dispatch_times_a_shape_once_and_never_during_capture(monkeypatch)
 
     timed, capturing = [], [True]
 
-    def fake_time(shape):
+    def fake_time(shape, vllm_from=None):
         timed.append(shape)
         best = {b: "fused" if b <= 16 else "vendor+epirl" for b in dispatch.BUCKETS}
         return dispatch.DispatchTable({f"{shape.name}@{b}": dict(times_us={}, best=v) for b, v in best.items()},
@@ -112,96 +112,100 @@ def test_timed_dispatch_times_a_shape_once_and_never_during_capture(monkeypatch)
 
     monkeypatch.setattr(serving_lora, "_time_shape", fake_time)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setitem(serving_lora._STATE, "tables", {})
-    serving_lora.set_mode("timed")
-    try:
-        cuda = torch.device("cuda")
-        assert serving_lora._choice(64, 96, 8, 200, cuda) == "fused"  # inside a capture: fused, nothing timed
-        assert timed == []
-        capturing[0] = False
-        choices = [serving_lora._choice(64, 96, 8, M, cuda) for M in (1, 200, 5000, 16384, 3, 300)]
-        capturing[0] = True
-        choices.append(serving_lora._choice(64, 96, 8, 20000, cuda))  # a bucket beyond the table: its last one
-    finally:
-        serving_lora.set_mode("off")
+    monkeypatch.setattr(serving_lora, "_TABLES", {})
+    cuda = torch.device("cuda")
+    assert serving_lora._choice(64, 96, 8, 200, cuda, mode="timed") == "fused"  # inside a capture: fused, not timed
+    assert timed == []
+    capturing[0] = False
+    choices = [serving_lora._choice(64, 96, 8, M, cuda, mode="timed") for M in (1, 200, 5000, 16384, 3, 300)]
+    capturing[0] = True
+    choices.append(serving_lora._choice(64, 96, 8, 20000, cuda, mode="timed"))  # beyond the table: its last bucket
+    assert serving_lora._choice(64, 96, 8, 200, cuda, mode="fused") == "fused"  # outside timed mode: no table
     assert len(timed) == 1 and choices == ["fused", "vendor+epirl", "vendor+epirl", "vendor+epirl", "fused",
                                            "vendor+epirl", "vendor+epirl"]
 
 
 def test_compile_key_warning_once_per_engine_config(monkeypatch, caplog):
-    monkeypatch.setitem(serving_lora._STATE, "checked_configs", [])
-    serving_lora.set_mode("timed")
-    try:
-        with caplog.at_level(logging.WARNING, logger=serving_lora.__name__):
-            good, missing = {"epirl_serving_kernels": "timed"}, {"other": 1}
-            assert serving_lora.check_compile_key(good)
-            assert not serving_lora.check_compile_key(missing)
-            assert serving_lora.check_compile_key(missing)  # warned once for this engine config
-            assert not serving_lora.check_compile_key({"epirl_serving_kernels": "fused"})
-    finally:
-        serving_lora.set_mode("off")
-    assert sum("additional_config lacks" in r.message for r in caplog.records) == 2
+    from epirl.engine.spec import EngineSpec
+
+    monkeypatch.setattr(serving_lora, "_CHECKED_CONFIGS", [])
+    with caplog.at_level(logging.WARNING, logger=serving_lora.__name__):
+        good, missing = {"epirl_serving_kernels": "timed"}, {"other": 1}
+        assert serving_lora.check_compile_key("timed", good)  # a plain `vllm serve`'s entry
+        assert serving_lora.check_compile_key("timed", EngineSpec(serving_kernels="timed").additional_config())
+        assert not serving_lora.check_compile_key("timed", missing)
+        assert serving_lora.check_compile_key("timed", missing)  # warned once for this engine config
+        assert not serving_lora.check_compile_key("timed", {"epirl_serving_kernels": "fused"})
+        assert not serving_lora.check_compile_key("timed", EngineSpec(serving_kernels="fused").additional_config())
+    assert sum("additional_config lacks" in r.message for r in caplog.records) == 3
+
+
+def test_layers_take_their_settings_from_the_engine_spec(monkeypatch):
+    """A LoRA layer registered while vLLM builds the model keeps the engine spec's mode and threshold; without a spec
+    (a plain `vllm serve`), the environment's mode and no threshold; given settings replace them."""
+    from epirl.engine import spec
+
+    monkeypatch.setattr(spec, "current", lambda: spec.EngineSpec(serving_kernels="fused", serving_vllm_from=64))
+    layer = _fake_layer(4, torch.zeros(3, dtype=torch.long))
+    serving_lora.register_layer(layer)
+    assert (serving_lora.layer_mode(layer), layer._epirl_vllm_from) == ("fused", 64)
+    monkeypatch.setattr(spec, "current", lambda: None)
+    monkeypatch.setenv(serving_lora.ENV, "timed")
+    plain = _fake_layer(4, torch.zeros(3, dtype=torch.long))
+    serving_lora.register_layer(plain)
+    assert (serving_lora.layer_mode(plain), plain._epirl_vllm_from) == ("timed", None)
+    serving_lora.register_layer(plain, "off")
+    assert serving_lora.layer_mode(plain) == "off"
 
 
 def test_epirl_engine_arguments_key_the_compile_cache_by_the_mode(monkeypatch, tmp_path):
+    """Every setting the engine's layers read goes to vLLM in one spec in `additional_config` (hashed into the key of
+    vLLM's compile cache): serving mode (engine.serving_kernels; `env`: EPIRL_SERVING_KERNELS), LoRA rank and alpha,
+    fused slices, the vLLM-path threshold."""
     pytest.importorskip("vllm")
     from epirl.config import EpirlConfig
-    from epirl.engine.engine import _llm_kwargs
+    from epirl.engine.engine import llm_kwargs
+    from epirl.engine.spec import EngineSpec
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    monkeypatch.setitem(serving_lora._STATE, "installed", False)
 
-    def extra(setting, precision="w8a8"):
+    def spec(setting, precision="w8a8", **kernels):
         monkeypatch.setenv(serving_lora.ENV, setting)
-        cfg = EpirlConfig.model_validate({"model": {"path": str(tmp_path)}, "engine": {"precision": precision}})
-        return _llm_kwargs(cfg, str(tmp_path), None).get("additional_config", {})
+        cfg = EpirlConfig.model_validate({"model": {"path": str(tmp_path)}, "kernels": kernels,
+                                          "engine": {"precision": precision, "serving_kernels": "env"}})
+        return EngineSpec.from_additional_config(llm_kwargs(cfg, str(tmp_path), None)["additional_config"])
 
-    assert "epirl_serving_kernels" not in extra("0")
-    assert extra("timed")["epirl_serving_kernels"] == "timed" and extra("fused")["epirl_serving_kernels"] == "fused"
-    both = extra("1", precision="w8a16")
-    assert both["epirl_serving_kernels"] == "timed" and "epirl_w8a16_lora" in both
+    assert spec("0").serving_kernels == "off"
+    assert spec("timed").serving_kernels == "timed" and spec("fused").serving_kernels == "fused"
+    both = spec("1", precision="w8a16")
+    assert both.serving_kernels == "timed" and both.lora_rank > 0 and both.lora_alpha > 0
+    assert spec("fused", serving_vllm_from=64).serving_vllm_from == 64
     # the matched engine's fused slices change its qkv op's arguments: a graph compiled with them on must not be
     # replayed with them off (and the reverse)
-    from epirl.kernels.w8a16_lora.slices import SLICES_ENV
-
-    monkeypatch.setenv(SLICES_ENV, "1")
-    fused = extra("0", precision="w8a16")["epirl_w8a16_lora"]
-    monkeypatch.setenv(SLICES_ENV, "0")
-    per_slice = extra("0", precision="w8a16")["epirl_w8a16_lora"]
-    assert fused["fused_slices"] is True and per_slice["fused_slices"] is False
+    fused, per_slice = spec("0", "w8a16"), spec("0", "w8a16", fused_slices=False)
+    assert fused.fused_slices is True and per_slice.fused_slices is False
+    assert fused.additional_config() != per_slice.additional_config()
 
 
 def test_batches_from_the_vllm_threshold_run_vllms_own_lora_path(monkeypatch):
-    """EPIRL_SERVING_VLLM_FROM=N: a batch of at least N tokens with adapters is computed by vLLM's own LoRA path
-    (the layer's unwrapped `_apply_sync`) inside the op; smaller batches keep epirl's kernels."""
-    monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "8")
-    assert serving_lora.read_vllm_from() == 8 and serving_lora.read_vllm_from("fused") == 8
-    for value, want in (("0", None), ("never", None), (" Never ", None)):
-        monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, value)
-        assert serving_lora.read_vllm_from() is want
-    monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "")  # unset: timed mode lets the dispatch decide every size
-    assert serving_lora.read_vllm_from("timed") is serving_lora.TIMED_VLLM_FROM is None
-    assert serving_lora.read_vllm_from("fused") is None  # fused: always epirl's kernels
-    monkeypatch.setenv(serving_lora.VLLM_FROM_ENV, "many")
-    with pytest.raises(ValueError, match="EPIRL_SERVING_VLLM_FROM='many'"):
-        serving_lora.read_vllm_from()
+    """A layer's vLLM-path threshold N (`kernels.serving_vllm_from`): a batch of at least N tokens with adapters is
+    computed by vLLM's own LoRA path (the layer's unwrapped `_apply_sync`) inside the op; smaller batches keep epirl's
+    kernels."""
+    from epirl.config import load_config
 
+    assert load_config(None, []).kernels.serving_vllm_from is serving_lora.TIMED_VLLM_FROM is None  # never
     layer = _fake_layer(4, torch.zeros(16, dtype=torch.long), flag=False)
     layer._apply_sync = lambda x, bias: x[..., :4] * 3
     served = []
     monkeypatch.setattr(serving_lora, "layer_parts", lambda lyr: ONE_SLICE)
     monkeypatch.setattr(serving_lora, "serve_slices", lambda x, *a: served.append(x.shape[0]) or x[..., :4] * 0)
-    key = serving_lora.register_layer(layer)
+    key = serving_lora.register_layer(layer, "fused", vllm_from=8)
     before = serving_lora.stats()["vllm_calls"]
-    serving_lora.set_vllm_from(8)
-    try:
-        big = torch.randn(16, 8)
-        assert torch.equal(torch.ops.epirl.w8a8_multi_lora_layer(big, big[:0, 0].long(), None, None, key, 4),
-                           big[..., :4] * 3)
-        layer.punica_wrapper.token_lora_indices = torch.zeros(4, dtype=torch.long)
-        torch.ops.epirl.w8a8_multi_lora_layer(torch.randn(4, 8), big[:0, 0].long(), None, None, key, 4)
-    finally:
-        serving_lora.set_vllm_from(None)
+    big = torch.randn(16, 8)
+    assert torch.equal(torch.ops.epirl.w8a8_multi_lora_layer(big, big[:0, 0].long(), None, None, key, 4),
+                       big[..., :4] * 3)
+    layer.punica_wrapper.token_lora_indices = torch.zeros(4, dtype=torch.long)
+    torch.ops.epirl.w8a8_multi_lora_layer(torch.randn(4, 8), big[:0, 0].long(), None, None, key, 4)
     assert served == [4] and serving_lora.stats()["vllm_calls"] == before + 1
 
 

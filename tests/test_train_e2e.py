@@ -156,13 +156,12 @@ def test_cli_writes_the_run_folder(tmp_path):
 def test_one_step_with_the_matched_engine_and_a_shared_base(tmp_path, monkeypatch, fused_slices):
     """The paper's setup end to end on CPU: matched W8A16 engine, trainer on the engine's own FP8 codes and
     embeddings (no second copy), no correction; the post-publish probe checks that they agree. fused_slices: both
-    run q, k, v / gate, up as one call per fused layer (`trainer.fused_slices`)."""
+    run q, k, v / gate, up as one call per fused layer (`kernels.fused_slices`)."""
     from epirl.rl.loop import train
 
     from epirl.engine import plugin
     from epirl.kernels.lora_linear.sliced import SliceGroup
 
-    monkeypatch.setenv("EPIRL_FUSED_SLICES", "0")  # restored after the test (the run sets it for the process)
     calls = {"trainer": 0, "engine layers": 0}
     run_group, one_call = SliceGroup._run, plugin._one_call
 
@@ -170,15 +169,15 @@ def test_one_step_with_the_matched_engine_and_a_shared_base(tmp_path, monkeypatc
         calls["trainer"] += 1
         return run_group(self, x)
 
-    def counted_one_call(layer):
-        calls["engine layers"] += one_call(layer)
-        return one_call(layer)
+    def counted_one_call(layer, fused):
+        calls["engine layers"] += one_call(layer, fused)
+        return one_call(layer, fused)
     monkeypatch.setattr(SliceGroup, "_run", counted_run)
     monkeypatch.setattr(plugin, "_one_call", counted_one_call)
     run = train(tiny_config(tmp_path, "name=shared", "rl.steps=1", "checkpoint.every=0", "engine.precision=w8a16",
                             "trainer.base=shared", "rl.correction=none", "rl.prompts_per_step=2",
                             "rl.samples_per_prompt=2", "rl.max_tokens=6", "engine.probe_prompts=1",
-                            "model.dtype=float32", f"trainer.fused_slices={str(fused_slices).lower()}"))
+                            "model.dtype=float32", f"kernels.fused_slices={str(fused_slices).lower()}"))
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert (calls["trainer"] > 0) is fused_slices and (calls["engine layers"] > 0) is fused_slices, calls
     # Only norms are the trainer's own; codes, scales and the (tied) embedding are the engine's.

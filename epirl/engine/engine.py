@@ -23,11 +23,11 @@ from transformers import AutoConfig
 
 from epirl.config import ENGINE_PRECISIONS, ConfigError, resolve_model_path
 from epirl.engine import plugin, serving_lora
+from epirl.engine.spec import EngineSpec
 from epirl.engine.lora_publish import AdapterPublisher
 from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, kv_cache, logits_lora, model_access, prompt_logprobs,
                                       shutdown)
 from epirl.engine.vllm_compat.detect import on_cuda, vllm_version
-from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Completion:
     sampled token where it is not among them); empty otherwise."""
 
 
-def _quantization(precision: str) -> str | None:
+def quantization_method(precision: str) -> str | None:
     """vLLM `quantization=` for an engine precision (the plugin registers the epirl names)."""
     if precision == "bf16":
         return None
@@ -58,8 +58,18 @@ def _quantization(precision: str) -> str | None:
     raise ValueError(f"engine.precision must be one of {ENGINE_PRECISIONS}, got {precision!r}")
 
 
-def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str, Any]:
-    """`vllm.LLM` arguments for an epirl config (one adapter slot, processed log-probs)."""
+def engine_spec(cfg: Any, serving: str | None = None) -> EngineSpec:
+    """The settings the engine hands to the layers vLLM builds (epirl/engine/spec.py). serving: the resolved
+    serving-kernels mode (default: `serving_mode(cfg, on_cuda())`)."""
+    kernels = getattr(cfg, "kernels", None)
+    return EngineSpec(lora_rank=int(cfg.lora.rank), lora_alpha=float(cfg.lora.alpha),
+                      fused_slices=True if kernels is None else bool(kernels.fused_slices),
+                      serving_kernels=serving_mode(cfg, on_cuda()) if serving is None else serving,
+                      serving_vllm_from=None if kernels is None else kernels.serving_vllm_from)
+
+
+def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str, Any]:
+    """`vllm.LLM` arguments for an epirl config (one adapter slot, processed log-probs, the engine's spec)."""
     kwargs: dict[str, Any] = dict(
         model=model_path,
         dtype=cfg.model.dtype,
@@ -92,19 +102,13 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
             kwargs["tokenizer"] = resolve_model_path(cfg.model.tokenizer)
         elif model_path and not uses_tokenizer(cfg):
             kwargs["skip_tokenizer_init"] = True  # token-id prompts; no text is decoded
-    if cfg.engine.precision == "w8a16" and engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
-        # σ = alpha/r enters the fused op as a Python float, which torch.compile bakes into the graph; vLLM's
-        # compile cache is keyed by config hashes that see the rank slot but not alpha. additional_config is
-        # hashed: a run with other LoRA settings never replays a graph compiled with the old σ. Fused slices
-        # (trainer.fused_slices) change the op's arguments in every qkv layer: a graph compiled with the other
-        # setting fails at the first replay (an engine with them off started after one with them on did).
-        kwargs["additional_config"] = {"epirl_w8a16_lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
-                                                            "fused_slices": fused_slices_enabled()}}
-    serving = serving_lora.compile_key_mode()
-    if serving != "off" and engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
-        # EPIRL_SERVING_KERNELS changes what torch.compile traces in every LoRA layer; vLLM's compile cache key
-        # does not see it, so it goes in additional_config (hashed): no graph compiled with another setting is reused
-        kwargs["additional_config"] = {**kwargs.get("additional_config", {}), serving_lora.CONFIG_KEY: serving}
+    if engine_args.llm_kwargs_supported(["additional_config"])["additional_config"]:
+        # The layers vLLM builds read the spec from here (plugin, serving_lora), and additional_config is hashed into
+        # the key of vLLM's torch.compile cache, which sees neither σ = alpha/r (a Python float the fused op bakes
+        # into the graph), nor fused slices (they change the op's arguments in every qkv layer: a graph compiled
+        # with the other setting fails at its first replay), nor the serving mode (what every LoRA layer traces):
+        # a run with other settings never replays a graph compiled with the old ones.
+        kwargs["additional_config"] = engine_spec(cfg).additional_config()
     kwargs.update(_extra_llm_kwargs(cfg, model_path, set(kwargs)))
     return kwargs
 
@@ -112,7 +116,7 @@ def _llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str
 def check_vllm_args(cfg: Any) -> None:
     """Raise ConfigError (one line) now, before any model loads, for engine arguments vLLM would refuse."""
     try:
-        _llm_kwargs(cfg, "", None)
+        llm_kwargs(cfg, "", None)
     except ConfigError:
         raise
     except ValueError as exc:  # the LoRA rank slot: vLLM allows a fixed set of max_lora_rank values
@@ -155,6 +159,13 @@ def serving_mode_for(cfg: Any, cuda: bool) -> str:
     return chosen
 
 
+def serving_mode(cfg: Any, cuda: bool) -> str:
+    """The serving-kernels mode this engine's LoRA layers get: `serving_mode_for`, with `env` read from
+    EPIRL_SERVING_KERNELS ("off" when unset)."""
+    chosen = serving_mode_for(cfg, cuda)
+    return serving_lora.read_mode() if chosen == "env" else chosen
+
+
 class RolloutEngine:
     """vLLM rollout engine with an in-memory adapter slot (see module docstring)."""
 
@@ -163,29 +174,22 @@ class RolloutEngine:
         `load_format="dummy"`, `skip_tokenizer_init=True`); the tokenizer is None without one."""
         engine_args.set_process_env(getattr(cfg.engine, "cpu_kv_cache_gb", None))
         plugin.register()  # idempotent; the entry point also calls it when vLLM loads plugins
-        # engine.serving_kernels: the serving-kernels mode (process-wide) for this engine's life, before vLLM builds
-        # the model (its LoRA layers register and torch.compile traces the op); restored by close()
-        self._serving_mode = contextlib.ExitStack()
-        chosen = serving_mode_for(cfg, on_cuda())
-        self._serving_mode.enter_context(serving_lora.using_mode(None if chosen == "env" else chosen))
-        # w8a16 sizes its fixed LoRA buffers (rank, σ) while quantizing, before any graph capture.
-        plugin.configure(cfg.lora.rank, cfg.lora.alpha / cfg.lora.rank)
+        # engine.serving_kernels: its LoRA layers read the mode from the engine's spec (additional_config) when vLLM
+        # builds them; the wrappers that route them to epirl's kernels go in first (idempotent)
+        if serving_mode(cfg, on_cuda()) != "off":
+            serving_lora.install()
         if not on_cuda():
             cpu_lora_ops.install()  # vLLM's CPU LoRA ops gather weights per token: ~2x slower generate
         import vllm  # only when an engine starts: importing vLLM takes seconds
 
         self.cfg = cfg
         self.precision = cfg.engine.precision
-        quantization = _quantization(self.precision)
+        quantization = quantization_method(self.precision)
         self.model_path = resolve_model_path(cfg.model.path)
         t0 = time.perf_counter()
-        try:
-            kwargs = _llm_kwargs(cfg, self.model_path, quantization)
-            kwargs.update(llm_overrides)
-            self.llm = vllm.LLM(**kwargs)
-        except BaseException:
-            self._serving_mode.close()  # an engine that did not start leaves the mode as it found it
-            raise
+        kwargs = llm_kwargs(cfg, self.model_path, quantization)
+        kwargs.update(llm_overrides)
+        self.llm = vllm.LLM(**kwargs)
         self.start_s = time.perf_counter() - t0
         log.info("vLLM %s engine (%s, quantization=%s) started in %.1f s",
                  vllm_version(), self.precision, quantization, self.start_s)
@@ -397,5 +401,3 @@ class RolloutEngine:
         if getattr(self, "llm", None) is not None:
             self._fused = None
             shutdown.shutdown_llm(self)
-        if getattr(self, "_serving_mode", None) is not None:
-            self._serving_mode.close()  # the serving-kernels mode as it was before this engine (idempotent)

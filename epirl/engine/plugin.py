@@ -20,7 +20,7 @@ that class and on every subclass that overrides it (`vllm_compat.lora_layers`): 
 method is epirl's W8A16 one, the wrapper calls the custom op `epirl::w8a16_lora_slices`, i.e.
 `w8a16_lora(x, codes_i, s_w, A_i, B_i, σ)` once per logical slice (q, k, v / gate, up) — exactly the
 per-HF-module call the trainer makes — and vLLM's punica path is not run. A qkv_proj layer (ONE_CALL_LAYERS; unless
-EPIRL_FUSED_SLICES=0, `trainer.fused_slices=false`) is instead one `w8a16_lora` call over the whole
+`kernels.fused_slices: false`) is instead one `w8a16_lora` call over the whole
 layer, its slices' adapters held as one block-diagonal A_cat / B_bd (kernels/w8a16_lora/slices.py), the call the
 trainer's SliceGroup makes (kernels/lora_linear/sliced.py). It is patched at class level
 in `register()`, before vLLM builds the model, so that torch.compile and CUDA-graph capture see it;
@@ -29,8 +29,10 @@ the op is a torch custom op so the compiler treats the kernel as one opaque call
 The adapter reaches the op through fixed per-layer buffers (A_i [r, K], B_i [N_i, r], unscaled, model
 dtype) created when the weights are quantized, i.e. before any graph capture, and refreshed in place
 by `active_adapter()` before each generate/score (zeros when no adapter is wanted: adding an exact 0
-leaves the base result bitwise unchanged). Fixed addresses keep captured graphs valid; σ = alpha/r is
-fixed per engine (`configure()`), which the publisher checks. vLLM still loads each adapter into its
+leaves the base result bitwise unchanged). Fixed addresses keep captured graphs valid. Rank, σ = alpha/r (fixed per
+engine, which the publisher checks) and fused slices come from the engine's `EngineSpec` (epirl/engine/spec.py),
+which vLLM carries in its `additional_config`: `create_weights` reads it while vLLM builds the layer and keeps it on
+the layer. vLLM still loads each adapter into its
 own stacked buffers (its scheduler needs the request), but w8a16 layers never read them.
 Limitation: one adapter (or none) per batch — what the RL loop does.
 """
@@ -44,7 +46,7 @@ from typing import Any, Iterator
 
 import torch
 
-from epirl.engine import serving_lora
+from epirl.engine import serving_lora, spec as engine_spec
 from epirl.engine.naming import NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
 from epirl.kernels.w8a16_lora.slices import block_views
@@ -69,8 +71,9 @@ def register() -> None:
     quantization.register(W8A8_EMU, _make_config_class(W8A8_EMU, activation_fp8=True))
     patched = lora_layers.wrap_lora_apply(lambda base: getattr(base, "_epirl_lora", None) is not None, _fused_apply)
     log.debug("epirl plugin: patched apply of %d LoRA linear classes", patched)
-    # EPIRL_SERVING_KERNELS=fused|timed: serve FP8 (W8A8) LoRA layers with epirl.kernels.w8a8_multi_lora, in
-    # `vllm serve` / `vllm.LLM` too. Opt-in until an end-to-end vLLM run shows it beats vLLM's LoRA path.
+    # EPIRL_SERVING_KERNELS=fused|timed: serve FP8 (W8A8) LoRA layers with epirl.kernels.w8a8_multi_lora in a plain
+    # `vllm serve` / `vllm.LLM` too (epirl's engine installs them when its spec asks). Opt-in until an end-to-end vLLM
+    # run shows it beats vLLM's LoRA path.
     if serving_lora.read_mode() != "off":
         serving_lora.install()
     _registered = True
@@ -134,6 +137,8 @@ def _linear_method_class() -> type:
             layer.register_parameter("weight", weight)
             # Logical widths split fused modules (qkv_proj → q, k, v) for LoRA slices and shared views.
             layer.logical_widths = list(output_partition_sizes)
+            # the engine's settings, read while vLLM's config is in effect (it is while the model is constructed)
+            layer._epirl_spec = engine_spec.current() or engine_spec.EngineSpec()
 
         def process_weights_after_loading(self, layer) -> None:
             dtype, device = layer.weight.dtype, layer.weight.device
@@ -141,9 +146,10 @@ def _linear_method_class() -> type:
             # vLLM's layout: `weight` is the [K, N] transpose view of [N, K] row-major codes.
             layer.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
             layer.weight_scale = torch.nn.Parameter(scale.to(torch.float32).reshape(1), requires_grad=False)
-            if not self.activation_fp8 and _SETTINGS["rank"] > 0:
-                layer._epirl_lora = _LayerLoRA(layer.logical_widths, codes.shape[1], _SETTINGS["rank"],
-                                               _SETTINGS["scale"], dtype, device, one_call=_one_call(layer))
+            spec = getattr(layer, "_epirl_spec", None) or engine_spec.EngineSpec()
+            if not self.activation_fp8 and spec.lora_rank > 0:
+                layer._epirl_lora = _LayerLoRA(layer.logical_widths, codes.shape[1], spec.lora_rank, spec.lora_scale,
+                                               dtype, device, one_call=_one_call(layer, spec.fused_slices))
 
         def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             if self.activation_fp8:
@@ -158,22 +164,14 @@ def _linear_method_class() -> type:
 # The fused LoRA path of the matched engine
 # ---------------------------------------------------------------------------------------------------
 
-_SETTINGS = {"rank": 0, "scale": 1.0}
-
-
-def configure(rank: int, lora_scale: float) -> None:
-    """Adapter rank and σ = alpha/r of the next engine (buffers are sized before graph capture)."""
-    _SETTINGS.update(rank=int(rank), scale=float(lora_scale))
-
-
-def _one_call(layer) -> bool:
-    """Whether this fused layer's LoRA runs as one block-diagonal call (the default; EPIRL_FUSED_SLICES=0 turns it
-    off, `kernels/w8a16_lora/slices.py`): the layers of ONE_CALL_LAYERS (qkv_proj) whose logical slices are one
-    Hugging Face module each, which the trainer groups the same way (`epirl.model.loading.group_fused_layer`)."""
+def _one_call(layer, fused_slices: bool) -> bool:
+    """Whether this fused layer's LoRA runs as one block-diagonal call (`kernels.fused_slices`, on by default,
+    `kernels/w8a16_lora/slices.py`): the layers of ONE_CALL_LAYERS (qkv_proj) whose logical slices are one Hugging
+    Face module each, which the trainer groups the same way (`epirl.model.loading.group_fused_layer`)."""
     from epirl.model.loading import PACKED_MODULES, runs_as_one_call
 
     leaf = getattr(layer, "prefix", "").rpartition(".")[2]
-    return runs_as_one_call(leaf) and len(PACKED_MODULES[leaf]) == len(layer.logical_widths)
+    return runs_as_one_call(leaf, fused_slices) and len(PACKED_MODULES[leaf]) == len(layer.logical_widths)
 
 
 @torch.library.custom_op("epirl::w8a16_lora_slices", mutates_args=())

@@ -4,7 +4,9 @@ slices q, k, v / gate, up at once), reading vLLM's own adapter slot buffers (`lo
 `max_loras` slots) and its per-token slot map (`punica_wrapper.token_lora_indices`, -1 = no adapter), so any mix
 of adapters in a batch works.
 
-One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install()` (`set_mode()` changes it later)
+The mode of a layer: the engine's `EngineSpec.serving_kernels` (epirl/engine/spec.py, in vLLM's `additional_config`),
+read when vLLM creates the layer's LoRA weights and kept on the layer; in a plain `vllm serve` without that spec, the
+environment variable `EPIRL_SERVING_KERNELS`:
   unset / "0"   vLLM's own path (base FP8 GEMM + punica shrink/expand)
   "fused"       always epirl's fused kernels
   "1" / "timed" per projection shape and token bucket, the fastest of {fused (above 32 tokens also with its
@@ -12,8 +14,8 @@ One setting: the environment variable `EPIRL_SERVING_KERNELS`, read by `install(
                 kernels ("vllm")}, timed once on CUDA-graph replays at the shape's first call with each batch
                 spread over min(max_loras, M) adapters (the mix the engine's slot count is configured for), cached
                 on disk (key: GPU, vLLM version, shapes, adapters) in $EPIRL_CACHE_DIR or ~/.cache/epirl
-`EPIRL_SERVING_VLLM_FROM=N` (read by `install()`; default 17 in timed mode, never in fused mode; "0"/"never": never):
-batches of at least N tokens run vLLM's own LoRA path (base GEMM + punica kernels) inside the op. Measured end to
+`EngineSpec.serving_vllm_from=N` (`kernels.serving_vllm_from`; default never): batches of at least N tokens run vLLM's
+own LoRA path (base GEMM + punica kernels) inside the op. Measured end to
 end (H200, 32 tenants, BENCHMARKS.md): with epirl's paths at every batch size the engine reached 0.55x vLLM's
 throughput (K1's per-token shrink reads each token's adapter A on CUDA cores; K2's epilogue loops over every
 adapter present in a tile), while at <= 16 tokens the fused kernels win (batch-1 TPOT 0.73x vLLM's).
@@ -32,32 +34,36 @@ batch size, so no choice can depend on how many adapters a batch mixes (hence th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
+from epirl.engine import spec as engine_spec
 from epirl.engine.vllm_compat import lora_layers, punica
 from epirl.engine.vllm_compat.punica import slot_views  # noqa: F401 (part of this module's interface)
 
 log = logging.getLogger(__name__)
 ENV = "EPIRL_SERVING_KERNELS"
 MODES = ("0", "fused", "1", "timed")
-_STATE: dict = {"installed": False, "tables": {}, "mode": "off", "calls": 0, "short_maps": 0, "vendor_calls": 0,
-                "vllm_calls": 0, "vllm_from": None, "checked_configs": []}
-VLLM_FROM_ENV = "EPIRL_SERVING_VLLM_FROM"
+# What the op did so far (counters) and what it measured (the timed dispatch's tables, per shape): records, not
+# settings - the settings live on each layer (`register_layer`)
+_STATS: dict = {"calls": 0, "short_maps": 0, "vendor_calls": 0, "vllm_calls": 0}
+_TABLES: dict = {}
+_CHECKED_CONFIGS: list = []  # engine configs whose compile key was checked (`check_compile_key`)
+_INSTALLED: list = []  # one entry once `install()` wrapped vLLM's classes
 # timed mode's default: no batch size is handed to vLLM's own LoRA path before the dispatch is asked; the dispatch
 # times vLLM's kernels ("vllm") beside epirl's on batches spread over the slots and keeps the faster per bucket. It
 # was 17 (batches above the 16-token bucket to vLLM) after the 32-tenant run of 2026-12-01 measured 0.55x vLLM's
 # throughput with epirl's paths at >= 32 tokens; with the segment-tiled shrink/expand ("vendor+seg") one Qwen3-8B
 # layer is 0.41-0.87x vLLM's LoRA path at 16-1024 tokens over 8 or 32 adapters and 0.94-0.95x at 256-8192 tokens
 # with one (H200, bench_serving_tenants.py, BENCHMARKS.md § Serving kernels; the end-to-end 32-tenant run with it is
-# still to be made). EPIRL_SERVING_VLLM_FROM=N restores a threshold.
+# still to be made). `kernels.serving_vllm_from=N` restores a threshold.
 TIMED_VLLM_FROM = None
-CONFIG_KEY = "epirl_serving_kernels"  # the `additional_config` entry that keys vLLM's compile cache by the mode
+# a plain `vllm serve`'s `additional_config` entry that keys vLLM's compile cache by the mode (epirl's engine passes its
+# whole spec instead, epirl/engine/spec.py)
+CONFIG_KEY = "epirl_serving_kernels"
 _MARKER = "_epirl_serving"  # on the vLLM methods install() wrapped (idempotence)
 
 
@@ -69,61 +75,18 @@ def read_mode() -> str:
     return {"0": "off", "fused": "fused", "1": "timed", "timed": "timed"}[value]
 
 
-def read_vllm_from(active_mode: str = "timed") -> int | None:
-    """EPIRL_SERVING_VLLM_FROM as a token count; None (never) for "0" / "never". Unset or empty: in timed mode
-    TIMED_VLLM_FROM (never: the dispatch decides), in fused mode never (fused means always epirl's kernels)."""
-    value = os.environ.get(VLLM_FROM_ENV, "").strip().lower()
-    if not value:
-        return TIMED_VLLM_FROM if active_mode == "timed" else None
-    if value == "never":
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{VLLM_FROM_ENV}={value!r}: expected a token count, 0 or never (or unset)")
-    return int(value) or None
+def layer_settings() -> tuple[str, int | None]:
+    """(mode, vLLM-path threshold) for a layer vLLM builds now: the engine's spec when its `additional_config` holds
+    one, else the environment's mode (a plain `vllm serve`) and no threshold."""
+    spec = engine_spec.current()
+    if spec is not None:
+        return spec.serving_kernels, spec.serving_vllm_from
+    return read_mode(), None
 
 
-def set_vllm_from(tokens: int | None) -> None:
-    """Batches of at least `tokens` tokens take vLLM's own LoRA path inside the op from now on (None: never)."""
-    _STATE["vllm_from"] = tokens
-
-
-def mode() -> str:
-    """The active mode: read from the environment by `install()`, changed by `set_mode()`. A plain module
-    global, so that torch.compile traces the layer's `apply` without touching os.environ."""
-    return _STATE["mode"]
-
-
-def compile_key_mode() -> str:
-    """The mode an engine started now traces: the active one once `install()` ran, else the environment's (what
-    `install()`, called by the plugin before vLLM builds the model, will read)."""
-    return mode() if _STATE["installed"] else read_mode()
-
-
-def set_mode(value: str) -> None:
-    """"off" | "fused" | "timed" from now on (takes effect in graphs captured or compiled afterwards). The
-    vLLM-path threshold stays what `install()` read (change it with `set_vllm_from`)."""
-    if value not in ("off", "fused", "timed"):
-        raise ValueError(f"serving kernels mode {value!r}: expected off, fused or timed")
-    _STATE["mode"] = value
-
-
-@contextlib.contextmanager
-def using_mode(value: str | None) -> Iterator[None]:
-    """Serve with mode `value` (and its default vLLM-path threshold, `read_vllm_from(value)`) inside the block:
-    installs the kernels first (so an engine built inside registers its layers), restores the previous mode and
-    threshold on exit. None: leave everything as it is (an engine without the setting)."""
-    if value is None:
-        yield
-        return
-    install()
-    previous = mode(), _STATE["vllm_from"]
-    set_mode(value)
-    set_vllm_from(read_vllm_from(value))
-    try:
-        yield
-    finally:
-        set_mode(previous[0])
-        set_vllm_from(previous[1])
+def layer_mode(layer) -> str:
+    """A layer's mode: as registered, else (a layer built before `install()`) the environment's."""
+    return getattr(layer, "_epirl_serving_mode", None) or read_mode()
 
 
 def fp8_codes(base) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -144,31 +107,33 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("EPIRL_CACHE_DIR", Path.home() / ".cache" / "epirl")) / "dispatch"
 
 
-def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1) -> str:
+def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1, mode: str = "timed",
+            vllm_from: int | None = None) -> str:
     """The candidate (`timing.candidate_names()`: "fused", "vendor+seg", "vllm", ...) for this layer at M tokens
     ("fused" outside timed mode; timed mode: from the dispatch table, timed
-    with batches spread over min(slots, M) adapters; slots: the layer's adapter slots, vLLM's max_loras)."""
-    if mode() != "timed" or device.type != "cuda":
+    with batches spread over min(slots, M) adapters; slots: the layer's adapter slots, vLLM's max_loras; vllm_from:
+    the layer's vLLM-path threshold, whose buckets are not timed)."""
+    if mode != "timed" or device.type != "cuda":
         return "fused"
     from epirl.kernels.w8a8_multi_lora import dispatch
 
     shape = dispatch.Shape(f"{K}x{N}", K, N, r, adapters=max(1, slots))
-    table = _STATE["tables"].get(shape)
+    table = _TABLES.get(shape)
     if table is None:
         if torch.cuda.is_current_stream_capturing():
             return "fused"  # never time inside a capture; the eager warm-up calls time first
         try:
-            table = _time_shape(shape)
+            table = _time_shape(shape, vllm_from)
         except Exception as exc:  # timing must not stop the engine: serve this shape with the fused kernels
             log.warning("epirl serving kernels: timing %s failed (%s); using the fused kernels", shape.tag(), exc)
-            buckets = dispatch.timed_buckets(_STATE["vllm_from"])
+            buckets = dispatch.timed_buckets(vllm_from)
             table = dispatch.DispatchTable({f"{shape.name}@{b}": dict(times_us={}, best="fused", failed=str(exc)[:200])
                                             for b in buckets}, buckets)
-        _STATE["tables"][shape] = table
+        _TABLES[shape] = table
     return table.best(shape.name, M)
 
 
-def _time_shape(shape):
+def _time_shape(shape, vllm_from: int | None = None):
     from epirl.kernels.w8a8_multi_lora import dispatch
     from epirl.kernels.gpu_timing import graph_us, release
     from epirl.kernels.w8a8_multi_lora.timing import candidate_names, gpu_candidates
@@ -180,10 +145,10 @@ def _time_shape(shape):
     except ImportError:
         vllm_version = "none"
     try:
-        # batches from EPIRL_SERVING_VLLM_FROM on never reach the dispatch: their buckets are not timed
+        # batches from the vLLM-path threshold on never reach the dispatch: their buckets are not timed
         return dispatch.load_or_time(_cache_dir(), torch.cuda.get_device_name(), vllm_version, [shape],
                                      lambda s, M: gpu_candidates(s, M, extra=vllm_candidate), graph_us,
-                                     candidate_names(), dispatch.timed_buckets(_STATE["vllm_from"]))
+                                     candidate_names(), dispatch.timed_buckets(vllm_from))
     finally:
         release()
 
@@ -202,12 +167,12 @@ def vllm_candidate(x, codes, scale, a, b, ids, sigma) -> dict:
 
 
 def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bias, choice: str | None = None,
-                 segs=None):
+                 segs=None, mode: str = "timed", vllm_from: int | None = None):
     """A LoRA linear layer's output `[M, Σ widths]`: slice i = w8a8_multi_lora(x, codes rows of slice i, A_i, B_i)
     per token (σ = 1: vLLM's B holds it). token_lora: vLLM's token -> slot map (shorter than the batch: the rest
     gets no adapter; longer: its first M entries). choice: "fused", "fused[<tag>]", "vendor+epirl", "vendor+seg" or
-    "vendor+seg[<tag>]" (None: the dispatch's); segs: the batch's adapter segments for "vendor+seg" (vLLM's metadata
-    in the engine; None: computed here from token_lora)."""
+    "vendor+seg[<tag>]" (None: the dispatch's in timed `mode`, else "fused"); segs: the batch's adapter segments for
+    "vendor+seg" (vLLM's metadata in the engine; None: computed here from token_lora)."""
     x2 = x.reshape(-1, codes.shape[1])
     M = x2.shape[0]
     # vLLM's sorted order is valid for its first len(token_lora) entries only (the rest of its buffer is stale and
@@ -230,7 +195,8 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
     from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora_slices as fused
 
     if choice is None:
-        choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device, lora_a[0].shape[0])
+        choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device, lora_a[0].shape[0], mode,
+                         vllm_from)
     if choice == "vendor+epirl":
         out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
     elif choice.startswith("vendor+seg"):  # one adapter per tile: batches spread over many adapters
@@ -256,33 +222,43 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
 _LAYERS: list = []
 
 
-def register_layer(layer) -> int:
+def register_layer(layer, mode: str | None = None, vllm_from: int | None = None) -> int:
+    """The layer's key for the op, and its settings kept on it: mode and vLLM-path threshold as given, else (None, at
+    model load) `layer_settings()` - the engine's spec, or the environment's mode in a plain `vllm serve`. A layer
+    registered before keeps its key; given settings replace its own."""
     key = getattr(layer, "_epirl_serving_key", None)
     if key is None:
         key = layer._epirl_serving_key = len(_LAYERS)
         _LAYERS.append(layer)
-    if mode() != "off":
-        check_compile_key()
+    if mode is None and getattr(layer, "_epirl_serving_mode", None) is not None:
+        return key
+    if mode is None:
+        mode, vllm_from = layer_settings()
+    layer._epirl_serving_mode, layer._epirl_vllm_from = mode, vllm_from
+    if mode != "off":
+        check_compile_key(mode)
     return key
 
 
-def check_compile_key(additional_config: dict | None = None) -> bool:
-    """Warn (once per engine config) when the mode is on but the engine's `additional_config` lacks
-    {"epirl_serving_kernels": mode}: vLLM's torch.compile cache key does not see this setting, so such an engine
-    can load graphs compiled with another setting (e.g. without the op). additional_config: the engine's (read from
-    the vLLM config being built when None). Returns False when it warned."""
+def check_compile_key(mode: str, additional_config: dict | None = None) -> bool:
+    """Warn (once per engine config) when a layer's mode is on but the engine's `additional_config` does not carry it
+    (epirl's spec, or {"epirl_serving_kernels": mode} from a plain `vllm serve`): vLLM's torch.compile cache key does
+    not see this setting otherwise, so such an engine can load graphs compiled with another setting (e.g. without the
+    op). additional_config: the engine's (read from the vLLM config being built when None). Returns False when it
+    warned."""
     from epirl.engine.vllm_compat import engine_args
 
     config = engine_args.current_additional_config() if additional_config is None else additional_config
-    if config is None or any(c is config for c in _STATE["checked_configs"]):
+    if config is None or any(c is config for c in _CHECKED_CONFIGS):
         return True  # no engine config being built (a layer made by hand), or already checked
-    _STATE["checked_configs"].append(config)  # kept (a few small dicts): an id is never reused for another one
-    if isinstance(config, dict) and config.get(CONFIG_KEY) == mode():
+    _CHECKED_CONFIGS.append(config)  # kept (a few small dicts): an id is never reused for another one
+    spec = engine_spec.EngineSpec.from_additional_config(config)
+    if (spec is not None and spec.serving_kernels == mode) or (isinstance(config, dict)
+                                                               and config.get(CONFIG_KEY) == mode):
         return True
-    log.warning("epirl serving kernels: %s=%s but the engine's additional_config lacks {%r: %r}; vLLM's compile "
+    log.warning("epirl serving kernels: mode %s but the engine's additional_config lacks {%r: %r}; vLLM's compile "
                 "cache does not see this setting and may load graphs built with another one (pass "
-                "additional_config / --additional-config, see docs/SERVING.md)",
-                ENV, mode(), CONFIG_KEY, mode())
+                "additional_config / --additional-config, see docs/SERVING.md)", mode, CONFIG_KEY, mode)
     return False
 
 
@@ -305,28 +281,30 @@ def w8a8_multi_lora_layer(x: torch.Tensor, token_lora: torch.Tensor, order: torc
     capture, the capture itself; not graph replays), so it reads the layer's live state here: the traced
     `token_lora` / `order` arguments are kept for the op's signature but not used (torch.compile bakes the token
     map's length, a Python int in vLLM's punica wrapper, into the graph at trace time)."""
-    _STATE["calls"] += 1  # Python runs: eager / compiled steps and CUDA-graph captures (not graph replays)
+    _STATS["calls"] += 1  # Python runs: eager / compiled steps and CUDA-graph captures (not graph replays)
     layer = _LAYERS[layer_key]
+    mode, vllm_from = layer_mode(layer), getattr(layer, "_epirl_vllm_from", None)
     M = x.numel() // max(x.shape[-1], 1)
     token_lora, order = punica.token_slots(layer)
     # vLLM's own paths below: contiguous as the fake impl says (a padded GEMM's output may be a column slice;
     # compiled code reading the op's output assumes the fake's strides); a no-op when already contiguous
     if _no_adapter(layer, token_lora, M, x):
-        _STATE["vendor_calls"] += 1
+        _STATS["vendor_calls"] += 1
         return punica.base_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
-    if _STATE["vllm_from"] is not None and M >= _STATE["vllm_from"]:
-        _STATE["vllm_calls"] += 1
+    if vllm_from is not None and M >= vllm_from:
+        _STATS["vllm_calls"] += 1
         return punica.vllm_lora_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
     if token_lora.numel() < M:
-        _STATE["short_maps"] += 1  # vLLM's token map shorter than the batch (padding): the rest runs without adapter
+        _STATS["short_maps"] += 1  # vLLM's token map shorter than the batch (padding): the rest runs without adapter
     # vLLM's sorted order is valid for its current token count only: not inside a CUDA-graph capture (a replay of a
     # padded batch would read stale entries past it), and only when it covers exactly this batch
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         order = None
     codes, scale, lora_a, lora_b, widths = layer_parts(layer)
-    choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x.device, lora_a[0].shape[0])
+    choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x.device, lora_a[0].shape[0], mode,
+                     vllm_from)
     if choice == "vllm":  # the timed dispatch measured vLLM's own kernels fastest for this layer and batch size
-        _STATE["vllm_calls"] += 1
+        _STATS["vllm_calls"] += 1
         return punica.vllm_lora_apply(layer, x, bias).reshape(*x.shape[:-1], n_out).contiguous()
     # "vendor+seg" reads vLLM's own per-step segment metadata (valid in captures and replays: fixed buffers that
     # vLLM refills before every step, covering the step's real tokens; padding rows get no adapter) - not when the
@@ -357,20 +335,23 @@ def stats() -> dict:
     """served_layers: registered LoRA layers this op can serve; op_calls: runs of the op's Python body (eager and
     compiled steps, CUDA-graph captures; not graph replays); short_maps: calls whose token map was shorter than
     the batch (its tail ran without adapter); vendor_calls: calls of a batch without adapter, computed by vLLM's
-    base path (its quantization method's apply: no LoRA kernel at all); vllm_calls: calls of at least
-    EPIRL_SERVING_VLLM_FROM tokens or for which the timed dispatch chose vLLM's kernels, computed by vLLM's own
-    LoRA path; vllm_from: that threshold (None: never).
+    base path (its quantization method's apply: no LoRA kernel at all); vllm_calls: calls of at least the
+    vLLM-path threshold's tokens or for which the timed dispatch chose vLLM's kernels, computed by vLLM's own LoRA
+    path; vllm_from: that threshold of the served layers (None: never).
     op_calls 0 after an engine started with the setting on means its compiled graphs lack the op, e.g. loaded from
     a torch.compile cache built with the setting off: vLLM's cache key does not see this setting (pass it in
     `additional_config`, or use another VLLM_CACHE_ROOT)."""
-    return dict(served_layers=sum(layer_parts(layer) is not None for layer in _LAYERS), op_calls=_STATE["calls"],
-                **{k: _STATE[k] for k in ("short_maps", "vendor_calls", "vllm_calls", "vllm_from")})
+    served = [layer for layer in _LAYERS if layer_parts(layer) is not None]
+    thresholds = {getattr(layer, "_epirl_vllm_from", None) for layer in served if layer_mode(layer) != "off"}
+    return dict(served_layers=len(served), op_calls=_STATS["calls"],
+                **{k: _STATS[k] for k in ("short_maps", "vendor_calls", "vllm_calls")},
+                vllm_from=min((t for t in thresholds if t is not None), default=None))
 
 
 def dispatch_tables() -> dict:
     """The timed dispatch's choices so far: {"entries": {"KxN@bucket": {"times_us", "best"}}, "buckets": [...]}."""
     entries, buckets = {}, []
-    for table in _STATE["tables"].values():
+    for table in _TABLES.values():
         entries.update(table.entries)
         buckets = list(table.buckets)
     return dict(entries=entries, buckets=buckets)
@@ -408,18 +389,19 @@ def serving_apply(layer, x: torch.Tensor, bias: torch.Tensor | None):
 
 
 def _serving_apply_when_on(layer, x: torch.Tensor, bias: torch.Tensor | None):
-    """The wrapped `apply`'s first step: epirl's kernels when the mode is on and the layer is ours, else None."""
-    return serving_apply(layer, x, bias) if mode() != "off" else None
+    """The wrapped `apply`'s first step: epirl's kernels when the layer's mode is on and the layer is ours, else
+    None."""
+    return serving_apply(layer, x, bias) if layer_mode(layer) != "off" else None
 
 
 def install() -> int:
     """Wrap `apply` of vLLM's BaseLinearLayerWithLoRA and its overriding subclasses (idempotent); returns how
-    many classes were wrapped. Reads EPIRL_SERVING_KERNELS (call it before vLLM builds the model)."""
-    _STATE["mode"] = read_mode()  # a bad value fails here, at engine start, with the variable's name
-    _STATE["vllm_from"] = read_vllm_from(_STATE["mode"])
+    many classes were wrapped. Call it before vLLM builds the model: each LoRA layer then registers with its settings
+    (`register_layer`) when vLLM creates its LoRA weights."""
+    read_mode()  # a bad EPIRL_SERVING_KERNELS fails here, at engine start, with the variable's name
     lora_layers.on_lora_weights_created(register_layer, _MARKER)  # at model load, before torch.compile
     wrapped = lora_layers.wrap_lora_apply_first(_serving_apply_when_on, _MARKER)
-    if wrapped and not _STATE["installed"]:
-        log.info("epirl serving kernels: %s=%s (LoRA apply wrapped on %d classes)", ENV, mode(), wrapped)
-    _STATE["installed"] = True
+    if wrapped and not _INSTALLED:
+        log.info("epirl serving kernels: LoRA apply wrapped on %d classes", wrapped)
+    _INSTALLED.append(True)
     return wrapped

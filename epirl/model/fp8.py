@@ -12,7 +12,6 @@ from torch import nn
 
 from epirl.kernels import Fp8LoRAFunction
 from epirl.kernels.fp8_quant.reference import check_weight_codes
-from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
 
 
 class Fp8Linear(nn.Module):
@@ -26,7 +25,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "slice_group", None) is not None and fused_slices_enabled():
+        if getattr(self, "slice_group", None) is not None:  # grouped only with `kernels.fused_slices` on
             return self.slice_group.output(self.slice_index, x)  # one call for the fused layer
         return Fp8LoRAFunction.apply(x, None, None, self.codes, self.scale, self.bias, 0.0, None)
 

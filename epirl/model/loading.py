@@ -23,7 +23,6 @@ from transformers import AutoConfig, PretrainedConfig
 from epirl.config import check_lora_targets, concrete_dtype, resolve_model_path
 from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused
 from epirl.kernels.lora_linear.sliced import attach_slice_group
-from epirl.kernels.w8a16_lora.slices import fused_slices_enabled
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.linear_attention import select_gdn_kernel
@@ -42,7 +41,7 @@ PACKED_MODULES = {
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 _PACKED_NAME_OF = {member: packed for packed, members in PACKED_MODULES.items() for member in members}
-# The fused layers that run as one call (unless EPIRL_FUSED_SLICES=0): the matched engine (epirl.engine.plugin._one_call
+# The fused layers that run as one call (unless `kernels.fused_slices` is off): the matched engine (epirl.engine.plugin._one_call
 # reads this list) and the trainer, which groups its modules the same way (`group_fused_layer`). Only qkv_proj: on
 # the H200 (BENCHMARKS.md, fifteenth session) one call is 0.54-0.66x the per-slice calls at decode and 0.92x bf16
 # against 1.15x in training, but gate_up_proj as one call is 1.07x the per-slice calls at one token and
@@ -52,10 +51,10 @@ _PACKED_NAME_OF = {member: packed for packed, members in PACKED_MODULES.items() 
 ONE_CALL_LAYERS = ("qkv_proj",)
 
 
-def runs_as_one_call(packed: str) -> bool:
-    """Whether the fused layer `packed` (vLLM's name: qkv_proj, gate_up_proj, ...) runs as one call in this process,
-    in the engine and in the trainer alike."""
-    return fused_slices_enabled() and packed in ONE_CALL_LAYERS
+def runs_as_one_call(packed: str, fused_slices: bool = True) -> bool:
+    """Whether the fused layer `packed` (vLLM's name: qkv_proj, gate_up_proj, ...) runs as one call with the run's
+    `kernels.fused_slices`, in the engine and in the trainer alike."""
+    return fused_slices and packed in ONE_CALL_LAYERS
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -200,8 +199,9 @@ def normalize_view_names(views: dict) -> dict:
 
 def install_fp8_projections(model: nn.Module, source, device: torch.device, dtype: torch.dtype,
                             targets: list[str], rank: int, alpha: float, seed: int,
-                            engine_views: dict | None = None) -> None:
-    """Replace every projection by an Fp8LoRALinear, one fused group at a time."""
+                            engine_views: dict | None = None, fused_slices: bool = True) -> None:
+    """Replace every projection by an Fp8LoRALinear, one fused group at a time (fused_slices: `kernels.fused_slices`,
+    the fused q, k, v as one call)."""
     if engine_views is not None:
         engine_views = normalize_view_names(engine_views)
         missing = [n for n, _ in projection_modules(model) if n not in engine_views]
@@ -217,32 +217,32 @@ def install_fp8_projections(model: nn.Module, source, device: torch.device, dtyp
             trainable = name.rpartition(".")[2] in targets
             replace_module(model, name, _fp8_module(name, linear, codes_N_K, scale, trainable, rank, alpha,
                                                     seed, bias))
-        group_fused_layer(model, names)
+        group_fused_layer(model, names, fused_slices)
 
 
-def group_fused_layer(model: nn.Module, names: list[str]) -> bool:
+def group_fused_layer(model: nn.Module, names: list[str], fused_slices: bool = True) -> bool:
     """Group the FP8 modules `names` (one fused layer, slice order) to run as one call, the engine's
     (kernels/lora_linear/sliced.py), if it `runs_as_one_call`; a clear error if it cannot."""
     parent, _, leaf = names[0].rpartition(".")
     packed = _PACKED_NAME_OF.get(leaf)
-    if not runs_as_one_call(packed) or tuple(n.rpartition(".")[2] for n in names) != PACKED_MODULES[packed]:
+    if not runs_as_one_call(packed, fused_slices) or tuple(n.rpartition(".")[2] for n in names) != PACKED_MODULES[packed]:
         return False
     try:
         attach_slice_group([model.get_submodule(n) for n in names])
     except ValueError as err:
         raise ValueError(f"{parent}.{packed}: {err} (one call per fused layer, as the engine runs it; "
-                         "EPIRL_FUSED_SLICES=0 or trainer.fused_slices=false runs one call per slice)") from None
+                         "kernels.fused_slices=false runs one call per slice)") from None
     return True
 
 
 def build_policy(config: PretrainedConfig, source, base: str, device: torch.device, dtype: torch.dtype,
                  rank: int, alpha: float, targets: list[str], seed: int, model_path: str,
                  gradient_checkpointing: bool = False, engine_views: dict | None = None,
-                 engine_embeddings: dict | None = None) -> Policy:
+                 engine_embeddings: dict | None = None, fused_slices: bool = True) -> Policy:
     """Skeleton → materialised base (bf16 / fp8 / shared) → LoRA on `targets` → Policy.
 
     `engine_views` / `engine_embeddings` (shared base): the engine's FP8 projection codes and its token
-    embedding / LM head weights, mapped zero-copy instead of loaded."""
+    embedding / LM head weights, mapped zero-copy instead of loaded. fused_slices: `kernels.fused_slices`."""
     if base not in ("bf16", "fp8", "shared"):
         raise ValueError(f"trainer.base must be bf16, fp8 or shared, got {base!r}")
     try:
@@ -259,7 +259,7 @@ def build_policy(config: PretrainedConfig, source, base: str, device: torch.devi
         materialize_params(model, source, device, dtype, skip_modules=projections, mapped=mapped)
         for param in model.parameters():
             param.requires_grad_(False)
-        install_fp8_projections(model, source, device, dtype, targets, rank, alpha, seed, engine_views)
+        install_fp8_projections(model, source, device, dtype, targets, rank, alpha, seed, engine_views, fused_slices)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise RuntimeError(f"parameters left on the meta device: {leftover[:4]}")
@@ -291,7 +291,7 @@ def load_policy(cfg, device, engine=None) -> Policy:
     policy = build_policy(load_text_config(model_dir), source, cfg.trainer.base, device, dtype, cfg.lora.rank,
                           cfg.lora.alpha, list(cfg.lora.targets), cfg.seed, model_path=str(cfg.model.path),
                           gradient_checkpointing=cfg.trainer.gradient_checkpointing, engine_views=engine_views,
-                          engine_embeddings=engine_embeddings)
+                          engine_embeddings=engine_embeddings, fused_slices=_fused_slices(cfg))
     # Saved adapters are named as this checkpoint is (a vision-language config nests the text model).
     policy.nests_text_model = (hasattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config") if dummy
                                else source.nests_text_model)
@@ -300,8 +300,15 @@ def load_policy(cfg, device, engine=None) -> Policy:
 
 
 def random_policy(config: PretrainedConfig, base: str, device, rank: int, alpha: float, targets: list[str],
-                  seed: int = 0, dtype: torch.dtype = torch.bfloat16, gradient_checkpointing: bool = False
-                  ) -> Policy:
+                  seed: int = 0, dtype: torch.dtype = torch.bfloat16, gradient_checkpointing: bool = False,
+                  fused_slices: bool = True) -> Policy:
     """A policy with seeded random base weights generated on `device` (benchmarks, GPU memory tests)."""
     return build_policy(config, RandomSource(seed), base, torch.device(device), dtype, rank, alpha, targets, seed,
-                        model_path=f"random:{config.model_type}", gradient_checkpointing=gradient_checkpointing)
+                        model_path=f"random:{config.model_type}", gradient_checkpointing=gradient_checkpointing,
+                        fused_slices=fused_slices)
+
+
+def _fused_slices(cfg) -> bool:
+    """`kernels.fused_slices` (tests may pass a bare namespace without the section: the default)."""
+    kernels = getattr(cfg, "kernels", None)
+    return True if kernels is None else bool(kernels.fused_slices)

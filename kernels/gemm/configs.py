@@ -1,6 +1,6 @@
 """Tile configurations of the weight-stationary W8A16 GEMM and its fixed K chunking.
 
-Configs come from `ws_configs.json` (committed; written by scripts/tune_w8a16.py from timings on the H200),
+Configs come from `ws_configs_tma.json` (committed; written by scripts/tune_w8a16.py from timings on the H200),
 per op ("fwd": y = x·Wᵀ, "dx": dX = dY·W), per shape `"N×K"` (or "default") and per M bucket (the first
 bucket bound ≥ M). No autotuning at run time. Configs may differ between buckets only in what does not
 change a single output element's arithmetic: tokens are wgmma's N dimension and weight rows its M dimension,
@@ -15,21 +15,16 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-import os
 from pathlib import Path
 
 from .._dispatch import check_reduction
 from .._host import cdiv
 
-TABLE_PATH = Path(__file__).with_name("ws_configs.json")
-TABLE_ENV = "EPIRL_WS_CONFIGS"  # alternative table (the tuning script's own output, before committing it)
-TMA_TABLE_PATH = Path(__file__).with_name("ws_configs_tma.json")  # the tuned table with TMA-load entries
-TMA_ENV = "EPIRL_WS_TMA"  # "0": no TMA-load kernel (ws_tma.py): the pointer-only TABLE_PATH, tma entries refused
+TMA_TABLE_PATH = Path(__file__).with_name("ws_configs_tma.json")  # the tuned table (pointer, TMA and Gluon entries)
+TABLE_PATH = TMA_TABLE_PATH  # (the one table)
 CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
-# a config's "tma": absent / false (pointer loads), true (x and the codes through descriptors), "x" (x alone)
-TMA_VARIANTS = (False, True, "x")
-# Tiles whose TMA-load twins (x and the codes through descriptors, and x alone: `ws_tma.py`) the tuner offers.
-# Triton 3.6 miscompiles both twins for some compiles: wrong values in 0.1-84 % of the outputs (BENCHMARKS.md
+# Tiles whose TMA-load twins (x and the codes through descriptors: `ws_tma.py`) the tuner offers.
+# Triton 3.6 miscompiles the twin for some compiles: wrong values in 0.1-84 % of the outputs (BENCHMARKS.md
 # § Kernels, 2026-12-01/02; the cases are listed in ws_tma.py). The tuner keeps a twin only where it gave the pointer
 # kernel's bits (twice), and every table TMA call is checked against the pointer kernel on its first call per key and
 # again every `ws_tma.RECHECK_EVERY` calls. The 4-stage 128x256x64 twin is no longer offered: it gave wrong tiles far
@@ -37,17 +32,6 @@ TMA_VARIANTS = (False, True, "x")
 # 0-4096, and a first-call fallback on the Qwen3-8B down forward in a training step), for 1-4 % of speed; its two
 # table rows now use 3 stages.
 TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4)})
-
-
-def tma_enabled() -> bool:
-    """The TMA table and its kernel, unless EPIRL_WS_TMA=0 (or `trainer.w8a16_tma=false`)."""
-    return os.environ.get(TMA_ENV, "1") != "0"
-
-
-def set_tma(enabled: bool) -> None:
-    """EPIRL_WS_TMA for this process (`trainer.w8a16_tma`): the next table load follows it."""
-    os.environ[TMA_ENV] = "1" if enabled else "0"
-    load_table.cache_clear()
 
 
 def tile_of(cfg: dict) -> tuple:
@@ -107,16 +91,23 @@ def _xa_chunking(N: int, K: int, target_programs: int, min_chunks: int, xa_chunk
 def _gluon_config_ok(g) -> bool:
     """A table entry's "gluon" (the warp-specialized forward or dX, `ws_gluon.py`): its tokens per tile, k-step depth
     and ring depth; the entry's other fields stay the config of the Triton kernels that run where Gluon cannot."""
-    flags = ("A_SMEM", "LORA_RING", "PERSISTENT")
+    flags = ("LORA_RING", "PERSISTENT")
     return (isinstance(g, dict) and set(g) <= {"BM", "BK", "num_stages", "GROUP_N", *flags}
             and g.get("BM") in (128, 256) and g.get("BK") in (32, 64, 128) and isinstance(g.get("num_stages"), int)
             and 2 <= g["num_stages"] <= 8 and isinstance(g.get("GROUP_N", 8), int) and g.get("GROUP_N", 8) >= 1
             and all(isinstance(g.get(f, False), bool) for f in flags))
 
 
+def table_path(table: str | None = None) -> str:
+    """The tile table a call uses: `table` if given (the tuner's output before it is committed), else the committed
+    one."""
+    return str(table or TMA_TABLE_PATH)
+
+
 @functools.lru_cache(maxsize=4)
 def load_table(path: str | None = None) -> dict:
-    path = path or os.environ.get(TABLE_ENV) or str(TMA_TABLE_PATH if tma_enabled() else TABLE_PATH)
+    """The table at `path` (default: the committed one), validated."""
+    path = str(path or TMA_TABLE_PATH)
     try:
         with open(path) as f:
             table = json.load(f)
@@ -126,23 +117,15 @@ def load_table(path: str | None = None) -> dict:
         if "default" not in table.get(op, {}):
             raise RuntimeError(f"W8A16 tile table {path}: missing {op}.default")
     bad = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
-           for bound, cfg in row.items() if cfg.get("tma", False) not in TMA_VARIANTS
-           or not isinstance(cfg.get("flatten", False), bool)]
+           for bound, cfg in row.items() if not isinstance(cfg.get("tma", False), bool)]
     if bad:
-        raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}: tma must be one of true, false, \"x\" and flatten "
-                           f"true or false")
+        raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}: tma must be true or false")
     bad = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
            for bound, cfg in row.items() if "gluon" in cfg and not _gluon_config_ok(cfg["gluon"])]
     if bad:
         raise RuntimeError(f"W8A16 tile table {path}: {bad[0]}.gluon: an entry's Gluon config is "
                            f"{{\"BM\": 128 or 256, \"BK\": 32, 64 or 128, \"num_stages\": 2-8}} (and optionally "
-                           f"\"GROUP_N\" ≥ 1, \"A_SMEM\", \"LORA_RING\", \"PERSISTENT\" true or false)")
-    if not tma_enabled():
-        tma = [f"{op}.{shape}.{bound}" for op in ("fwd", "dx") for shape, row in table[op].items()
-               for bound, cfg in row.items() if cfg.get("tma")]
-        if tma:
-            raise RuntimeError(f"W8A16 tile table {path}: {tma[0]} selects TMA loads, which {TMA_ENV}=0 turned "
-                               f"off; unset it (or set {TMA_ENV}=1) to allow them, or use a pointer-only table")
+                           f"\"GROUP_N\" ≥ 1, \"LORA_RING\", \"PERSISTENT\" true or false)")
     return table
 
 
@@ -164,14 +147,40 @@ def _sorted_row(table: dict, op: str, shape: str) -> tuple[list[int], list[dict]
     return row
 
 
-def ws_config(op: str, N: int, K: int, M: int) -> dict:
-    """The tile config for this call: the (op, shape) row (else the op's default), first bucket ≥ M (beyond the last
-    bound, the largest bucket's)."""
-    bounds, cfgs = _sorted_row(load_table(), op, f"{N}x{K}")
+def lookup(path: str, op: str, N: int, K: int, M: int) -> dict:
+    """The tile config of the table at `path` for this call: the (op, shape) row (else the op's default), first bucket
+    ≥ M (beyond the last bound, the largest bucket's)."""
+    bounds, cfgs = _sorted_row(load_table(path), op, f"{N}x{K}")
     return cfgs[min(bisect.bisect_left(bounds, M), len(cfgs) - 1)]
 
 
-def buckets() -> list[int]:
+def ws_config(op: str, N: int, K: int, M: int, table: str | None = None) -> dict:
+    """The config of this call in the committed table (or in `table`, `plan.KernelSettings.table`)."""
+    return lookup(table_path(table), op, N, K, M)
+
+
+def buckets(path: str | None = None) -> list[int]:
     """Every bucket bound used anywhere in the table (tests run one M in each)."""
-    table = load_table()
+    table = load_table(path)
     return sorted({int(b) for op in ("fwd", "dx") for row in table[op].values() for b in row})
+
+
+def whole_k(K: int) -> tuple[int, int]:
+    """One chunk (one accumulator): for dX, which need not be batch invariant (measured 1.3-1.45x faster
+    than the forward's chunking at 4096 tokens on the H200, scripts/tune_w8a16.py)."""
+    check_reduction(K)
+    return cdiv(K, CHUNK_ALIGN) * CHUNK_ALIGN, 1
+
+
+GLUON_BN = 128  # weight rows of a Gluon tile: two consumer warpgroups of 64 (`ws_gluon.BN`)
+SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 CTA may use
+
+
+def shared_bytes(cfg: dict, br: int, ring: bool) -> int:
+    """Shared memory the Gluon kernel allocates in config cfg (bf16 x) with a LoRA of padded rank br, its tiles or
+    (ring) its B ring, plus 1 KiB for the barriers and alignment: at least what ptxas reports (a CPU test compiles
+    it)."""
+    BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
+    lora = stages * GLUON_BN * 64 * 2 if ring else (BM + GLUON_BN) * br * 2
+    widened = 4 * 64 * BK * 2 if cfg.get("A_SMEM") else 0  # the widened codes' buffers (`ws_gluon._step_smem_a`)
+    return stages * (GLUON_BN * BK + BM * BK * 2) + lora + widened + 1024

@@ -11,7 +11,7 @@ A CUtensorMap is a pure function of what the key below holds: the base address, 
 padding and TF32 flags, and the kernel's descriptor metadata (box, swizzle, element type and size; one dict per
 compiled kernel and argument, kept alive by it, compared by identity). So returning the map encoded for an equal key
 gives the kernel the bytes a fresh encode would. `install()` wraps the driver's function once per process (guarded:
-an unknown Triton layout leaves it alone); `EPIRL_TMA_DESC_CACHE=0` turns it off.
+an unknown Triton layout leaves it alone).
 
 Measured on the H200 (BENCHMARKS.md, fifteenth session): the TMA forward's host time per call 148.7 -> 93.6 µs;
 the Qwen3-8B training step 1.2 % shorter on average over four runs each way, within the noise of single runs.
@@ -19,9 +19,7 @@ the Qwen3-8B training step 1.2 % shorter on average over four runs each way, wit
 
 from __future__ import annotations
 
-import os
 
-CACHE_ENV = "EPIRL_TMA_DESC_CACHE"
 MAX_ENTRIES = 4096  # a Qwen3-8B step uses a few hundred distinct (address, shape) pairs; cleared when full
 _installed = False
 
@@ -63,8 +61,6 @@ def install() -> bool:
     global _installed
     if _installed:
         return True
-    if os.environ.get(CACHE_ENV, "1") == "0":
-        return False
     try:
         from triton.backends.nvidia import driver
     except ImportError:

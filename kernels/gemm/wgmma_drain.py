@@ -24,14 +24,12 @@ every affected kernel's Triton cache key, so a binary built with the pass is nev
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 
 import triton
 import triton.language as tl
 
-DRAIN_ENV = "EPIRL_WGMMA_DRAIN"  # "auto" (default): on for Triton < 3.9; "1": always; "0": never (A/B timing)
 # the Triton kernels that feed widened codes to a register-A wgmma (the Gluon forward synchronizes itself)
 KERNELS = ("_ws_single_kernel", "_ws_tma_kernel", "_ws_partial_kernel", "_ws_ticket_kernel")
 FIXED_IN = (3, 9)  # first Triton release measured free of the race (SASS and H200)
@@ -43,13 +41,8 @@ def _triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def drain_wanted(setting: str | None = None, version: tuple[int, int] | None = None) -> bool:
-    """Whether the pass runs in this process: EPIRL_WGMMA_DRAIN (or `setting`) against the Triton version."""
-    setting = (os.environ.get(DRAIN_ENV, "auto") if setting is None else setting).strip().lower()
-    if setting not in ("auto", "0", "1"):
-        raise ValueError(f"{DRAIN_ENV}={setting!r}: expected auto, 0 or 1")
-    if setting != "auto":
-        return setting == "1"
+def drain_wanted(version: tuple[int, int] | None = None) -> bool:
+    """Whether the pass runs in this process: on a Triton older than the first release without the race."""
     return (version or _triton_version()) < FIXED_IN
 
 

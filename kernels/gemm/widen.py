@@ -31,9 +31,8 @@ import triton.language as tl
 from . import wgmma_drain
 from .wgmma_drain import DRAIN as WGMMA_DRAIN
 
-WIDEN_ENV = "EPIRL_WIDEN"  # "cvt": Triton's conversion instructions instead (read at import; for A/B timing)
 # Triton's CPU interpreter runs no PTX: there every caller takes `.to` (scripts that launch with DOT_F32=False too)
-PTX_WIDEN = tl.constexpr(os.environ.get(WIDEN_ENV, "ptx") != "cvt" and os.environ.get("TRITON_INTERPRET", "0") != "1")
+PTX_WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 # Register recipe for 2 codes b0, b1 (byte i = element i): lanes [int16(b1), int16(b0)] (PRMT selector nibble 8 | i
 # replicates byte i's sign bit), << 4 puts the 7 magnitude bits at bf16 bits 4..10 and a sign copy at 11..15, & 0x87f0
@@ -55,8 +54,7 @@ if os.environ.get("TRITON_INTERPRET", "0") != "1":
 @triton.jit
 def widen_e4m3(w):
     """bf16 of an e4m3 tile (any layout), bitwise `w.to(tl.bfloat16)` for every finite code. Other dtypes (a bf16
-    LoRA A in the weight operand's place), Triton's CPU interpreter (it runs no PTX) and EPIRL_WIDEN=cvt take
-    `.to(tl.bfloat16)`."""
+    LoRA A in the weight operand's place) and Triton's CPU interpreter (it runs no PTX) take `.to(tl.bfloat16)`."""
     if WGMMA_DRAIN:  # no code: naming the flag puts wgmma_drain's PTX pass into every caller's Triton cache key
         pass
     if (w.dtype == tl.float8e4nv) and PTX_WIDEN:

@@ -27,8 +27,8 @@ and xa through TMA, B as wgmma's shared-memory operand -, bias, round): the poin
 total; at BM = 256 the total spills at chunk ends only.
 
 Used where a table entry carries "gluon" (the many-token bucket of the forward and of dX;
-`weight_stationary._gluon_gemm`, checked per key like a TMA entry), off with EPIRL_WS_GLUON=0; on an API this Triton
-lacks it warns once and the Triton kernels run. Gluon is Triton's experimental tile-level language: this module is
+`weight_stationary._gluon_gemm`, checked per key like a TMA entry); on an API this Triton lacks it warns once and the
+Triton kernels run. Gluon is Triton's experimental tile-level language: this module is
 imported only on such a CUDA call.
 
 dX (W_T; w = `codes.t()`, B = the LoRA Aᵀ): the same kernel with the codes and B read transposed - `[BK, 64]` TMA
@@ -43,7 +43,8 @@ of two bf16 buffers of its own and issues a wgmma that reads both operands from 
 fence and the partition's named barrier between the stores and the wgmma); no register of an in-flight wgmma exists to
 be overwritten, and dX loses its byte loads. Bitwise the pointer kernel's and 0 wrong calls in 2 x 300 per shape on
 the H200 (`race_count.py --gluon`), but 1-8 % slower than the register form at BM 256 (3 stages fit, not 4), and far
-slower at BM 128, so the tuner picked it for no entry.
+slower at BM 128, so no table may select it (`configs.load_table` refuses it); the kernel keeps the parameter for the
+SASS reports of scripts/sass_report.py and scripts/probe_gluon_fwd.py.
 
 LORA_RING (a config's "LORA_RING": true; forward and dX, BK = 64): the LoRA ranks come through the k-step ring after
 the last k-step, 64 a step (xa's columns into the x buffer, B's into a B ring), into one accumulator from zero - the
@@ -73,6 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._host import cdiv
+from .configs import SMEM_LIMIT, shared_bytes  # noqa: F401  (the pre-launch shared-memory check, also plan.py's)
 from .tma_desc_cache import install as install_descriptor_cache
 from .widen import _WIDEN_ASM
 from .ws_tma import _aligned  # row-major, 16-byte aligned base and rows: TMA's rules
@@ -487,7 +489,6 @@ def _shared_layout(block: tuple, dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
-SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 CTA may use
 
 
 @functools.lru_cache(maxsize=8)
@@ -534,15 +535,6 @@ def gluon_ok(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: in
             and row_major(w) and y.stride(1) == 1 and (xa is None or (_aligned(xa) and row_major(lora_b)))
             and k_chunk * n_chunks == x.shape[1] and k_chunk % (2 * BK) == 0 and BM in (128, 256)
             and shared_bytes(cfg, br, ring) <= SMEM_LIMIT)
-
-
-def shared_bytes(cfg: dict, br: int, ring: bool) -> int:
-    """Shared memory the kernel allocates in config cfg (bf16 x) with a LoRA of padded rank br, its tiles or (ring)
-    its B ring, plus 1 KiB for the barriers and alignment: at least what ptxas reports (a CPU test compiles it)."""
-    BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
-    lora = stages * BN * 64 * 2 if ring else (BM + BN) * br * 2
-    widened = 4 * 64 * BK * 2 if cfg.get("A_SMEM") else 0  # the widened codes' buffers (`_step_smem_a`)
-    return stages * (BN * BK + BM * BK * 2) + lora + widened + 1024
 
 
 def fitting_config(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, br: int) -> dict | None:

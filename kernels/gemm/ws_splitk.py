@@ -18,13 +18,11 @@ One kernel, two roles (DOWN):
   once behind it.
 Counters live in a per-(device, stream, role) int32 workspace that starts zeroed and that every use leaves zeroed
 (CUDA-graph replays included); two kernels of one role never overlap on a stream (only the base kernel is launched
-as a PDL dependent, and of the down kernel, which has the other role). `EPIRL_WS_TICKET=0` restores the two-launch
-path (for A/B timing).
+as a PDL dependent, and of the down kernel, which has the other role). The two-launch path remains only for the
+down-projection fused into split-K, where no PDL pair runs it first (`plan`'s `ws_split`).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -33,14 +31,8 @@ import triton.language as tl
 from .._host import cdiv
 from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile_of
 
-TICKET_ENV = "EPIRL_WS_TICKET"
 COUNTER_SLOTS = 1 << 16  # tiles per launch the workspace holds before it grows (decode: <= 1536 base tiles)
 _COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def ticket_enabled() -> bool:
-    """One-launch split-K (this module) unless EPIRL_WS_TICKET=0."""
-    return os.environ.get(TICKET_ENV, "1") != "0"
 
 
 def _counters(device: torch.device, role: str, slots: int) -> torch.Tensor:

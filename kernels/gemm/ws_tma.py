@@ -15,8 +15,9 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
-Two variants (the table's `"tma"`): True, x and the codes through descriptors; "x", x alone (the codes by pointers,
-cp.async, as the pointer kernel loads them).
+Two variants: x and the codes through descriptors (the table's `"tma": true`); x alone (W_TMA=False, the codes by
+pointers as the pointer kernel loads them), which no table may select (wrong on some dX and bias compiles, below) and
+which remains here, with SYNC_K and FLATTEN, only for the probes of scripts/sass_report.py and scripts/tma_chunk_probe.py.
 
 Status (H200, triton 3.6, BENCHMARKS.md § Kernels): 1.03-1.42x faster than the pointer kernel at 4096 tokens (it
 holds no per-element address or mask tensors; q3_qkv forward 590 -> 409 µs at 128x256 tiles; Qwen3-8B trainer step
@@ -28,10 +29,9 @@ rule found so far says which (scripts/tma_chunk_probe.py):
   warp still copying a stage into registers when the next TMA load overwrites it), but it costs 1.1-10x the time.
 - "x": exact on every forward of the probe, those above included, yet wrong on dX at 128x256x64 (every run) and on
   the gate_up forward at 128x256x64 / 4 stages once compiled with a bias (84 % of the outputs).
-So the kernel is the default where the tuner found it exact (`ws_configs_tma.json`; EPIRL_WS_TMA=0 turns it off and
-loads the pointer-only `ws_configs.json`), and every table TMA call is verified at run time on the user's own Triton
-and GPU: bitwise against the pointer kernel on its first call per (op, shape, tile, variant, flattening, LoRA, bias,
-M's power of two), and again every RECHECK_EVERY calls (`checked_tma_single`); a difference warns and moves that key to the
+So the kernel runs where the tuner found it exact (`ws_configs_tma.json`), and every table TMA call is verified at run
+time on the user's own Triton and GPU: bitwise against the pointer kernel on its first call per (op, shape, tile, LoRA,
+bias, M's power of two), and again every RECHECK_EVERY calls (`checked_tma_single`); a difference warns and moves that key to the
 pointer kernel for the process.
 """
 
@@ -158,7 +158,7 @@ RECHECK_EVERY = 1024
 
 
 def checked_tma_single(key: tuple, y: torch.Tensor, run_tma, run_pointer,
-                       kernel: str = "TMA kernel (EPIRL_WS_TMA=0 turns it off)") -> torch.Tensor:
+                       kernel: str = "TMA kernel") -> torch.Tensor:
     """y from the TMA kernel (`run_tma(out)`) while it gives the pointer kernel's bits (`run_pointer(out)`), else from
     the pointer kernel. A key's first call runs the pointer kernel once and the TMA kernel twice (the miscompiles
     seen were races: a different count each run) and compares their bits; every RECHECK_EVERY-th call runs the

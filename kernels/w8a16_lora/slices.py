@@ -20,30 +20,23 @@ instead of S and the fused layer's better-shaped GEMM.
 Measured on the H200 (BENCHMARKS.md, fifteenth session), for the layers of `epirl.model.loading.ONE_CALL_LAYERS`
 (qkv_proj only: gate_up_proj as one call was slower): the qkv layer at one token 19.6 µs against 29.9 per slice; in
 training 0.92x bf16 against 1.15x; the matched engine's TPOT 4.80 / 5.95 ms at batch 1 / 32 against 5.24 / 6.82. So
-it is the default; EPIRL_FUSED_SLICES=0 (`trainer.fused_slices=false`) runs one call per slice. The engine's fused
-layers and the trainer's module groups read the same switch, which must not change while an engine and a trainer
-share a process.
+it is the default; `kernels.fused_slices: false` runs one call per slice. The engine gets the setting through its
+`EngineSpec` (epirl/engine/spec.py) and the trainer where it groups its modules (`epirl.model.loading`); both must make
+the same call.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
-SLICES_ENV = "EPIRL_FUSED_SLICES"
-
 
 def fused_slices_enabled() -> bool:
-    """Whether the fused layers of ONE_CALL_LAYERS run as one call (the default) rather than one call per slice
-    (EPIRL_FUSED_SLICES=0)."""
-    return os.environ.get(SLICES_ENV, "1") != "0"
-
-
-def set_fused_slices(on: bool) -> None:
-    """EPIRL_FUSED_SLICES for this process (`trainer.fused_slices`), before any engine or trainer layer runs."""
-    os.environ[SLICES_ENV] = "1" if on else "0"
+    """True: a module that belongs to a slice group runs the group's one call. The setting itself
+    (`kernels.fused_slices`) acts where the trainer forms the groups (`epirl.model.loading.group_fused_layer`) and
+    where the engine builds its layers; kept for `lora_linear/module.py`, which still asks."""
+    return True
 
 
 def sliced_lora_shapes(lora_a: Sequence, lora_b: Sequence, widths: Sequence[int]) -> tuple[int, int] | None:

@@ -18,10 +18,11 @@ prepare = prepare_operands  # the names w8a8_lora imports (unchanged numerics fo
 lora_down = lora_down_split
 
 
-def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None, return_xa=False, out=None):
+def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None, return_xa=False, out=None,
+               settings=None):
     x2, a, b, bias = prepare_operands(x, codes, lora_a, lora_b, bias)
     res = weight_stationary_gemm(x2, codes, x.dtype, w_scale=scale.float().reshape(1), lora_a=a, lora_b=b,
-                                 lora_scale=lora_scale, bias=bias, return_xa=return_xa, out=out)
+                                 lora_scale=lora_scale, bias=bias, return_xa=return_xa, out=out, settings=settings)
     y, xa = res if return_xa else (res, None)
     if out is None:
         y = y.reshape(*x.shape[:-1], codes.shape[0])

@@ -46,7 +46,7 @@ def bucket_of(M: int, buckets: Sequence[int] = BUCKETS) -> int:
 
 def timed_buckets(handed_over_from: int | None, buckets: Sequence[int] = BUCKETS) -> tuple[int, ...]:
     """The buckets worth timing when batches of `handed_over_from` tokens and more never reach the dispatch
-    (they take vLLM's own LoRA path, EPIRL_SERVING_VLLM_FROM): up to the bucket holding one token fewer."""
+    (they take vLLM's own LoRA path, `kernels.serving_vllm_from`): up to the bucket holding one token fewer."""
     if handed_over_from is None:
         return tuple(buckets)
     top = bucket_of(max(handed_over_from - 1, 1), buckets)

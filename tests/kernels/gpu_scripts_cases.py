@@ -64,11 +64,11 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     tune.DX_BUCKETS = {tune.BIG: ([40], small)}
     tune.SHAPES, tune.EXTRA_SHAPES = [("tiny", 512, 96)], []
     out = tmp / "ws.json"
-    tune.TMA_TUNER_TILES = frozenset({(64, 32, 64, 4, 2)})  # the tile whose flattened twins are timed
     # twins of these tiny tiles too; the many-token bucket timed at 32 tokens instead of its 40 (not 24: there the
     # interpreter's fp32 numpy dots of a zero-padded 32-row tile and of two 16-row tiles round differently, so the
     # tuner's bit check drops the BM 32 tiles; on the GPU every tile gives the same bits, test_gpu_kernels.py)
-    sys.argv = ["tune_w8a16.py", "--tma", "--tma-all", "--flatten", "--gluon", "--big-tokens", "32", "--out", str(out)]
+    sys.argv = ["tune_w8a16.py", "--tma", "--tma-all", "--gluon", "--big-tokens", "32", "--out", str(out),
+                "--start", str(tmp / "start.json")]
     # the table in effect gives the shape's many-token entry a Gluon forward; --gluon cannot time it here (no GPU), so
     # it stays
     from epirl.kernels.gemm import configs
@@ -76,27 +76,20 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
     gluon = {"BM": 256, "BK": 64, "num_stages": 4}
     start["fwd"]["96x512"] = {str(tune.BIG): dict(small[0], gluon=gluon)}
     (tmp / "start.json").write_text(json.dumps(start))
-    os.environ[configs.TABLE_ENV] = str(tmp / "start.json")
-    configs.load_table.cache_clear()
     text = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(text):
-            tune.main()
-    finally:
-        del os.environ[configs.TABLE_ENV]
-        configs.load_table.cache_clear()
+    with contextlib.redirect_stdout(text):
+        tune.main()
     table = json.loads(out.read_text())
     row = table["fwd"]["96x512"]
     assert set(row) == {"256", str(tune.BIG)} and "512x96" in table["dx"], table
     assert row[str(tune.BIG)]["gluon"] == gluon and "gluon" not in row["256"], row
     assert not any("gluon" in c for c in small), small  # the candidates themselves untouched
     log = json.loads((tmp / "ws_log.json").read_text())["log"]
-    # 3 (op, bucket) x 6 candidates (2 tiles x pointer / TMA / TMA with only x through a descriptor), and on the
-    # chunked forward's many-token bucket (K = 512: 2 chunks) the flattened twins of the 64/32 tile's 3
+    # 3 (op, bucket) x 4 candidates (2 tiles x pointer / TMA)
     timed = [e["config"] for e in log if "us" in e and "config" in e]
-    assert len(timed) == 3 * 6 + 3 and sum(c.get("flatten", False) for c in timed) == 3, log
+    assert len(timed) == 3 * 4, log
     assert {e["tokens"] for e in log if "us" in e and e.get("bucket") == tune.BIG} == {32}, log
-    assert sum(c.get("tma") is True for c in timed) == sum(c.get("tma") == "x" for c in timed) == 3 * 2 + 1, log
+    assert sum(c.get("tma") is True for c in timed) == 3 * 2, log
     assert "BITS DIFFER" not in text.getvalue() and "| tiny | dx |" in text.getvalue(), text.getvalue()
     # where --gluon timed the Gluon kernel: its winner replaces the entry's, None drops it, no key keeps the old one
     old, base = {"BN": 1, "gluon": gluon}, {"BN": 2}
@@ -117,21 +110,16 @@ def case_tune_gluon_only_keeps_the_tables_tiles(tmp):
     tune.SHAPES, tune.EXTRA_SHAPES = [("tiny", 512, 96)], []
     from epirl.kernels.gemm import configs
     start = json.loads(configs.TMA_TABLE_PATH.read_text())
-    gluon = {"BM": 256, "BK": 64, "num_stages": 3, "A_SMEM": True}
+    gluon = {"BM": 256, "BK": 64, "num_stages": 3, "LORA_RING": True}
     start["fwd"]["96x512"] = {"256": small[0], str(tune.BIG): dict(small[1], gluon=gluon)}
     start["dx"]["512x96"] = {str(tune.BIG): small[0]}
     (tmp / "start.json").write_text(json.dumps(start))
     out = tmp / "ws.json"
-    sys.argv = ["tune_w8a16.py", "--gluon-only", "--big-tokens", "32", "--out", str(out)]
-    os.environ[configs.TABLE_ENV] = str(tmp / "start.json")
-    configs.load_table.cache_clear()
+    sys.argv = ["tune_w8a16.py", "--gluon-only", "--big-tokens", "32", "--out", str(out), "--start",
+                str(tmp / "start.json")]
     text = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(text):
-            tune.main()
-    finally:
-        del os.environ[configs.TABLE_ENV]
-        configs.load_table.cache_clear()
+    with contextlib.redirect_stdout(text):
+        tune.main()
     table = json.loads(out.read_text())
     # no GPU here: the Gluon configs cannot run, so each entry keeps its "gluon" (or its absence)
     assert table["fwd"]["96x512"] == start["fwd"]["96x512"], table["fwd"]["96x512"]

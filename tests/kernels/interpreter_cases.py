@@ -99,11 +99,13 @@ def case_split_k_equals_single_pass():
     assert close_bf16(single, w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
 
 
-def case_one_launch_split_k_equals_two_launch():
+def case_one_launch_split_k_equals_single_pass():
     # ws_splitk: each tile's last-arriving program adds the chunk partials in chunk order and runs the epilogue; the
-    # same bits as the partial + reduce kernels (EPIRL_WS_TICKET=0), for the base GEMM (ragged: 3 chunks, the last
-    # short; 21 tokens over two token tiles; with and without LoRA / bias) and for lora_down; counters left at zero
-    from epirl.kernels.gemm import ws_splitk
+    # same bits as the single pass, for the base GEMM (ragged: 3 chunks, the last short; 21 tokens over two token
+    # tiles; with and without LoRA / bias) and for lora_down (against its one pass per token tile); counters left at
+    # zero
+    from epirl.kernels.gemm import weight_stationary as ws, ws_splitk
+    from epirl.kernels.gemm.configs import xa_chunking
     x, codes, scale, a, b, bias = problem(21, 600, 90, 8, seed=12)
     assert k_chunking(90, 600)[1] == 3
     cfg = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
@@ -113,13 +115,10 @@ def case_one_launch_split_k_equals_two_launch():
     got.append(lora_down(x, a, chunk_n=90))
     x_train = torch.randn(130, 600, dtype=torch.bfloat16)  # above the decode buckets: lora_down is one launch there too
     got.append(lora_down(x_train, a, chunk_n=90))
-    os.environ[ws_splitk.TICKET_ENV] = "0"
-    try:
-        want = [weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, **kw) for kw in calls]
-        want.append(lora_down(x, a, chunk_n=90))
-        want.append(lora_down(x_train, a, chunk_n=90))
-    finally:
-        os.environ.pop(ws_splitk.TICKET_ENV)
+    want = [weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **kw) for kw in calls]
+    xa_chunk, _, n_xa = xa_chunking(90, 600)
+    for xi in (x, x_train):
+        want.append(ws._down_single_pass(xi, a, torch.empty(xi.shape[0], 8, dtype=xi.dtype), xa_chunk, n_xa, 64))
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), i
     assert close_bf16(got[1], w8a16_lora(x, codes, scale, a, b, 0.7, bias, backend="reference"))
@@ -135,21 +134,6 @@ def case_one_launch_split_k_equals_two_launch():
         # the base launch as the GPU's PDL decode path makes it for a one-chunk layer (without the PDL wait here)
         got = ws_splitk.launch_ticket(x, codes, torch.empty_like(want), 90, 512, 1, cfg, br=16, dot_f32=True, **kw)
         assert torch.equal(got, want)
-
-
-def case_flattened_chunk_loop_equals_nested():
-    # FLATTEN (one pipelined loop over every chunk's k-steps) runs the same adds in the same order: same bits, for the
-    # pointer kernel and both TMA variants, over 2 chunks with a ragged last one
-    import epirl.kernels.gemm.configs as configs
-    x, codes, scale, a, b, bias = problem(21, 330, 150, 8, seed=6)
-    assert configs.k_chunking(150, 330) == (256, 2)
-    args = dict(w_scale=scale, xa=lora_down(x, a, chunk_n=150), lora_b=b, lora_scale=0.7, bias=bias)
-    cfg = dict(BN=64, BM=16, BK=64, num_warps=4, num_stages=2, split=False)
-    want = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
-    for tma in (False, True, "x"):
-        got = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=tma, flatten=True),
-                                     allow_split=False, **args)
-        assert torch.equal(got, want), tma
 
 
 def case_nan_poisoned_out_fully_written():
@@ -186,18 +170,12 @@ def case_fused_down_split_equals_single_pass():
 
 def case_rank_tiled_down_projection():
     # r = 192 (> 128: one call per qkv layer, rank 3 x 64) is taken in 64-row tiles of A by every down-projection path:
-    # lora_down in one launch (ws_splitk) and in two (EPIRL_WS_TICKET=0), and the down partials fused into the split-K
-    # launch; each rank tile equals that slice of A computed alone, and the split path the single pass, bitwise
-    from epirl.kernels.gemm import ws_splitk
+    # lora_down in one launch (ws_splitk) and the down partials fused into the split-K launch; each rank tile equals
+    # that slice of A computed alone, and the split path the single pass, bitwise
     from epirl.kernels.gemm.weight_stationary import _down_tile_rows
     x, codes, scale, a, b, bias = problem(13, 600, 90, 192, seed=14)
     assert _down_tile_rows(192) == 64 and _down_tile_rows(128) == 128 and k_chunking(90, 600)[1] == 3
     xa = lora_down(x, a, chunk_n=90)
-    os.environ[ws_splitk.TICKET_ENV] = "0"
-    try:
-        assert torch.equal(lora_down(x, a, chunk_n=90), xa)
-    finally:
-        os.environ.pop(ws_splitk.TICKET_ENV)
     for lo in (0, 64, 128):
         assert torch.equal(xa[:, lo:lo + 64], lora_down(x, a[lo:lo + 64].contiguous(), chunk_n=90)), lo
     assert close_bf16(xa, (x.float() @ a.float().t()).bfloat16())
@@ -221,25 +199,21 @@ def cancelling_down_problem(M, r, seed, K=600):
 
 def case_single_pass_lora_down_equals_split():
     # many tokens: lora_down runs one pass per (token tile, rank tile) over every sub-chunk (no fp32 partials); the bits
-    # equal the split-K paths' (one launch and two), at 64- and 32-token tiles, rank 8 and 192 (three 64-row tiles),
+    # equal the split-K path's (one launch), at 64- and 32-token tiles, rank 8 and 192 (three 64-row tiles),
     # K = 600 (3 sub-chunks, the last ragged, past K) and K = 2600 (11: the split paths sum them in three rounds of
     # loads, `_sum_parts`); on random inputs and on cancelling ones, where a different order of the sub-chunk adds
     # shows in the bits
-    from epirl.kernels.gemm import weight_stationary as ws, ws_splitk
-    saved = ws.DOWN_SINGLE_MIN_PROGRAMS
+    from epirl.kernels import plan as kplan
+    from epirl.kernels.gemm import weight_stationary as ws
+    saved = kplan.DOWN_SINGLE_MIN_PROGRAMS
     try:
         for M, r, min_programs, tile, K in ((70, 8, 1, 64, 600), (70, 8, 3, 32, 600), (45, 192, 1, 64, 600),
                                             (5, 8, 1, 64, 2600)):
             x, codes, scale, a, b, bias = problem(M, K, 90, r, seed=15)
             for xi, ai in ((x, a), cancelling_down_problem(M, r, seed=16, K=K)):
-                ws.DOWN_SINGLE_MIN_PROGRAMS = 10 ** 9
+                kplan.DOWN_SINGLE_MIN_PROGRAMS = 10 ** 9
                 split = lora_down(xi, ai, chunk_n=90)
-                os.environ[ws_splitk.TICKET_ENV] = "0"
-                try:
-                    two_launch = lora_down(xi, ai, chunk_n=90)
-                finally:
-                    os.environ.pop(ws_splitk.TICKET_ENV)
-                ws.DOWN_SINGLE_MIN_PROGRAMS = min_programs
+                kplan.DOWN_SINGLE_MIN_PROGRAMS = min_programs
                 launched = []
                 real = ws._down_single_pass
                 ws._down_single_pass = lambda *args: launched.append(args) or real(*args)
@@ -248,12 +222,12 @@ def case_single_pass_lora_down_equals_split():
                 finally:
                     ws._down_single_pass = real
                 assert len(launched) == 1, (M, r)  # the single pass ran
-                assert torch.equal(single, split) and torch.equal(single, two_launch), (M, r)
-            bm = 64 if -(-M // 64) * -(-r // ws._down_tile_rows(r)) >= min_programs else ws.DOWN_SINGLE_BM
+                assert torch.equal(single, split), (M, r)
+            bm = 64 if -(-M // 64) * -(-r // ws._down_tile_rows(r)) >= min_programs else kplan.DOWN_SINGLE_BM
             assert bm == tile, (M, r, bm)  # the tile rule as documented
             assert close_bf16(lora_down(x, a, chunk_n=90), (x.float() @ a.float().t()).bfloat16())
     finally:
-        ws.DOWN_SINGLE_MIN_PROGRAMS = saved
+        kplan.DOWN_SINGLE_MIN_PROGRAMS = saved
 
 
 def case_grouped_down_programs_equal_one_part_each():
@@ -277,20 +251,13 @@ def case_grouped_down_programs_equal_one_part_each():
             assert torch.equal(outs[0], lora_down(xi, ai, chunk_n=90)), (M, r)  # the split path lora_down takes
     # the rule: behind one-CTA-an-SM base tiles (8 warps) a down program reads about what a base program reads (bf16
     # A rows x sub-chunk vs fp8 codes); behind 4-warp tiles one sub-chunk a program
-    rule = ws.down_parts_per_program
+    from epirl.kernels.plan import down_parts_per_program as rule
     big = dict(BN=128, split=True, num_warps=8)
     assert rule(big, 12288, 3072, 4, 64, 512, 2) == 6  # q3_down: 24 sub-chunks -> 4 programs
     assert rule(dict(big, BN=64), 4096, 1024, 4, 64, 512, 2) == 1  # as long already
     assert rule(dict(big, split=False), 4096, 2048, 2, 64, 512, 2) == 8  # a single pass reads all of K
     assert rule(dict(big, num_warps=4), 12288, 3072, 4, 64, 512, 2) == 1  # q3_qkv's 4-warp tiles: as before
-    assert rule(big, 12288, 3072, 4, 64, 512, 2, device_groups=False) == 1  # a device that loses by it (H100)
-    os.environ[ws.DOWN_GROUP_ENV] = "0"
-    try:
-        assert rule(big, 12288, 3072, 4, 64, 512, 2) == 1
-        os.environ[ws.DOWN_GROUP_ENV] = "1"  # grouped on any device
-        assert rule(big, 12288, 3072, 4, 64, 512, 2, device_groups=False) == 6
-    finally:
-        os.environ.pop(ws.DOWN_GROUP_ENV)
+    assert rule(big, 12288, 3072, 4, 64, 512, 2, groups_down=False) == 1  # a device that loses by it (H100)
 
 
 def case_one_chunk_layer_fuses_down_in_sub_chunks():
@@ -322,28 +289,22 @@ def case_tma_single_pass_equals_pointer_kernel():
     for args in (dict(w_scale=scale), dict(w_scale=scale, xa=xa, lora_b=b, lora_scale=0.7, bias=bias)):
         ptr = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
         assert tma_ok(x, codes)
-        # "x": only x through a descriptor; sync: a CTA barrier per k-step; same bits
-        for extra in (dict(tma=True), dict(tma="x"), dict(tma=True, sync=True)):
-            tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, **extra), allow_split=False,
-                                         **args)
-            assert torch.equal(tma, ptr), extra
+        tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=True), allow_split=False,
+                                     **args)
+        assert torch.equal(tma, ptr)
     g = torch.randn(21, 88).bfloat16()
     cfg_dx = dict(BN=64, BM=16, BK=32, num_warps=4, num_stages=2, split=False)
     ptr = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=cfg_dx, op="dx")
     assert tma_ok(g, codes.t())
-    for mode in (True, "x"):
-        tma = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=dict(cfg_dx, tma=mode),
-                                     op="dx")
-        assert torch.equal(tma, ptr), mode
+    tma = weight_stationary_gemm(g, codes.t(), torch.bfloat16, w_scale=scale, config=dict(cfg_dx, tma=True), op="dx")
+    assert torch.equal(tma, ptr)
     assert not tma_ok(x[:, 1:], codes[:, 1:])  # unaligned rows: the caller falls back to the pointer kernel
     # a one-chunk forward (one K loop over the whole ragged K), same bits
     with one_chunk_layers() as configs:
         assert configs.k_chunking(88, 592) == (768, 1)
         ptr = weight_stationary_gemm(x, codes, torch.bfloat16, config=cfg, allow_split=False, **args)
-        for mode in (True, "x"):
-            tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=mode), allow_split=False,
-                                         **args)
-            assert torch.equal(tma, ptr), mode
+        tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=True), allow_split=False, **args)
+        assert torch.equal(tma, ptr)
     # a table selecting TMA: the call is checked against the pointer kernel on its first call, then kept
     from epirl.kernels.gemm import ws_tma
     table = json.loads(json.dumps(configs.load_table()))
@@ -352,22 +313,19 @@ def case_tma_single_pass_equals_pointer_kernel():
     path = f"/tmp/ws_tma_case_{os.getpid()}.json"
     with open(path, "w") as f:
         json.dump(table, f)
-    os.environ[configs.TABLE_ENV], os.environ[configs.TMA_ENV] = path, "1"
-    configs.load_table.cache_clear()
+    from epirl.kernels.plan import KernelSettings
+    table_run = KernelSettings(table=path)  # the settings' table (a recipe's `kernels.table`)
     try:
         x, codes, scale, a, b, bias = problem(300, 512, 136, 8, seed=4)  # 300 tokens: the many-token bucket
         args = dict(w_scale=scale, xa=lora_down(x, a, chunk_n=136), lora_b=b, lora_scale=0.7, bias=bias)
         ws_tma._CHECKED.clear()  # whatever earlier cases verified
         ws_tma._CALLS.clear()
-        got = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
+        got = weight_stationary_gemm(x, codes, torch.bfloat16, settings=table_run, **args)
         want = weight_stationary_gemm(x, codes, torch.bfloat16, config=big, allow_split=False, **args)
         assert torch.equal(got, want)
-        key = ("fwd", 136, 512, (128, 256, 64, 8, 3), True, False, True, True, 9)  # full TMA, not flattened, LoRA, bias
+        key = ("fwd", 136, 512, (128, 256, 64, 8, 3), True, True, 9)  # LoRA, bias
         assert ws_tma._CHECKED == {key: True}, ws_tma._CHECKED
     finally:
-        os.environ.pop(configs.TABLE_ENV)
-        os.environ.pop(configs.TMA_ENV)
-        configs.load_table.cache_clear()
         os.remove(path)
 
 
@@ -484,9 +442,8 @@ def case_fused_slices_group_equals_one_call():
     # independent of M; its gradients close to each slice's own backward (the reference)
     from epirl.kernels import Fp8LoRALinear, split_fused
     from epirl.kernels.lora_linear.sliced import attach_slice_group
-    from epirl.kernels.w8a16_lora.slices import SLICES_ENV, sliced_lora_operands
+    from epirl.kernels.w8a16_lora.slices import sliced_lora_operands
 
-    os.environ[SLICES_ENV] = "1"
     widths, K, r = [64, 32, 32], 160, 8
     g = torch.Generator().manual_seed(21)
     codes, scale = quantize_weight_fp8([torch.randn(w, K, generator=g) * 0.05 for w in widths], backend="reference")
@@ -515,7 +472,6 @@ def case_fused_slices_group_equals_one_call():
             assert ((m.lora_A.grad - da).norm() / da.norm()).item() < 2e-2, M
             assert ((m.lora_B.grad - db).norm() / db.norm()).item() < 2e-2, M
             m.lora_A.grad = m.lora_B.grad = None
-    os.environ[SLICES_ENV] = "0"
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

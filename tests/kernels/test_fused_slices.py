@@ -6,11 +6,17 @@ import torch
 
 from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused, w8a16_lora
 from epirl.kernels.lora_linear.sliced import attach_slice_group
-from epirl.kernels.w8a16_lora.slices import SLICES_ENV, block_views, sliced_lora_operands
+from epirl.kernels.w8a16_lora.slices import block_views, sliced_lora_operands
 from epirl.model.fp8 import Fp8Linear
 
 K, R, SIGMA = 48, 4, 2.0
 WIDTHS = [16, 8, 8]  # q, k, v
+
+
+def ungroup(modules):
+    """The modules as `kernels.fused_slices: false` leaves them: no slice group, one call each."""
+    for m in modules:
+        m.slice_group = None
 
 
 def _group(lora_slices=(True, True, True), seed=0):
@@ -42,11 +48,10 @@ def test_group_forward_is_the_engines_fused_call(monkeypatch, lora_slices):
     codes, scale, members = _group(lora_slices)
     attach_slice_group(members)
     x = torch.randn(2, 5, K, dtype=torch.bfloat16)
-    monkeypatch.setenv(SLICES_ENV, "1")
     outs = [m(x) for m in members]
     want = _engine_call(x.reshape(-1, K), codes, scale, members).reshape(2, 5, -1)
     assert torch.equal(torch.cat(outs, dim=-1), want)
-    monkeypatch.setenv(SLICES_ENV, "0")  # off: each module alone (the per-slice engine call), close to the fused one
+    ungroup(members)  # `kernels.fused_slices` off: each module alone (the per-slice engine call), close to the fused one
     alone = torch.cat([m(x) for m in members], dim=-1)
     torch.testing.assert_close(alone.float(), want.float(), rtol=2e-2, atol=2e-2)
 
@@ -79,7 +84,8 @@ def test_group_gradients_match_each_slice_alone(monkeypatch):
     gy = [torch.randn(7, w, dtype=torch.bfloat16) for w in WIDTHS]
     grads = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv(SLICES_ENV, mode)
+        if mode == "0":
+            ungroup(members)
         x.grad = None
         for m in members:
             for p in m.parameters():
@@ -95,7 +101,6 @@ def test_group_gradients_match_each_slice_alone(monkeypatch):
 def test_group_runs_once_per_input_and_again_for_a_new_one(monkeypatch):
     codes, scale, members = _group()
     group = attach_slice_group(members)
-    monkeypatch.setenv(SLICES_ENV, "1")
     calls = []
     run = group._run
     monkeypatch.setattr(group, "_run", lambda x: calls.append(1) or run(x))
@@ -123,7 +128,6 @@ def test_engine_layer_with_block_buffers_equals_the_trainer_group(monkeypatch):
 
     codes, scale, members = _group((True, False, True), seed=2)
     attach_slice_group(members)
-    monkeypatch.setenv(SLICES_ENV, "1")
     state = _LayerLoRA(WIDTHS, K, R, SIGMA, torch.bfloat16, "cpu", one_call=True)
     for m, a_buf, b_buf in zip(members, state.lora_a, state.lora_b):  # what publishing an adapter copies in place
         if isinstance(m, Fp8LoRALinear):
@@ -151,7 +155,6 @@ def test_random_policy_groups_q_k_v_not_gate_up(monkeypatch):
 
     from epirl.model import random_policy
 
-    monkeypatch.setenv(SLICES_ENV, "1")
     config = tiny_config("qwen3", 64, 1, 0)
     policy = random_policy(config, "fp8", "cpu", 4, 8.0, ["q_proj", "v_proj", "up_proj"], seed=0)
     layer = policy.model.model.layers[0]
@@ -163,7 +166,7 @@ def test_random_policy_groups_q_k_v_not_gate_up(monkeypatch):
     logprobs, _ = policy.token_logprobs(ids[:, :-1], ids[:, 1:], 1.0, 64)
     logprobs.sum().backward()
     assert q.lora_A.grad is not None and v.lora_B.grad is not None and layer.mlp.up_proj.lora_A.grad is not None
-    monkeypatch.setenv(SLICES_ENV, "0")  # the same policy, one call per module: close, not the same bits
+    ungroup([q, k, v])  # the same policy, one call per module: close, not the same bits
     policy.model.zero_grad(set_to_none=True)
     alone, _ = policy.token_logprobs(ids[:, :-1], ids[:, 1:], 1.0, 64)
     torch.testing.assert_close(alone, logprobs.detach(), rtol=0.05, atol=0.05)
@@ -176,7 +179,6 @@ def test_gradient_checkpointing_recomputes_through_the_group(monkeypatch):
 
     from epirl.model import random_policy
 
-    monkeypatch.setenv(SLICES_ENV, "1")
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
     grads = []
     for checkpointing in (False, True):
@@ -199,7 +201,6 @@ def test_the_group_computes_with_the_adapter_as_it_is_now(monkeypatch, change):
     cache keyed on it served the first step's q, k, v adapter for a whole run."""
     codes, scale, members = _group(seed=4)
     attach_slice_group(members)
-    monkeypatch.setenv(SLICES_ENV, "1")
     x = torch.randn(3, K, dtype=torch.bfloat16)
     before = torch.cat([m(x) for m in members], dim=-1)
     params = [p for m in members for p in (m.lora_A, m.lora_B)]
@@ -229,7 +230,6 @@ def test_qwen3_5_groups_attention_but_not_mlp_or_the_gated_deltanet(monkeypatch)
 
     from epirl.model import random_policy
 
-    monkeypatch.setenv(SLICES_ENV, "1")
     policy = random_policy(tiny_config("qwen3_5", 64, 1, 0), "fp8", "cpu", 4, 8.0,
                            ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z"], seed=0)
     grouped = {n.rsplit(".", 1)[-1] for n, m in policy.model.named_modules() if getattr(m, "slice_group", None)}

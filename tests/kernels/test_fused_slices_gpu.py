@@ -8,7 +8,7 @@ import torch
 
 from epirl.kernels import Fp8LoRALinear, lora_linear_backward_reference, quantize_weight_fp8, split_fused, w8a16_lora
 from epirl.kernels.lora_linear.sliced import attach_slice_group
-from epirl.kernels.w8a16_lora.slices import SLICES_ENV, sliced_lora_operands
+from epirl.kernels.w8a16_lora.slices import sliced_lora_operands
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -32,7 +32,6 @@ def fused_layer(widths, seed=0):
 
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_group_is_the_engines_one_call_at_every_bucket(layer, monkeypatch):
-    monkeypatch.setenv(SLICES_ENV, "1")
     codes, scale, members, a_cat, b_bd = fused_layer(LAYERS[layer])
     x_all = torch.randn(max(M_VALUES), K, device=DEV).bfloat16()
     full = w8a16_lora(x_all, codes, scale, a_cat, b_bd, SIGMA)
@@ -49,7 +48,6 @@ def test_group_is_the_engines_one_call_at_every_bucket(layer, monkeypatch):
 
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_group_gradients_match_each_slices_backward(layer, monkeypatch):
-    monkeypatch.setenv(SLICES_ENV, "1")
     widths = LAYERS[layer]
     codes, scale, members, *_ = fused_layer(widths, seed=1)
     x = torch.randn(4096, K, device=DEV).bfloat16().requires_grad_()
@@ -67,15 +65,19 @@ def test_group_gradients_match_each_slices_backward(layer, monkeypatch):
     assert ((x.grad.float() - dx_want).norm() / dx_want.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("switch", ["EPIRL_WS_TICKET", "EPIRL_WS_PDL"])
-def test_rank_192_down_projection_on_the_fallback_paths(switch, monkeypatch):
-    """The qkv one call's rank-192 down-projection on the paths the default skips: two launches per split-K
-    (EPIRL_WS_TICKET=0) and the down partials fused into the split-K launch (EPIRL_WS_PDL=0; also what a GPU without
-    PDL runs). Each takes A in 64-row tiles (one 256-row tile needs more shared memory than an H200 has) and gives
-    the default path's bits."""
+def test_rank_192_down_projection_without_pdl():
+    """The qkv one call's rank-192 down-projection on the path a GPU without PDL takes (the down partials fused into
+    the split-K launch; planned here for this GPU described without PDL): A in 64-row tiles (one 256-row tile needs
+    more shared memory than an H200 has) and the default path's bits."""
+    from dataclasses import replace
+
+    from epirl.kernels.gemm.weight_stationary import weight_stationary_gemm
+    from epirl.kernels.plan import describe
     codes, scale, members, a_cat, b_bd = fused_layer(LAYERS["qkv"], seed=2)
     x = torch.randn(257, K, device=DEV).bfloat16()
     want = [w8a16_lora(x[:M], codes, scale, a_cat, b_bd, SIGMA) for M in (1, 16, 257)]
-    monkeypatch.setenv(switch, "0")
+    no_pdl = replace(describe(x.device), pdl=False)
     for M, expected in zip((1, 16, 257), want):
-        assert torch.equal(w8a16_lora(x[:M], codes, scale, a_cat, b_bd, SIGMA), expected), M
+        got = weight_stationary_gemm(x[:M], codes, torch.bfloat16, w_scale=scale.float().reshape(1), lora_a=a_cat,
+                                     lora_b=b_bd, lora_scale=SIGMA, device=no_pdl)
+        assert torch.equal(got, expected), M

@@ -49,35 +49,23 @@ def test_op_names_stay_functions_after_their_subpackages_load():
         assert callable(getattr(kernels, name)), name
 
 
-def test_tma_loads_are_on_by_default_and_off_with_the_env_switch(tmp_path, monkeypatch):
-    """The TMA-load kernel (kernels/gemm/ws_tma.py) is on unless EPIRL_WS_TMA=0: on, the committed TMA table loads
-    and any table may select it; off, the pointer-only table loads and a table that selects TMA is refused."""
+def test_table_tma_values_are_checked_when_the_table_loads(tmp_path):
+    """An entry's "tma" is true (x and the codes through descriptors, kernels/gemm/ws_tma.py) or false: anything else
+    is one line naming the entry; the committed table selects TMA somewhere."""
     import json
 
-    from epirl.kernels.gemm.configs import TABLE_PATH, TMA_TABLE_PATH
+    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
 
-    table = json.loads(TABLE_PATH.read_text())
-    table["dx"]["default"]["1000000000"]["tma"] = True
+    table = json.loads(TMA_TABLE_PATH.read_text())
+    assert any(c.get("tma") for row in table["fwd"].values() for c in row.values())
+    table["dx"]["default"]["1000000000"]["tma"] = "x"  # the x-only variant was removed
     path = tmp_path / "ws_tma.json"
     path.write_text(json.dumps(table))
     load_table.cache_clear()
-    monkeypatch.setenv("EPIRL_WS_TMA", "0")
     try:
-        with pytest.raises(RuntimeError, match=r"dx\.default\.1000000000 selects TMA loads, which EPIRL_WS_TMA=0"):
+        with pytest.raises(RuntimeError, match=r"ws_tma\.json: dx\.default\.1000000000: tma must be true or false"):
             load_table(str(path))
-        assert not any(c.get("tma") for op in ("fwd", "dx") for row in load_table()[op].values() for c in row.values())
-        for on in ("1", None):  # on by default
-            load_table.cache_clear()
-            monkeypatch.setenv("EPIRL_WS_TMA", on) if on else monkeypatch.delenv("EPIRL_WS_TMA")
-            assert load_table(str(path))["dx"]["default"]["1000000000"]["tma"] is True
-            load_table.cache_clear()
-            assert load_table() == json.loads(TMA_TABLE_PATH.read_text())
-            assert any(c.get("tma") for row in load_table()["fwd"].values() for c in row.values())
-        table["dx"]["default"]["1000000000"]["tma"] = "w"  # neither variant: one line naming the entry
-        path.write_text(json.dumps(table))
-        load_table.cache_clear()
-        with pytest.raises(RuntimeError, match=r"ws_tma\.json: dx\.default\.1000000000: tma must be one of"):
-            load_table(str(path))
+        assert load_table() == json.loads(TMA_TABLE_PATH.read_text())
     finally:
         load_table.cache_clear()
 
@@ -166,8 +154,9 @@ def test_host_integer_helpers_match_triton():
     ("fwd", {"BM": 256, "BK": 64, "num_stages": 4, "GROUP_N": 0}, False),
     ("dx", {"BM": 256, "BK": 64, "num_stages": 4}, True),     # dX: the codes read transposed
     ("dx", {"BM": 64, "BK": 64, "num_stages": 4}, False),
-    ("dx", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": True}, True),  # the codes widened in shared memory
-    ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": "yes"}, False),
+    ("dx", {"BM": 128, "BK": 64, "num_stages": 4, "LORA_RING": True}, True),
+    ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "LORA_RING": "yes"}, False),
+    ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": True}, False),  # the removed shared-memory widening
 ])
 def test_table_gluon_entries_are_checked_when_the_table_loads(tmp_path, op, gluon, ok):
     """A table entry's "gluon" (the warp-specialized forward or dX, kernels/gemm/ws_gluon.py) is validated with the

@@ -180,15 +180,16 @@ def test_lora_down_same_bits_as_fused_split_path(K, N):
 
 @pytest.mark.parametrize("K,N", [(4096, 6144), (4096, 24576), (12288, 4096)])
 def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
-    """The split-K reduce launched as a programmatic dependent (PDL, default on Hopper) gives the bits of the
-    plain launch, also replayed from a CUDA graph (how the engine runs it)."""
-    from epirl.kernels.gemm.weight_stationary import PDL_ENV, split_pdl
+    """The decode path with PDL (default on Hopper: lora_down, then the base GEMM as its dependent) gives the bits of
+    the path a device without PDL takes (the down-projection fused into the partial + reduce launches), also replayed
+    from a CUDA graph (how the engine runs it)."""
+    from dataclasses import replace
+
+    from epirl.kernels.plan import describe
     x, codes, scale, a, b, bias = problem(4, K, N, 64, seed=5)
     args = dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0, bias=bias)
-    monkeypatch.setenv(PDL_ENV, "0")
-    assert not split_pdl(x)
-    plain = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
-    monkeypatch.setenv(PDL_ENV, "1")
+    assert describe(x.device).pdl
+    plain = weight_stationary_gemm(x, codes, torch.bfloat16, device=replace(describe(x.device), pdl=False), **args)
     pdl = weight_stationary_gemm(x, codes, torch.bfloat16, **args)
     assert torch.equal(pdl, plain)
     out = torch.empty_like(plain)
@@ -208,34 +209,32 @@ def test_split_k_with_pdl_same_bits_and_graph_capturable(K, N, monkeypatch):
 @pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 24576), (12288, 4096)])
 def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
     """`ws_splitk` (each tile's last-arriving program reduces the chunk partials in chunk order; the down-projection
-    likewise, as the PDL primary of the base GEMM) gives the two-launch split-K's bits at 1 / 16 / 64 tokens with and
-    without LoRA and bias (at decode with PDL the down-projection's programs each take several sub-chunks, GROUPED:
-    `down_parts_per_program`; the two-launch path takes one each) (and the down-projection alone at 4096 tokens, where
-    one pass per token tile is the default),
+    likewise, as the PDL primary of the base GEMM) gives the single pass's bits at 1 / 16 / 64 tokens with and
+    without LoRA and bias, with the down-projection's programs taking several sub-chunks each where the rule groups
+    (GROUPED, `plan.down_parts_per_program`, planned as for an H200 whatever this GPU) and one each (as for an H100),
+    (and the down-projection alone at 4096 tokens, where one pass per token tile is the default),
     also replayed five times from one CUDA graph with new inputs (the counters reset themselves), and leaves every
     counter at zero."""
+    from dataclasses import replace
+
+    from epirl.kernels import plan as kplan
     from epirl.kernels.gemm import ws_splitk
-    from epirl.kernels.gemm.weight_stationary import DOWN_GROUP_ENV
-    monkeypatch.setenv(DOWN_GROUP_ENV, "1")  # grouped wherever the rule groups, whatever this device's default
     x, codes, scale, a, b, bias = problem(64, K, N, 64, seed=31)
     calls = [dict(w_scale=scale), dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0, bias=bias)]
+    here = kplan.describe(x.device)
     for M in (1, 16, 64):
         for kw in calls:
-            monkeypatch.setenv(ws_splitk.TICKET_ENV, "0")
-            want = weight_stationary_gemm(x[:M], codes, torch.bfloat16, **kw)
-            monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
-            got = weight_stationary_gemm(x[:M], codes, torch.bfloat16, **kw)
-            assert torch.equal(got, want), (K, N, M, len(kw))
-    # a training call's down-projection: one pass per token tile (no partials), and split-K in one launch and in two
-    from epirl.kernels.gemm import weight_stationary as ws
+            want = weight_stationary_gemm(x[:M], codes, torch.bfloat16, allow_split=False, **kw)
+            for groups in (True, False):
+                got = weight_stationary_gemm(x[:M], codes, torch.bfloat16, device=replace(here, groups_down=groups),
+                                             **kw)
+                assert torch.equal(got, want), (K, N, M, len(kw), groups)
+    # a training call's down-projection: one pass per token tile (no partials), and split-K in one launch
     x_train = torch.randn(4096, K, device=DEV, dtype=torch.bfloat16)
     single = lora_down(x_train, a, chunk_n=N)
-    monkeypatch.setattr(ws, "DOWN_SINGLE_MIN_PROGRAMS", 10 ** 9)
+    monkeypatch.setattr(kplan, "DOWN_SINGLE_MIN_PROGRAMS", 10 ** 9)
     assert torch.equal(lora_down(x_train, a, chunk_n=N), single), (K, N, 4096, "one launch")
-    monkeypatch.setenv(ws_splitk.TICKET_ENV, "0")
-    assert torch.equal(lora_down(x_train, a, chunk_n=N), single), (K, N, 4096, "two launches")
-    monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
-    monkeypatch.undo()  # the default single pass again (monkeypatch restores the constant and the environment)
+    monkeypatch.undo()  # the default single pass again
     xs = x[:16].clone()
     out = torch.empty(16, N, device=DEV, dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
@@ -250,9 +249,7 @@ def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        monkeypatch.setenv(ws_splitk.TICKET_ENV, "0")
-        assert torch.equal(out, weight_stationary_gemm(xs, codes, torch.bfloat16, **calls[1])), step
-        monkeypatch.setenv(ws_splitk.TICKET_ENV, "1")
+        assert torch.equal(out, weight_stationary_gemm(xs, codes, torch.bfloat16, allow_split=False, **calls[1])), step
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for c in ws_splitk._COUNTERS.values())
 
@@ -413,8 +410,9 @@ FORCED_TMA_SHAPES = [(4096, 6144), (4096, 24576)]
 
 @pytest.mark.parametrize("K,N", TMA_TABLE_SHAPES)
 def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
-    """The committed TMA table (the default, kernels/gemm/ws_tma.py) gives the pointer-only table's bits
-    (EPIRL_WS_TMA=0), forward with LoRA + bias and dX at 4096 tokens, on every shape with TMA entries. Also (q3_qkv,
+    """The committed table (kernels/gemm/ws_tma.py, ws_gluon.py where it says) gives the bits of the same table with
+    its TMA and Gluon entries taken out (the pointer kernels), forward with LoRA + bias and dX at 4096 tokens, on every
+    shape with TMA entries. Also (q3_qkv,
     gate_up) with a table that forces the 128x256/64 TMA tile onto the shape: on the gate_up forward (one 4096-deep
     chunk) Triton 3.6 miscompiles that tile, and the first-call check must then warn and return the pointer kernel's
     result (printed: whether it fired)."""
@@ -423,21 +421,25 @@ def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
 
     from epirl.kernels.gemm import ws_tma
     from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+    from epirl.kernels.plan import KernelSettings
 
     x, codes, scale, a, b, bias = problem(4096, K, N, 64, seed=N)
     gy = torch.randn(4096, N, device=DEV).bfloat16()
 
-    def both():
-        fwd = w8a16_lora(x, codes, scale, a, b, 2.0, bias)
-        dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, op="dx")
+    def both(table):
+        settings = KernelSettings(table=table)
+        fwd = w8a16_lora(x, codes, scale, a, b, 2.0, bias, settings=settings)
+        dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, op="dx", settings=settings)
         return fwd, dx
 
-    # the TMA table under test: a tuner's output given as EPIRL_WS_CONFIGS (before it is committed), else the committed
+    # the table under test: a tuner's output named by this variable (before it is committed), else the committed one
     tma_table = os.environ.get("EPIRL_WS_CONFIGS") or str(TMA_TABLE_PATH)
-    monkeypatch.setenv("EPIRL_WS_TMA", "0")
-    monkeypatch.delenv("EPIRL_WS_CONFIGS", raising=False)  # the committed pointer-only table
-    load_table.cache_clear()
-    want = both()
+    pointer = json.loads(Path(tma_table).read_text())
+    for row in (r for op in ("fwd", "dx") for r in pointer[op].values()):
+        for cfg in row.values():
+            cfg.pop("tma", None), cfg.pop("gluon", None)
+    (tmp_path / "pointer.json").write_text(json.dumps(pointer))
+    want = both(str(tmp_path / "pointer.json"))
     tables = [None]
     if (K, N) in FORCED_TMA_SHAPES:
         forced = json.loads(Path(tma_table).read_text())
@@ -446,19 +448,16 @@ def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
         forced["dx"][f"{K}x{N}"]["1000000000"] = tile
         (tmp_path / "forced.json").write_text(json.dumps(forced))
         tables.append(str(tmp_path / "forced.json"))
-    monkeypatch.setenv("EPIRL_WS_TMA", "1")
     try:
         for table in tables:
-            monkeypatch.setenv("EPIRL_WS_CONFIGS", table or tma_table)
-            load_table.cache_clear()
             monkeypatch.setattr(ws_tma, "_CHECKED", {})
             monkeypatch.setattr(ws_tma, "_CALLS", {})
             monkeypatch.setattr(ws_tma, "RECHECK_EVERY", 3)  # calls 1 (first check) and 3 (recheck) compared
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                got = both()
-                again = both()  # after the check: the kept kernel alone
-                rechecked = both()
+                got = both(table or tma_table)
+                again = both(table or tma_table)  # after the check: the kept kernel alone
+                rechecked = both(table or tma_table)
             print(f"\n[tma] {N}x{K} table={'forced 128x256' if table else 'committed'}: checked {ws_tma._CHECKED}, "
                   f"warnings {[str(w.message)[:120] for w in caught]}")
             for g_, a_, r_, w_ in zip(got, again, rechecked, want):

@@ -95,21 +95,14 @@ def test_split_k_decode_kernels_compile_for_sm90(pdl):
 
 
 def test_down_first_decode_chain_compiles_for_sm90():
-    """The decode path with PDL when the down-projection is to compute: lora_down's reduce lets the base GEMM launch
-    and waits for the down partials; the base partial kernel waits for it only at its end (so its own dependent,
-    the reduce, may read xa); a single pass (allow_split=False) waits for xa only after its K loop."""
-    from epirl.kernels.gemm.weight_stationary import _ws_partial_kernel, _ws_single_kernel, _xa_reduce_kernel
+    """The decode path with PDL when the down-projection is to compute: a single pass (the base GEMM as lora_down's
+    dependent) waits for xa only after its K loop. (The one-launch split-K's wait: the ticket test below.)"""
+    from epirl.kernels.gemm.weight_stationary import _ws_single_kernel
     fp32 = {"part_ptr": "*fp32", "xa_part_ptr": "*fp32", "w_scale_ptr": "*fp32"}
-    reduce = _ptx(_xa_reduce_kernel, dict(BR=64, BM=32, PDL=True), fp32, 4, 1)
-    partial = _ptx(_ws_partial_kernel, dict(HAS_BASE=True, HAS_DOWN=False, DOT_F32=False, BN=64, BM=16, BK=128,
-                                            BRT=64, GROUP_N=8, LAUNCH_DEPENDENTS=True, WAIT_AT_END=True),
-                   dict(fp32, w_ptr="*fp8e4nv"), 4, 4)
     single = _ptx(_ws_single_kernel, dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BN=64,
                                           BM=16, BK=128, BR=64, GROUP_N=8, WAIT_PDL=True),
                   dict(fp32, w_ptr="*fp8e4nv"), 4, 4)
-    assert reduce.count("griddepcontrol") == 2  # launch_dependents, then wait
-    for ptx in (partial, single):
-        assert "griddepcontrol.wait" in ptx and ptx.rindex("griddepcontrol.wait") > ptx.index("wgmma.mma_async")
+    assert "griddepcontrol.wait" in single and single.rindex("griddepcontrol.wait") > single.index("wgmma.mma_async")
 
 
 @pytest.mark.parametrize("down,one_part", [(False, False), (True, False), (False, True)],

@@ -65,14 +65,11 @@ def test_uncached_kinds_and_the_size_bound(monkeypatch):
     assert len(calls) == 7
 
 
-def test_install_wraps_tritons_encoder_once_and_can_be_turned_off(monkeypatch):
+def test_install_wraps_tritons_encoder_once(monkeypatch):
     driver = pytest.importorskip("triton.backends.nvidia.driver")
     original = driver.make_tensordesc_arg
     monkeypatch.setattr(driver, "make_tensordesc_arg", original)  # restored after the test
     monkeypatch.setattr(tma_desc_cache, "_installed", False)
-    monkeypatch.setenv(tma_desc_cache.CACHE_ENV, "0")
-    assert not tma_desc_cache.install() and driver.make_tensordesc_arg is original
-    monkeypatch.setenv(tma_desc_cache.CACHE_ENV, "1")
     assert tma_desc_cache.install()
     wrapped = driver.make_tensordesc_arg
     assert wrapped is not original and wrapped.encode is getattr(original, "encode", original)

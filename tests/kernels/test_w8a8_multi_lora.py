@@ -118,7 +118,7 @@ def test_dispatch_all_candidates_failing_is_an_error(tmp_path):
 
 
 def test_buckets_handed_to_vllm_are_not_timed(monkeypatch):
-    """Batches from EPIRL_SERVING_VLLM_FROM on take vLLM's path before the dispatch is asked: the engine times only
+    """Batches from the vLLM-path threshold (`kernels.serving_vllm_from`) on take vLLM's path before the dispatch is asked: the engine times only
     the buckets below it (the 32-4096-token ones were most of the timing at engine start)."""
     from epirl.engine import serving_lora
 
@@ -128,11 +128,10 @@ def test_buckets_handed_to_vllm_are_not_timed(monkeypatch):
     assert dispatch.timed_buckets(1) == (1,)
     seen = []
     monkeypatch.setattr(dispatch, "load_or_time", lambda *args: seen.append(args[-1]) or "table")
-    monkeypatch.setitem(serving_lora._STATE, "vllm_from", 17)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H200")
     import epirl.kernels.gpu_timing as gpu_timing
     monkeypatch.setattr(gpu_timing, "release", lambda: None)
-    assert serving_lora._time_shape(dispatch.Shape("4096x6144", 4096, 6144, 64)) == "table"
+    assert serving_lora._time_shape(dispatch.Shape("4096x6144", 4096, 6144, 64), 17) == "table"
     assert seen == [(1, 4, 8, 16)]
 
 
@@ -149,26 +148,23 @@ def test_serving_setting_values(monkeypatch):
     monkeypatch.setenv(serving_lora.ENV, "yes")
     with pytest.raises(ValueError, match="EPIRL_SERVING_KERNELS='yes'"):
         serving_lora.read_mode()
-    with pytest.raises(ValueError, match="expected off, fused or timed"):
-        serving_lora.set_mode("on")
+    from epirl.engine.spec import EngineSpec
+    with pytest.raises(ValueError, match="expected one of"):
+        EngineSpec(serving_kernels="on")
 
 
 def test_timed_dispatch_that_fails_serves_fused_and_reports_it(monkeypatch):
     """A timing failure at engine start (e.g. inside vLLM's profile run) must not stop the engine."""
     from epirl.engine import serving_lora
 
-    def broken(shape):
+    def broken(shape, vllm_from=None):
         raise RuntimeError("capture failed")
 
     monkeypatch.setattr(serving_lora, "_time_shape", broken)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setitem(serving_lora._STATE, "tables", {})
-    serving_lora.set_mode("timed")
-    try:
-        assert serving_lora._choice(64, 96, 8, 5, torch.device("cuda")) == "fused"
-        assert serving_lora._choice(64, 96, 8, 300, torch.device("cuda")) == "fused"  # cached, not timed again
-    finally:
-        serving_lora.set_mode("off")
+    monkeypatch.setattr(serving_lora, "_TABLES", {})
+    assert serving_lora._choice(64, 96, 8, 5, torch.device("cuda"), mode="timed") == "fused"
+    assert serving_lora._choice(64, 96, 8, 300, torch.device("cuda"), mode="timed") == "fused"  # cached, not re-timed
     tables = serving_lora.dispatch_tables()
     entry = tables["entries"]["64x96@8"]
     assert entry["best"] == "fused" and "capture failed" in entry["failed"]
@@ -248,16 +244,16 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     parts = (torch.zeros(96, 64), torch.ones(1), [torch.zeros(4, 8, 64)], [torch.zeros(4, 96, 8)], [96])
     monkeypatch.setattr(serving_lora, "layer_parts", lambda lay: parts)
     asked = []
-    monkeypatch.setattr(serving_lora, "_choice", lambda K, N, r, M, dev, slots: asked.append(slots) or choice)
+    monkeypatch.setattr(serving_lora, "_choice",
+                        lambda K, N, r, M, dev, slots, mode, vllm_from: asked.append(slots) or choice)
     monkeypatch.setattr(punica, "vllm_lora_apply", lambda lay, xx, bias: torch.full((5, 96), 7.0))
     served = []  # (choice, segments) reaching serve_slices
     monkeypatch.setattr(serving_lora, "serve_slices", lambda *a: served.append(a[9:]) or torch.full((5, 96), 1.0))
     monkeypatch.setattr(punica, "token_segments", lambda lay: "vLLM's metadata")
-    monkeypatch.setitem(serving_lora._STATE, "vllm_from", None)
-    calls = serving_lora._STATE["vllm_calls"]
+    calls = serving_lora._STATS["vllm_calls"]
     choice = "vllm"
     assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(7).all()
-    assert serving_lora._STATE["vllm_calls"] == calls + 1 and asked == [4]
+    assert serving_lora._STATS["vllm_calls"] == calls + 1 and asked == [4]
     for choice in ("vendor+epirl", "vendor+seg", "vendor+seg[bt16]"):
         assert serving_lora.w8a8_multi_lora_layer(x, torch.zeros(5, dtype=torch.long), None, None, key, 96).eq(1).all()
     # the segment-tiled paths read vLLM's per-step segment metadata; the others need none

@@ -15,13 +15,13 @@ def served_engine(engine_pool, smollm2_dir):
     from epirl.engine import serving_lora
 
     serving_lora.install()
-    serving_lora.set_mode("off")
     engine = engine_pool.get("w8a8", dtype="float32")
     engine.publish(random_lora(smollm2_dir, rank=8, seed=5), step=1)
     tok = engine.tokenizer
     ids = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    set_mode(engine, "off")
     yield engine, ids
-    serving_lora.set_mode("off")
+    set_mode(engine, "off")
 
 
 def lora_layers(engine):
@@ -31,11 +31,20 @@ def lora_layers(engine):
     return [(n, m) for n, m in engine.vllm_model().named_modules() if isinstance(m, base)]
 
 
+def set_mode(engine, mode, vllm_from=None, layers=None):
+    """Every LoRA layer of the engine (or `layers`) served in `mode` from now on (an eager engine reads the layer's
+    mode at each call; an engine spec sets it when vLLM builds the layers)."""
+    from epirl.engine import serving_lora
+
+    for _, layer in layers or lora_layers(engine):
+        serving_lora.register_layer(layer, mode, vllm_from)
+
+
 def test_layers_match_vllms_own_lora_path(served_engine):
     from epirl.engine import serving_lora
 
     engine, ids = served_engine
-    serving_lora.set_mode("off")
+    set_mode(engine, "off")
     engine.score([ids[:3]], [ids[3:]])  # leaves vLLM's token map at this prompt's tokens, all on the adapter
     layers = lora_layers(engine)
     assert {type(m).__name__ for _, m in layers} >= {"MergedQKVParallelLinearWithLoRA",
@@ -55,15 +64,13 @@ def test_layers_match_vllms_own_lora_path(served_engine):
 
 
 def test_engine_scores_with_serving_kernels(served_engine):
-    from epirl.engine import serving_lora
-
     engine, ids = served_engine
-    serving_lora.set_mode("off")
+    set_mode(engine, "off")
     vllm_lp = engine.score([ids[:3]], [ids[3:]])[0]
-    serving_lora.set_mode("fused")
+    set_mode(engine, "fused")
     ours = engine.score([ids[:3]], [ids[3:]])[0]
     base = engine.score([ids[:3]], [ids[3:]], use_adapter=False)[0]
-    serving_lora.set_mode("off")
+    set_mode(engine, "off")
     diff = max(abs(a - b) for a, b in zip(ours, vllm_lp))
     effect = max(abs(a - b) for a, b in zip(base, vllm_lp))
     # Each layer equals vLLM's to ~1e-8 (test above: 1e-5), but W8A8 re-quantizes every layer's input per token:
@@ -80,7 +87,7 @@ def test_no_adapter_batch_takes_vllms_base_path_bitwise(served_engine):
     from epirl.engine import serving_lora
 
     engine, ids = served_engine
-    serving_lora.set_mode("off")
+    set_mode(engine, "off")
     engine.score([ids[:3]], [ids[3:]], use_adapter=False)  # leaves vLLM's token map at this prompt, no adapter
     g = torch.Generator().manual_seed(1)
     layers = lora_layers(engine)[:8]
@@ -89,51 +96,41 @@ def test_no_adapter_batch_takes_vllms_base_path_bitwise(served_engine):
         token_map = layer.punica_wrapper.token_lora_indices
         assert token_map.numel() > 1 and bool((token_map == -1).all())
         x = torch.randn(token_map.numel(), layer.input_size, generator=g) * 0.5
-        serving_lora.set_mode("fused")
-        try:
-            ours = serving_lora.serving_apply(layer, x, None)
-        finally:
-            serving_lora.set_mode("off")
+        ours = serving_lora.serving_apply(layer, x, None)  # (the layer's mode stays off: layer.apply is vLLM's)
         theirs = layer.apply(x)  # vLLM's own path: base GEMM, then punica with no adapter on any token
         assert ours is not None and torch.equal(ours, theirs), name
     assert serving_lora.stats()["vendor_calls"] == before + len(layers)
     engine.score([ids[:3]], [ids[3:]])  # an adapter batch: the fused branch, no vendor call
-    serving_lora.set_mode("fused")
-    try:
-        x = torch.randn(layers[0][1].punica_wrapper.token_lora_indices.numel(), layers[0][1].input_size)
-        serving_lora.serving_apply(layers[0][1], x, None)
-    finally:
-        serving_lora.set_mode("off")
+    x = torch.randn(layers[0][1].punica_wrapper.token_lora_indices.numel(), layers[0][1].input_size)
+    serving_lora.serving_apply(layers[0][1], x, None)
     assert serving_lora.stats()["vendor_calls"] == before + len(layers)
     theirs_lp = engine.score([ids[:3]], [ids[3:]], use_adapter=False)[0]
-    serving_lora.set_mode("fused")
+    set_mode(engine, "fused")
     try:  # the whole engine: every LoRA layer of a no-adapter batch on vLLM's base path, same log-probs bitwise
         ours_lp = engine.score([ids[:3]], [ids[3:]], use_adapter=False)[0]
     finally:
-        serving_lora.set_mode("off")
+        set_mode(engine, "off")
     assert ours_lp == theirs_lp
     assert serving_lora.stats()["vendor_calls"] >= before + 2 * len(layers)
 
 
 def test_large_batches_from_the_threshold_equal_vllms_own_path_bitwise(served_engine):
-    """EPIRL_SERVING_VLLM_FROM: a batch with the adapter at or above the threshold runs vLLM's own LoRA path inside
-    the op: equal to vLLM's apply (setting off) bit for bit."""
+    """The vLLM-path threshold (`kernels.serving_vllm_from`): a batch with the adapter at or above it runs vLLM's own
+    LoRA path inside the op: equal to vLLM's apply (setting off) bit for bit."""
     from epirl.engine import serving_lora
 
     engine, ids = served_engine
-    serving_lora.set_mode("off")
+    set_mode(engine, "off")
     engine.score([ids[:3]], [ids[3:]])  # the adapter on every token
     before = serving_lora.stats()["vllm_calls"]
     g = torch.Generator().manual_seed(2)
     for name, layer in lora_layers(engine)[:4]:
         x = torch.randn(layer.punica_wrapper.token_lora_indices.numel(), layer.input_size, generator=g)
-        serving_lora.set_mode("fused")
-        serving_lora.set_vllm_from(1)
+        set_mode(engine, "fused", vllm_from=1, layers=[(name, layer)])
         try:
             ours = serving_lora.serving_apply(layer, x, None)
         finally:
-            serving_lora.set_mode("off")
-            serving_lora.set_vllm_from(None)
+            set_mode(engine, "off", layers=[(name, layer)])
         assert torch.equal(ours, layer.apply(x)), name
     assert serving_lora.stats()["vllm_calls"] == before + 4
 

@@ -1,14 +1,11 @@
 """The e4m3 → bf16 widening of the W8A16 kernels (kernels/gemm/widen.py): the bit recipe on CPU, the PTX on the GPU,
 and whole GEMMs with it against the same GEMMs with Triton's conversion instructions, bitwise."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from epirl.kernels.gemm.widen import WIDEN_ENV, widen_e4m3_reference
+from epirl.kernels.gemm.widen import widen_e4m3_reference
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
 NAN_CODES = (0x7F, 0xFF)
@@ -79,40 +76,3 @@ def test_ptx_widening_is_the_conversion_bitwise_on_the_gpu(shape):
     want = codes.to(torch.bfloat16)
     finite = ~want.isnan()
     assert torch.equal(_bits(y)[finite], _bits(want)[finite])
-
-
-_GEMMS = r"""
-import sys, torch
-from epirl.kernels import quantize_weight_fp8
-from epirl.kernels.gemm.weight_stationary import weight_stationary_gemm
-out = {}
-for (M, K, N) in [(1, 4096, 6144), (16, 12288, 4096), (257, 1000, 1304), (4096, 4096, 4096)]:
-    g = torch.Generator(device="cuda").manual_seed(M + K + N)
-    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
-    codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g, device="cuda") * 0.02)
-    a = (torch.randn(16, K, generator=g, device="cuda") / K ** 0.5).bfloat16()
-    b = (torch.randn(N, 16, generator=g, device="cuda") * 0.05).bfloat16()
-    y = weight_stationary_gemm(x, codes, w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0)
-    dy = torch.randn(M, N, generator=g, device="cuda").bfloat16()
-    dx = weight_stationary_gemm(dy, codes.t(), w_scale=scale, op="dx")
-    out[f"{M}x{K}x{N}"] = (y.cpu(), dx.cpu())
-torch.save(out, sys.argv[1])
-"""
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gemms_with_ptx_widening_give_the_conversion_kernels_bits(tmp_path):
-    """Forward (decode split-K at 1 and 16 tokens, ragged, training tiles with the TMA table) and dX, each in a fresh
-    process with EPIRL_WIDEN=ptx and =cvt (the choice is read at import): the same bits."""
-    results = {}
-    for mode in ("ptx", "cvt"):
-        path = tmp_path / f"{mode}.pt"
-        env = dict(os.environ, **{WIDEN_ENV: mode})
-        subprocess.run([sys.executable, "-P", "-c", _GEMMS, str(path)], env=env, check=True, timeout=600)
-        results[mode] = torch.load(path)
-    assert len(results["ptx"]) == 4
-    for name, (y_p, dx_p) in results["ptx"].items():
-        y_c, dx_c = results["cvt"][name]
-        assert torch.equal(_bits(y_p), _bits(y_c)), f"forward {name}"
-        assert torch.equal(_bits(dx_p), _bits(dx_c)), f"dX {name}"
