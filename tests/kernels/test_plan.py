@@ -106,3 +106,16 @@ def test_another_table_changes_the_tiles_only(tmp_path):
 def test_reference_on_cpu_and_on_request():
     assert plan("w8a16", (64, 64), 4, kplan.CPU).kernel == "reference"
     assert plan("w8a16", (64, 64), 4, H100, settings=KernelSettings(reference=True)).kernel == "reference"
+
+
+@pytest.mark.gpu
+def test_the_gpu_at_hand_is_described_as_its_named_device():
+    """On an H100 / H200 `describe` gives `plan.H100` / `plan.H200` (what `epirl kernels explain` plans for and what
+    the test above compares with the old dispatch): capability, SMs, shared memory per CTA, PDL, grouping."""
+    import torch
+
+    got = kplan.describe(torch.device("cuda"))
+    named = kplan.NAMED.get(got.name)
+    if named is None:
+        pytest.skip(f"not an H100 or H200: {torch.cuda.get_device_name()}")
+    assert got == named, (got, named)
