@@ -25,6 +25,7 @@ import functools
 from dataclasses import dataclass, field
 
 from ._host import cdiv, next_power_of_2
+from .gemm import configs as _configs
 from .gemm.configs import k_chunking, shared_bytes, whole_k, ws_config, xa_chunking
 
 OPS = ("w8a16", "w8a16_dx", "lora_down")
@@ -50,6 +51,14 @@ class Device:
     pdl: bool = True
     groups_down: bool = True
     interpreter: bool = False
+
+    def __hash__(self) -> int:  # hashed at every memoized `plan` call: computed once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.name, self.capability, self.sm_count, self.smem_bytes, self.pdl, self.groups_down,
+                           self.interpreter))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def triton(self) -> bool:
@@ -197,7 +206,34 @@ def plan(op: str, shape: tuple[int, int], tokens: int, device: Device, *, rank: 
          allow_split: bool = True) -> KernelPlan:
     """The kernel(s) a call of `op` on a layer `shape` = (N, K) with `tokens` rows runs on `device`. rank: the LoRA
     rank (0: none); xa_given: the caller passes xa (dX passes gB); return_xa: the caller keeps xa (the trainer);
-    config: an explicit tile config instead of the table's (tuner, tests); allow_split: False forces one pass."""
+    config: an explicit tile config instead of the table's (tuner, tests); allow_split: False forces one pass.
+    Memoized (the plan is a pure function of these and of the table and chunking constants, which the key holds): a
+    training step plans a few hundred calls, and the host time of its backward is on the critical path. A plan's
+    `config` and `gluon` are shared between the calls that get it: read them, never change them."""
+    if config is not None:
+        return _plan(op, tuple(shape), tokens, device, rank, xa_given, return_xa, settings, config, allow_split)
+    return _memo_plan(op, tuple(shape), tokens, device, rank, xa_given, return_xa, settings, allow_split,
+                      _constants(settings))
+
+
+def _constants(settings: KernelSettings) -> tuple:
+    """What a plan depends on besides its arguments: the loaded table (its identity changes when the table is
+    reloaded) and the chunking and `lora_down` constants (tests patch them)."""
+    table = _configs.load_table(settings.table or _TABLE)
+    return (id(table), _configs.TARGET_PROGRAMS, _configs.MIN_CHUNKS, _configs.XA_CHUNK_MAX, DOWN_SINGLE_MIN_PROGRAMS,
+            DOWN_FIRST_MAX_M)
+
+
+_TABLE = str(_configs.TMA_TABLE_PATH)
+
+
+@functools.lru_cache(maxsize=8192)
+def _memo_plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, allow_split, _constants):
+    return _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, None, allow_split)
+
+
+def _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, config, allow_split) -> KernelPlan:
+    """`plan` without the memo."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     N, K = shape
@@ -255,8 +291,18 @@ def _cuda_device(index: int) -> Device:
 
 
 def describe(device) -> Device:
-    """The `Device` of a torch device (cached per CUDA index): a CUDA GPU's properties, the interpreter under
-    TRITON_INTERPRET=1, else the CPU."""
+    """The `Device` of a torch device, looked up once per device (every GEMM call asks): a CUDA GPU's properties, the
+    interpreter under TRITON_INTERPRET=1 (read once, as the kernels read it at import), else the CPU."""
+    found = _DESCRIBED.get(device)
+    if found is None:
+        found = _DESCRIBED[device] = _describe(device)
+    return found
+
+
+_DESCRIBED: dict = {}
+
+
+def _describe(device) -> Device:
     import torch
 
     from ._dispatch import interpreting

@@ -67,6 +67,24 @@ def test_plan_is_pure_and_frozen():
         a.kernel = "ws_single"
 
 
+def test_memo_follows_the_chunking_constants_and_the_table(monkeypatch, tmp_path):
+    """`plan` is memoized, keyed also on what it reads besides its arguments: a patched chunking constant or a reloaded
+    table gives a new plan."""
+    from epirl.kernels.gemm import configs
+
+    before = plan("w8a16", (4096, 4096), 16, H200, rank=64)
+    assert plan("w8a16", (4096, 4096), 16, H200, rank=64) is before
+    monkeypatch.setattr(configs, "TARGET_PROGRAMS", 64)
+    assert plan("w8a16", (4096, 4096), 16, H200, rank=64).n_chunks != before.n_chunks
+    monkeypatch.undo()
+    configs.load_table.cache_clear()
+    try:
+        again = plan("w8a16", (4096, 4096), 16, H200, rank=64)
+        assert again == before and again is not before
+    finally:
+        configs.load_table.cache_clear()
+
+
 def test_representative_choices():
     """The committed table's picks, by name (what `epirl kernels explain` prints)."""
     decode = plan("w8a16", (6144, 4096), 1, H100, rank=64)
