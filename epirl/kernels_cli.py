@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from epirl.console import DefaultsHelpFormatter
+from epirl.console import DefaultsHelpFormatter, error_line
 
 DEFAULT_MODEL = "Qwen3-8B"
 DEFAULT_TOKENS = (1, 16, 4096)
@@ -126,9 +126,7 @@ def run_kernels_command(args: argparse.Namespace) -> int:
     try:
         config = load_model_config(args.model)
     except (OSError, ValueError, KeyError) as exc:
-        from epirl.cli import error_line
-
-        error_line(str(exc))
+        error_line(Console(stderr=True), str(exc))
         return 2
     fused = args.fused_slices == "on"
     rows = explain_rows(config, args.tokens, NAMED[args.device], args.rank, fused)

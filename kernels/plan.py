@@ -203,16 +203,17 @@ def _gluon_fit(op: str, cfg: dict, K: int, k_chunk: int, n_chunks: int, br: int,
 
 def plan(op: str, shape: tuple[int, int], tokens: int, device: Device, *, rank: int = 0, xa_given: bool = False,
          return_xa: bool = False, settings: KernelSettings = DEFAULT_SETTINGS, config: dict | None = None,
-         allow_split: bool = True) -> KernelPlan:
+         allow_split: bool = True, x_bytes: int = 2) -> KernelPlan:
     """The kernel(s) a call of `op` on a layer `shape` = (N, K) with `tokens` rows runs on `device`. rank: the LoRA
     rank (0: none); xa_given: the caller passes xa (dX passes gB); return_xa: the caller keeps xa (the trainer);
-    config: an explicit tile config instead of the table's (tuner, tests); allow_split: False forces one pass.
-    Memoized (the plan is a pure function of these and of the table and chunking constants, which the key holds): a
+    config: an explicit tile config instead of the table's (tuner, tests); allow_split: False forces one pass;
+    x_bytes: the activations' element size (bf16: 2), which sizes `lora_down`'s grouped programs. Memoized (the plan is a pure function of these and of the table and chunking constants, which the key holds): a
     training step plans a few hundred calls, and the host time of its backward is on the critical path. A plan's
     `config` and `gluon` are shared between the calls that get it: read them, never change them."""
     if config is not None:
-        return _plan(op, tuple(shape), tokens, device, rank, xa_given, return_xa, settings, config, allow_split)
-    return _memo_plan(op, tuple(shape), tokens, device, rank, xa_given, return_xa, settings, allow_split,
+        return _plan(op, tuple(shape), tokens, device, rank, xa_given, return_xa, settings, config, allow_split,
+                     x_bytes)
+    return _memo_plan(op, tuple(shape), tokens, device, rank, xa_given, return_xa, settings, allow_split, x_bytes,
                       _constants(settings))
 
 
@@ -228,11 +229,11 @@ _TABLE = str(_configs.TMA_TABLE_PATH)
 
 
 @functools.lru_cache(maxsize=8192)
-def _memo_plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, allow_split, _constants):
-    return _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, None, allow_split)
+def _memo_plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, allow_split, x_bytes, _constants):
+    return _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, None, allow_split, x_bytes)
 
 
-def _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, config, allow_split) -> KernelPlan:
+def _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, config, allow_split, x_bytes) -> KernelPlan:
     """`plan` without the memo."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
@@ -240,7 +241,7 @@ def _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, config
     if settings.reference or not device.triton:
         return KernelPlan(op=op, kernel="reference", tokens=tokens, shape=(N, K))
     if op == "lora_down":
-        return plan_lora_down(N, K, tokens, rank, device, settings=settings)
+        return plan_lora_down(N, K, tokens, rank, device, settings=settings, x_bytes=x_bytes)
     cfg = dict(_table_config(op, N, K, tokens, settings) if config is None else config)
     k_chunk, n_chunks = _chunking(op, N, K)
     common = dict(op=op, tokens=tokens, shape=(N, K), config=cfg, k_chunk=k_chunk, n_chunks=n_chunks)
@@ -251,7 +252,7 @@ def _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, config
     pdl = fuse_down and device.pdl and tokens <= DOWN_FIRST_MAX_M
     down = None
     if pdl or (return_xa and fuse_down):
-        down = plan_lora_down(N, K, tokens, rank, device, op=op, pdl=pdl, settings=settings)
+        down = plan_lora_down(N, K, tokens, rank, device, op=op, pdl=pdl, settings=settings, x_bytes=x_bytes)
         fuse_down = False
     split = allow_split and cfg.get("split", tokens <= 64) and (n_chunks > 1 or fuse_down)
     if split and fuse_down:  # the reduce kernel is the partial kernel's programmatic dependent where PDL works
@@ -259,7 +260,7 @@ def _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, config
     if split:
         return KernelPlan(kernel="ws_ticket", split=True, pdl=pdl, down=down, **common)
     if down is None and fuse_down:
-        down = plan_lora_down(N, K, tokens, rank, device, op=op, settings=settings)
+        down = plan_lora_down(N, K, tokens, rank, device, op=op, settings=settings, x_bytes=x_bytes)
     gluon = cfg.get("gluon") if not pdl and device.hopper else None
     br = epilogue_rows(rank)
     if gluon:

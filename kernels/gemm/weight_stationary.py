@@ -326,7 +326,8 @@ def weight_stationary_gemm(x, w, out_dtype=torch.bfloat16, w_scale=None, xa=None
     R = (xa.shape[1] if xa is not None else lora_a.shape[0]) if has_lora else 0
     p = plan("w8a16" if op == "fwd" else "w8a16_dx", (N, K), M, device or describe(x.device), rank=R,
              xa_given=xa is not None,
-             return_xa=return_xa, settings=settings or DEFAULT_SETTINGS, config=config, allow_split=allow_split)
+             return_xa=return_xa, settings=settings or DEFAULT_SETTINGS, config=config, allow_split=allow_split,
+             x_bytes=x.element_size())
     # The down-projection's fp32 partials, held until the base GEMM is launched: that launch lets the base kernel run
     # beside lora_down's kernels (PDL), which the caching allocator does not know, so a workspace freed when lora_down
     # returns could be handed to the base GEMM's partials while lora_down still reads it (seen on the H200 in CUDA-graph
