@@ -3,7 +3,7 @@
 Every launch path of the W8A16 GEMM (`gemm/weight_stationary.py`) asks `plan` what to run instead of reading
 environment variables or module globals, and `epirl kernels explain` prints the same plans as a table. The inputs are
 values only - the op, the layer's `(N, K)`, the token count, a `Device` (capability, SM count, shared memory, whether
-programmatic dependent launch works) and `KernelSettings` (the recipe's `kernels:` section) - so a plan for an H100
+programmatic dependent launch works) and `KernelSettings` (another tile table; the reference) - so a plan for an H100
 or H200 can be computed, printed and tested on a CPU. Facts that only the tensors know (alignment of a TMA operand,
 a Triton whose Gluon API moved) are checked at launch, which then runs the pointer kernel with the same bits.
 
@@ -16,7 +16,8 @@ Ops: "w8a16" (the forward y = x·Wᵀ with its LoRA epilogue), "w8a16_dx" (the t
 - `ws_single` / `ws_tma` / `ws_gluon`: one program per output tile - pointer loads, TMA loads, or the
   warp-specialized Gluon kernel (`gemm/ws_gluon.py`), as the table entry says;
 - `ws_down_single`: `lora_down` as one pass per (token tile, rank tile), for many tokens;
-- `reference`: the plain-torch reference (a CPU device, or `EPIRL_KERNELS=reference`).
+- `reference`: the plain-torch reference (a CPU device, or `KernelSettings.reference`; `EPIRL_KERNELS=reference`
+  chooses it before any plan, in `_dispatch.use_triton`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Device:
     """What the choice of kernel depends on about a GPU. `pdl`: programmatic dependent launch works (Triton with
     gdc_* on sm_90+). `groups_down`: `lora_down` programs take several sub-chunks behind 8-warp base tiles at decode
     (measured a gain on the H200 and a loss on the H100, `down_parts_per_program`). `interpreter`: Triton's CPU
-    interpreter (the kernels run, no TMA, Gluon or PDL)."""
+    interpreter (the Triton kernels run, TMA loads included; no Gluon, no PDL)."""
 
     name: str
     capability: tuple[int, int] = (9, 0)
@@ -93,10 +94,11 @@ DEFAULT_SETTINGS = KernelSettings()
 class KernelPlan:
     """What one call runs. `config`: the table entry (tile, warps, stages, split, tma, gluon) or the explicit one;
     `k_chunk` x `n_chunks`: the K chunking (fixed by (N, K) in the forward, one chunk in dX); `pdl`: this launch is the
-    programmatic dependent of the plan's `down` launch (`ws_split`: the reduce is the partial kernel's); `down`: the plan of the LoRA down-projection that runs first
-    (None: no LoRA, xa given, or fused into this launch: `fused_down`); `group`: sub-chunks per `lora_down` program;
-    `gluon`: the Gluon config run (its BM narrowed to 128 where the LoRA tiles overflow), `ring` / `persistent` its
-    LoRA-through-the-ring and program-per-SM forms."""
+    programmatic dependent of the plan's `down` launch (`ws_split`: the reduce is the partial kernel's); `down`: the
+    plan of the LoRA down-projection that runs first (None: no LoRA, xa given, or fused into this launch:
+    `fused_down`); `group`: sub-chunks per `lora_down` program; `tma`: TMA loads (for `ws_gluon`: what runs where the
+    tensors do not suit Gluon); `gluon`: the Gluon config run (its BM narrowed to 128 where the LoRA tiles overflow),
+    `ring` / `persistent` its LoRA-through-the-ring and program-per-SM forms."""
 
     op: str
     kernel: str
@@ -117,7 +119,7 @@ class KernelPlan:
 
     @property
     def tile(self) -> tuple:
-        """(BN, BM, BK, num_warps, num_stages) of the Triton config (BM / BK / stages of the Gluon config if one runs)."""
+        """(BN, BM, BK, num_warps, num_stages): the Triton config's, or the Gluon config's where one runs."""
         if not self.config:
             return ()
         g = self.gluon or {}
@@ -207,7 +209,8 @@ def plan(op: str, shape: tuple[int, int], tokens: int, device: Device, *, rank: 
     """The kernel(s) a call of `op` on a layer `shape` = (N, K) with `tokens` rows runs on `device`. rank: the LoRA
     rank (0: none); xa_given: the caller passes xa (dX passes gB); return_xa: the caller keeps xa (the trainer);
     config: an explicit tile config instead of the table's (tuner, tests); allow_split: False forces one pass;
-    x_bytes: the activations' element size (bf16: 2), which sizes `lora_down`'s grouped programs. Memoized (the plan is a pure function of these and of the table and chunking constants, which the key holds): a
+    x_bytes: the activations' element size (bf16: 2), which sizes `lora_down`'s grouped programs.
+    Memoized (the plan is a pure function of these and of the table and chunking constants, which the key holds): a
     training step plans a few hundred calls, and the host time of its backward is on the critical path. A plan's
     `config` and `gluon` are shared between the calls that get it: read them, never change them."""
     if config is not None:

@@ -242,7 +242,8 @@ def _gluon():
 
 
 def lora_down(x, lora_a, chunk_n: int | None = None, op: str = "fwd", pdl: bool = False, keep: list | None = None,
-              down_plan: KernelPlan | None = None, settings: KernelSettings | None = None, device: Device | None = None):
+              down_plan: KernelPlan | None = None, settings: KernelSettings | None = None,
+              device: Device | None = None):
     """xa `[M, r]` = bf16(x · Aᵀ), batch invariant: the sub-chunks of `configs.xa_chunking` for the base layer
     `[chunk_n, K]` (default r), each from zero, added in order - the same bits as the down-projection fused into
     the split-K path. pdl: both launches let their dependents launch at once (the next kernel launched with
