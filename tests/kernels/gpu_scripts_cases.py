@@ -270,28 +270,6 @@ def case_trainer_profile_prints_wall_kernels_and_host(tmp):
     assert "### host profile: tiny M=40 fp8, 2 steps" in text.getvalue() and "tottime" in text.getvalue()
 
 
-def case_bench_fused_slices_rows_and_tables(tmp):
-    # one call per fused layer against one per slice (and bf16 per slice in training) on a tiny q/k/v layer, the
-    # kernels in the interpreter: every row runs, the switch is restored, the tables print
-    import bench_fused_slices as fused
-    fused.bench.graph_us = fused.bench.bench_us = wall_us
-    fused.bench.kernel_us_per_step = lambda step, steps, params=(): (step(), ({"k": 1.0}, 1))[1]
-    os.environ["EPIRL_KERNELS"] = "triton"
-    try:
-        decode = [fused.decode_row("tiny", 256, [64, 32, 32], M, dev="cpu") for M in (1, 3)]
-        train = [fused.train_row("tiny", 256, [64, 32, 32], 40, dev="cpu")]
-    finally:
-        os.environ.pop("EPIRL_KERNELS")
-    assert "EPIRL_FUSED_SLICES" not in os.environ
-    assert all(r["per_slice_us"] > 0 and r["one_call_us"] > 0 for r in decode), decode
-    assert train[0]["one_call_kernel_us"] == train[0]["bf16_kernel_us"] == 1.0, train
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        fused.print_tables(decode, train)
-    lines = [line for line in text.getvalue().splitlines() if line.startswith("| tiny |")]
-    assert len(lines) == 3 and lines[2].split(" | ")[2] == "1 / 1 / 1", text.getvalue()
-
-
 def case_chunk_probe_row_restores_the_chunking(tmp):
     # probe_k_chunking.py's row on a tiny layer at another program target (kernels in the interpreter): the chunking
     # it reports is that target's, the committed constant and the TMA verdicts are restored, the table line prints
