@@ -154,7 +154,7 @@ class TrainerConfig(Section):
     and the FP8 trainer, instead of one per slice: each slice's LoRA becomes a block of one block-diagonal rank-S·r
     term, same bits on both sides (kernels/w8a16_lora/slices.py). None: as EPIRL_FUSED_SLICES says (on unless 0).
     On the H200 it cuts the matched engine's TPOT by 8-13 % and the trainer's qkv GEMMs from 1.15x to 0.92x bf16
-    (BENCHMARKS.md, fifteenth session); false runs one call per slice."""
+    (docs/GPU.md); false runs one call per slice."""
 
 
 class LoRAConfig(Section):

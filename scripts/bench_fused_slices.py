@@ -1,7 +1,7 @@
 """One call per fused layer against one call per slice (EPIRL_FUSED_SLICES, kernels/w8a16_lora/slices.py), side by
 side in one process on the GPU; prints markdown tables, writes JSON.
 
-Decode (1-16 tokens, rank-64 LoRA on every slice): the matched engine's fused layer as it runs today (`w8a16_lora`
+Decode (1-16 tokens, rank-64 LoRA on every slice): the matched engine's fused layer as it runs by default (`w8a16_lora`
 per slice into its columns of one output, as `epirl::w8a16_lora_slices` does) against one `w8a16_lora` over the
 whole layer with the block-diagonal A_cat / B_bd; CUDA-graph replays, L2 flushed; HBM floor of the one call.
 Training (4096-8192 tokens): the trainer's q / k / v (gate / up) modules forward + backward, each alone against

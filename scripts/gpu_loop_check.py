@@ -1,7 +1,7 @@
 """The GPU loop check every kernel change runs: the SmolLM2 recipe with real weights under each engine/trainer pairing,
 CUDA graphs on, KV release on, the probe on, and one table.
 
-    source scripts/device_env.sh && python3 -P scripts/gpu_loop_check.py            # vLLM staged on the GPU machine
+    source scripts/offline/device_env.sh && python3 -P scripts/gpu_loop_check.py            # vLLM staged on the GPU machine
     python3 -P scripts/gpu_loop_check.py --steps 20 --pairings bf16,w8a16 --faults none [key=value ...]
 
 A 20-step run takes ~150 s on an H100 alone, 83 s of it engine and trainer start-up with CUDA-graph capture (a W8A8

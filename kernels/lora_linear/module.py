@@ -66,7 +66,9 @@ class Fp8LoRAFunction(torch.autograd.Function):
 
 
 def peft_lora_init(rank: int, in_features: int, out_features: int, dtype, device, seed=None):
-    """PEFT's default init: A kaiming-uniform(a=sqrt(5)) `[r, in]`, B zeros `[out, r]`."""
+    """PEFT's default init: A kaiming-uniform(a=sqrt(5)) `[r, in]`, B zeros `[out, r]`, drawn in fp32 on the CPU
+    (from a generator seeded with `seed`, else torch's default one) so every device gets the same bits; then cast
+    and moved. The one LoRA initialiser: the trainer's policies (epirl.model.lora) seed it per module name."""
     gen = None
     if seed is not None:
         gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -307,7 +307,7 @@ def test_split_k_decode_path_equals_single_pass_bitwise(K, N):
 def test_tma_twins_of_the_training_tiles_give_the_pointer_kernels_bits(K, N):
     """The TMA-load kernel (kernels/gemm/ws_tma.py, experimental: the table refuses it) at the 128x256 training
     tiles gives the pointer kernel's bits: forward with LoRA + bias at 4096 and 257 tokens, and dX. (Other tiles
-    of it are miscompiled by triton 3.6 / 3.7.1 - scripts/ws_bits_report.py shows which.)"""
+    of it are miscompiled by triton 3.6 / 3.7.1.)"""
     from epirl.kernels.gemm.ws_tma import tma_ok
     for M in (4096, 257):
         x, codes, scale, a, b, bias = problem(M, K, N, 64, seed=M + K)

@@ -1,8 +1,8 @@
-# source scripts/device_env.sh — on the lent GPU machine, from the repo root.
+# source scripts/offline/device_env.sh — on a GPU host without network, from the repo root.
 # epirl is not pip-installed there (no network, no build isolation): build a package tree of symlinks that
 # maps epirl.kernels/rewards/eval onto the top-level folders (as setup.py does), put it first on
 # PYTHONPATH, install carried wheels (.whl/: math-verify and its parser) into /tmp/site, and source the
-# staged vLLM environment when present (../shared/device/README.md).
+# staged vLLM environment ($HOME/vllm-env.sh) when present.
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 WANDB_MODE=disabled
 ROOT=$(pwd)
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/math_verify ]; then
