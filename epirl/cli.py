@@ -4,22 +4,20 @@
     epirl train recipes/qwen35_9b_dapo.yaml --resume runs/qwen35_9b_dapo
     epirl train --help-config            # every config key with its default and meaning
 
-`train` lives in epirl.train_cli (quiet console, plan, progress, summary), `eval` in epirl.eval_cli,
-`mismatch` in epirl.mismatch.cli, `kernels explain` (which kernel runs per projection) in epirl.kernels_cli.
+`train` lives in epirl.train_cli, `eval` in epirl.eval_cli, `mismatch` in epirl.mismatch.cli, `compare` in
+epirl.compare_cli, `kernels explain` (which kernel runs per projection) in epirl.kernels_cli; each has the quiet
+console of epirl.console (plan, progress, results on the terminal; what libraries print in the command's log file).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-from pathlib import Path
 
 from rich.console import Console
-from rich.logging import RichHandler
-from rich.markup import escape
 
 from epirl.compare_cli import add_compare_args
+from epirl.console import error_line
 from epirl.eval_cli import add_eval_args
 from epirl.kernels_cli import add_kernels_args
 from epirl.mismatch.cli import add_mismatch_args
@@ -28,36 +26,19 @@ from epirl.train_cli import add_train_args
 console = Console(stderr=True)
 
 
-def error_line(message: str) -> None:
-    """One line, however long: rich would hard-wrap at 80 columns when stderr is not a terminal."""
-    console.print(f"[red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)  # "[...]" is not markup
-
-
-def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
-    handlers: list[logging.Handler] = [RichHandler(console=console, show_path=False, rich_tracebacks=False)]
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(log_file)
-        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handlers.append(file_handler)
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=handlers, force=True,
-                        format="%(message)s")
-    for noisy in ("httpx", "urllib3", "filelock", "datasets"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
 class OneLineErrorParser(argparse.ArgumentParser):
     """A usage mistake (unknown option, `--max-tokens abc`, a missing value) is one line and exit code 2, like
     every other bad input; the usage it would print is what `--help` shows. Subcommand parsers inherit it."""
 
     def error(self, message: str):
-        error_line(f"{self.prog}: {message} (see {self.prog} --help)")
+        error_line(console, f"{self.prog}: {message} (see {self.prog} --help)")
         raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="epirl", description="RL post-training of LoRA adapters on one FP8 base.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="library logs on the terminal too (the same as a command's --verbose)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_train_args(sub)
@@ -77,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = [*args.overrides, *extra]
         else:
             args.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command != "train":
-        setup_logging(args.verbose)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # a training run reports its own folder; elsewhere results are written at the end

@@ -29,23 +29,34 @@ row per pairing: held-out accuracy with its 95 % bootstrap interval over problem
 final reward, KL(engine‖trainer), TIS clip fraction, probe β, seconds per step by phase, peak memory),
 summary.json and curves.png (reward and KL against step, mean ± 1 s.d. over seeds).
 
-Bad input (unknown pairing, bad --seeds, missing recipe, bad override) is one line and exit code 2, with
-nothing written; a failed run or evaluation gives exit code 1 (repeat the command to continue). SIGTERM (e.g.
-`timeout`) ends the running processes too; the next command resumes them.
+Console: the plan, a progress bar over the pending runs with a line per finished run, and the table (on
+standard output). Each run's output is in compare_<name>/logs/; what libraries print in the command itself goes
+to compare_<name>/compare.log (--verbose: to the terminal too). Bad input (unknown pairing, bad --seeds,
+missing recipe, bad override) is one line and exit code 2, with nothing written; a failed run or evaluation
+gives exit code 1 (repeat the command to continue); a crash of the command itself prints the end of
+compare.log, and a study folder it created is moved to compare_<name>.failed. SIGTERM (e.g. `timeout`) ends
+the running processes too; the next command resumes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import shlex
 import sys
+import threading
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from epirl.compare.spec import BUILTIN_PAIRINGS, EVAL_ENGINES, CompareInputError, CompareSpec, check_user_overrides
 from epirl.compare.spec import parse_seeds, select_pairings
-from epirl.console import DefaultsHelpFormatter, error_line
+from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, error_line, quiet_library_environment,
+                           run_in_folder, verbose_requested)
+
+log = logging.getLogger("epirl.compare")
 
 
 def _with_trailing_overrides(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +96,7 @@ def add_compare_args(subparsers) -> argparse.ArgumentParser:
                         help="engine precision of the held-out evaluation; run = the precision each run trained with")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples per interval")
     parser.add_argument("--dry-run", action="store_true", help="check every input, print the plan, run nothing")
+    add_verbose_arg(parser, "compare_<name>/compare.log")
     parser.set_defaults(func=run_compare_command)
     _with_trailing_overrides(parser)
     return parser
@@ -115,14 +127,78 @@ def _typed_arguments(args: argparse.Namespace) -> list[str]:
     return sys.argv[sys.argv.index("compare") + 1:] if "compare" in sys.argv else sys.argv[1:]
 
 
-def run_compare_command(args: argparse.Namespace) -> int:
-    """Entry point of ``epirl compare``; returns the process exit code."""
+class StudyProgress:
+    """A launcher (epirl.compare.execute) around another: a bar over the study's pending runs, with the processes
+    running now beside it. Shown only on a terminal; the study prints a line per finished run anyway."""
+
+    def __init__(self, launcher, plan, pending: int, console: Console):
+        self.launcher, self.plan, self.live = launcher, plan, []
+        self._lock = threading.Lock()  # launches come from the study's worker threads
+        self.bar = Progress(TextColumn("[bold]runs"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.description}"), console=console, transient=True,
+                            redirect_stdout=False, redirect_stderr=False, disable=not console.is_terminal)
+        self.task = self.bar.add_task("", total=pending)
+
+    def __call__(self, launch) -> int:
+        label = f"{launch.kind} {launch.run.label}"
+        self._running(label, started=True)
+        try:
+            code = self.launcher(launch)
+        finally:
+            self._running(label, started=False)
+        if self._last_launch_of_its_run(launch):
+            self.bar.advance(self.task)
+        return code
+
+    def _running(self, label: str, started: bool) -> None:
+        with self._lock:
+            if started:
+                self.live.append(label)
+            else:
+                self.live.remove(label)
+            self.bar.update(self.task, description=", ".join(self.live))
+
+    def _last_launch_of_its_run(self, launch) -> bool:
+        """An evaluation ends its run; training does unless it finished and its held-out evaluation is still to
+        come (the rule of StudyExecutor.run_one)."""
+        from epirl.compare.plan import eval_done, is_finished
+
+        if launch.kind != "train" or self.plan.split is None:
+            return True
+        run = launch.run
+        return not (is_finished(run.run_dir, run.config.rl.steps) and not eval_done(self.plan, run))
+
+    def terminate(self) -> None:  # SIGTERM: the study ends the running processes through its launcher
+        terminate = getattr(self.launcher, "terminate", None)
+        if terminate is not None:
+            terminate()
+
+
+def run_compare_command(args: argparse.Namespace, launcher=None) -> int:
+    """Entry point of ``epirl compare``; returns the process exit code. `launcher`: how runs are started
+    (default: a process each, epirl.compare.execute.ProcessLauncher)."""
+    from epirl.compare.execute import ProcessLauncher, gpu_ids, needs_work
+    from epirl.compare.plan import plan_study
     from epirl.compare.study import run_study
 
-    console = Console(stderr=True)
-    try:
-        spec = build_spec(args)
-    except CompareInputError as exc:
-        error_line(console, str(exc))
-        return 2
-    return run_study(spec, console)
+    verbose = verbose_requested(args)
+    quiet_library_environment()
+    with RunOutput(None, verbose) as checking:  # the study's own checks run again inside run_study; here they
+        try:                                    # come first so that bad input leaves no folder and no log
+            spec = build_spec(args)
+            plan = plan_study(spec)
+            pending = sum(needs_work(plan, run) for run in plan.runs)
+            if pending:
+                gpu_ids(spec.nproc)  # fewer GPUs than --nproc: refused before anything is written
+        except (CompareInputError, ValueError) as exc:
+            error_line(checking.console, str(exc))
+            return 2
+        if spec.dry_run:
+            return run_study(spec, checking.console)
+
+    def study(out: RunOutput) -> int:
+        progress = StudyProgress(launcher or ProcessLauncher(), plan, pending, out.console)
+        with progress.bar, contextlib.redirect_stdout(out.stdout):  # the table: standard output, not the log
+            return run_study(spec, out.console, progress)
+
+    return run_in_folder(plan.study_dir, "compare.log", verbose, log, study)

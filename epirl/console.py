@@ -1,10 +1,13 @@
-"""What `epirl train` shows on the terminal, and where everything else goes.
+"""What every command (`epirl train`, `eval`, `mismatch`, `compare`) shows on the terminal, and where everything
+else goes.
 
-Quiet by default: file descriptors 1 and 2 are pointed at `runs/<name>/train.log` for the whole run, so
-everything that libraries print — vLLM's and Triton's loggers, C++ warnings (NUMA binding), tqdm bars, W&B's
-banners, Python warnings — lands in the log, not on the terminal. The terminal is reached only through
-`RunOutput.console`, a rich Console on a saved copy of the original stderr. `--verbose` skips the
-redirection and shows every log record on the terminal as well.
+Quiet by default: file descriptors 1 and 2 are pointed at the command's log (`runs/<name>/train.log`,
+`OUT/eval.log`, `OUT/mismatch.log`, `compare_<name>/compare.log`) for the whole command, so everything that
+libraries print — vLLM's and Triton's loggers, C++ warnings (NUMA binding), tqdm bars, W&B's banners, Python
+warnings — lands in the log, not on the terminal. The terminal is reached only through `RunOutput.console`, a
+rich Console on a saved copy of the original stderr (and `RunOutput.stdout` for results others may pipe).
+`--verbose` skips the redirection and shows every log record on the terminal as well. A crash moves an output
+folder the command created to `<folder>.failed` and prints the end of its log (`run_in_folder`).
 
 Logging: the root logger writes every record at the chosen level to train.log; the terminal handler passes
 only epirl's own warnings and errors (and any library's errors) in quiet mode. vLLM is told not to install
@@ -14,16 +17,20 @@ its own stdout handler (`VLLM_CONFIGURE_LOGGING=0`) so its records reach train.l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LIBRARY_NAMES = "vLLM, Triton, W&B, transformers"
 QUIET_LIBRARY_LOGGERS = ("httpx", "urllib3", "filelock", "datasets", "matplotlib", "PIL", "asyncio")
 
 
@@ -43,6 +50,22 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
         if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
             return text  # a required positional has no default
         return f"{text} (default: %(default)s)".lstrip()
+
+
+def add_verbose_arg(parser: argparse.ArgumentParser, log_name: str) -> None:
+    """`--verbose`, the same on every command (its own dest: the top-level `epirl -v` must not be reset)."""
+    parser.add_argument("--verbose", dest="command_verbose", action="store_true",
+                        help=f"show library logs ({LIBRARY_NAMES}) on the terminal too; they always go to {log_name}")
+
+
+def verbose_requested(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "verbose", False) or getattr(args, "command_verbose", False))
+
+
+def plan_line(console: Console, label: str, text: str, logger: logging.Logger) -> None:
+    """One row of a command's plan (`model    smollm2 ...`): bold label on the terminal, the same line in the log."""
+    logger.info("%-8s %s", label, text, extra={"terminal": False})
+    console.print(f"[bold]{label:<8}[/] {escape(text)}", soft_wrap=True, highlight=False)
 
 
 def log_tail(path: Path, lines: int = 25) -> list[str]:
@@ -91,6 +114,36 @@ class _TerminalFilter(logging.Filter):
         return record.levelno >= (logging.WARNING if own else logging.ERROR)
 
 
+class _LibraryRecordsToLog(logging.Filter):
+    """Keeps every record of a library off the terminal (the log file still gets it) and collects it."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = record.name == "epirl" or record.name.startswith("epirl.")
+        if not own and getattr(record, "terminal", True):  # the first handler to see it (each one calls this)
+            record.terminal = False
+            self.records.append(record)
+        return True
+
+
+@contextlib.contextmanager
+def library_records_held():
+    """While inside, what libraries log goes to the log file only, and is collected (the list yielded): for a
+    call whose failure epirl explains in one line of its own (vLLM logs a subprocess's whole traceback)."""
+    holder = _LibraryRecordsToLog()
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.filters.insert(0, holder)  # before the terminal filter, which reads `record.terminal`
+    try:
+        yield holder.records
+    finally:
+        for handler in handlers:
+            handler.removeFilter(holder)
+
+
 def quiet_library_environment() -> None:
     """Environment that libraries read when they are imported or an engine starts: set before either."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records go through our root logger
@@ -100,7 +153,8 @@ def quiet_library_environment() -> None:
 
 
 class RunOutput:
-    """Terminal + train.log for one command. Use as a context manager; `console` is the terminal.
+    """Terminal + log file for one command. Use as a context manager; `console` is the terminal (stderr),
+    `stdout` the original standard output.
 
     Without a log file (e.g. `--print-config`) nothing is redirected and records go to the terminal only."""
 
@@ -109,6 +163,7 @@ class RunOutput:
         self._saved: tuple[int, int] | None = None
         self._terminal = None
         self.console = Console(stderr=True)
+        self.stdout = sys.stdout  # where a command's results go (a table others may pipe), not its log
 
     def __enter__(self) -> "RunOutput":
         if self.log_file is not None and not self.verbose:
@@ -123,6 +178,7 @@ class RunOutput:
         self._saved = (os.dup(1), os.dup(2))
         self._terminal = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
         self.console = Console(file=self._terminal)
+        self.stdout = os.fdopen(os.dup(self._saved[0]), "w", buffering=1)
         log_fd = os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
@@ -167,3 +223,84 @@ class RunOutput:
         logging.captureWarnings(False)
         for handler in logging.getLogger().handlers:
             handler.flush()
+
+
+# ------------------------------------------------------------------------------------------ output folders
+def first_missing(folder: Path) -> Path | None:
+    """The outermost folder of `folder` (itself or a parent) that does not exist yet: what a command creates,
+    and all it may move or remove again."""
+    missing = None
+    for candidate in [folder, *folder.parents]:
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
+def remove_created(folder: Path, created: Path | None) -> None:
+    """Remove `folder` and the parents a command created (`first_missing`), as long as they are empty."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if created is None or created == folder:
+        return
+    for parent in folder.parents:
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (another run appeared) or gone
+            return
+        if parent == created:
+            return
+
+
+def move_to_failed(folder: Path) -> Path:
+    """`<folder>` → `<folder>.failed` (its log kept for reading); an older `.failed` of the same name goes."""
+    failed = folder.with_name(folder.name + ".failed")
+    if failed.exists():
+        shutil.rmtree(failed, ignore_errors=True)
+    folder.rename(failed)
+    return failed
+
+
+def print_log_tail(console: Console, log_file: Path) -> None:
+    """The end of a failed command's log, headed by its path (whole: a rule's title would be cut to the width)."""
+    tail = log_tail(log_file)
+    if tail:
+        console.print(f"[dim]── end of {escape(str(log_file))} ──[/]", soft_wrap=True, highlight=False)
+        for line in tail:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        console.rule(style="dim")
+
+
+def show_failure(console: Console, exc: BaseException, log_file: Path) -> None:
+    """A crash on the terminal: one `error:` line, then the end of the log (which holds the traceback)."""
+    from epirl.config import first_line  # here: epirl.config imports torch, which `--help` need not load
+
+    error_line(console, f"{type(exc).__name__}: {first_line(exc, '')}")
+    print_log_tail(console, log_file)
+
+
+def run_in_folder(out_dir: Path, log_name: str, verbose: bool, logger: logging.Logger,
+                  body: Callable[[RunOutput], int]) -> int:
+    """`body(out)` with everything libraries print in `out_dir/log_name`; returns its exit code.
+
+    A crash or an interrupt moves a folder this command created to `<out_dir>.failed` (a folder that was
+    there before is never moved) and names the log; a crash also prints its end (exit 1; interrupt 130)."""
+    created = first_missing(out_dir)
+
+    def keep_log() -> Path:
+        out.restore()
+        kept = move_to_failed(out_dir) if created is not None and out_dir.exists() else out_dir
+        return kept / log_name
+
+    with RunOutput(out_dir / log_name, verbose) as out:
+        try:
+            return body(out)
+        except KeyboardInterrupt:
+            logger.warning("interrupted", extra={"terminal": False})
+            log_file = keep_log()
+            out.console.print(f"[yellow]interrupted[/]: no results were written; log in {escape(str(log_file))}",
+                              soft_wrap=True, highlight=False)
+            return 130
+        except Exception as exc:  # noqa: BLE001 - reported: one line and the end of the log
+            logger.exception("failed", extra={"terminal": False})
+            show_failure(out.console, exc, keep_log())
+            return 1

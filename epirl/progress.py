@@ -169,3 +169,43 @@ class RunProgress:
         self._say(f"done in {_duration(time.perf_counter() - self.t0)}: {out_dir} ({', '.join(folder_entries(out_dir))})")
         for line in self.summary_lines():
             self._say(line)
+
+
+class PhaseProgress:
+    """A command's few long phases (`epirl mismatch`: one per engine, then the trainer's scoring) as a bar with
+    the phase running, and one line per finished phase (terminal and log). The bar shows only on a terminal;
+    elsewhere (a file, CI) the lines are the progress. Use as a context manager around the phases."""
+
+    def __init__(self, console: Console, label: str, total: int):
+        self.console, self.total, self.done = console, total, 0
+        self.t0 = time.perf_counter()
+        self.bar = Progress(TextColumn(f"[bold]{escape(label)}"), MofNCompleteColumn(), BarColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.description}"), console=console, transient=True,
+                            redirect_stdout=False, redirect_stderr=False)
+        self.task = self.bar.add_task("", total=total)
+        self._live = False
+
+    def __enter__(self) -> "PhaseProgress":
+        if self.console.is_terminal:
+            self.bar.start()
+            self._live = True
+        return self
+
+    def start(self, description: str) -> None:
+        """The phase that runs now (shown beside the bar)."""
+        self.bar.update(self.task, description=description)
+
+    def finished(self, line: str) -> None:
+        """One phase done: its line above the bar (and in the log), the bar one further."""
+        self.done += 1
+        log.info(line, extra={"terminal": False})
+        self.console.print(f"[{self.done}/{self.total}] {escape(line)}", soft_wrap=True, highlight=False)
+        self.bar.update(self.task, completed=self.done, description="")
+
+    def __exit__(self, *exc) -> None:
+        if self._live:  # rich prints an empty line when stopping a bar that never showed
+            self.bar.stop()
+            self._live = False
+
+    def elapsed(self) -> str:
+        return _duration(time.perf_counter() - self.t0)

@@ -57,7 +57,7 @@ class Tracker:
 
             run_id_file = run_dir / "wandb_id"
             # Our own id (wandb.util.generate_id is gone in recent wandb); kept so a resumed run continues the
-            # same W&B run (resume="allow"). wandb writes one folder per session under run_dir/wandb/ (offline:
+            # same W&B run (resume="allow"). wandb writes one folder per process under run_dir/wandb/ (offline:
             # offline-run-<time>-<id>); `wandb sync` uploads them in start-time order into that one run.
             run_id = run_id_file.read_text().strip() if resume and run_id_file.exists() else uuid.uuid4().hex[:12]
             run_id_file.write_text(run_id)

@@ -19,8 +19,9 @@ import tempfile
 import json
 import logging
 import os
-import shutil
+import re
 import sys
+import traceback
 from pathlib import Path
 
 import yaml
@@ -28,15 +29,20 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from epirl import hub
 from epirl.checkpoint import latest_checkpoint, read_state, resumable_checkpoint
 from epirl.config import (ConfigError, EpirlConfig, describe_fields, first_line, load_config, resolve_model_path,
                           resolve_runtime)
-from epirl.console import RunOutput, error_line, log_tail, quiet_library_environment
+from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, error_line, first_missing,
+                           library_records_held, move_to_failed, plan_line, quiet_library_environment, remove_created,
+                           show_failure, verbose_requested)
 from epirl.cpu_threads import apply_thread_plan, plan_threads
 from epirl.data import DataError
 from epirl.engine import plugin
 from epirl.engine.engine import llm_kwargs, quantization_method
 from epirl.engine.vllm_compat import engine_args
+from epirl.model.dummy import SHIPPED_CONFIGS, shipped_config_dir
+from epirl.model.dummy import prepare as prepare_random_weights
 from epirl.model.memory import PreflightError, preflight_beside_engine
 from epirl.plan import plan_lines
 from epirl.progress import RunProgress
@@ -52,28 +58,31 @@ class InputError(Exception):
 
 
 def add_train_args(sub) -> None:
-    train = sub.add_parser("train", help="colocated GRPO/DAPO training",
-                           description="Colocated GRPO/DAPO training of a LoRA adapter from a YAML recipe.")
-    train.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/)")
-    train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rl.steps=5")
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    train = sub.add_parser("train", help="colocated GRPO/DAPO training", description=__doc__,
+                           formatter_class=DefaultsHelpFormatter)
+    train.add_argument("recipe", nargs="?",
+                       help="YAML recipe (see recipes/) (default: with --resume, the run's config.yaml)")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rl.steps=5 (default: none)")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its last checkpoint (default: a new run)")
     train.add_argument("--help-config", action="store_true",
                        help="print every config key (with the recipe's values when a recipe is given) and exit")
     train.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     train.add_argument("--dry-run", action="store_true",
                        help="check data, model, engine arguments and the memory plan, print the plan, and exit")
-    train.add_argument("--verbose", dest="train_verbose", action="store_true",
-                       help="show library logs (vLLM, Triton, W&B, transformers) on the console too")
+    add_verbose_arg(train, "runs/<name>/train.log")
     train.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                       type=str.upper, help="level of runs/<name>/train.log (default INFO)")
+                       type=str.upper, help="level of runs/<name>/train.log")
     train.add_argument("--benchmark", type=int, metavar="N", help="measure the real loop for N steps on synthetic "
-                       "token-id prompts with seeded-coin rewards (no data, no checkpoints); writes benchmark.json")
-    train.add_argument("--prompt-tokens", type=int, default=None, help="--benchmark prompt length (default 256)")
+                       "token-id prompts with seeded-coin rewards (no data, no checkpoints); writes benchmark.json "
+                       "(default: off, a training run)")
+    train.add_argument("--prompt-tokens", type=int, default=None, help="--benchmark prompt length (default: 256)")
     train.add_argument("--force-max-tokens", action="store_true", help="--benchmark: every response runs to rl.max_tokens")
-    train.add_argument("--benchmark-out", default=None, help="--benchmark JSON path (default RUN/benchmark.json)")
+    train.add_argument("--benchmark-out", default=None, help="--benchmark JSON path (default: RUN/benchmark.json)")
     train.add_argument("--nproc", type=int, metavar="N",
                        help="N data-parallel ranks on this node, one GPU each (execs torchrun --nproc-per-node N; "
-                            "several nodes: run torchrun yourself, see docs/GPU.md § Several GPUs)")
+                            "several nodes: run torchrun yourself, see docs/GPU.md § Several GPUs) "
+                            "(default: one process)")
     train.set_defaults(func=cmd_train)
 
 
@@ -101,7 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc not in (None, 1) and world == 1:
         command = torchrun_command(args.nproc, sys.argv[1:])
         os.execv(command[0], command)  # torchrun replaces this process: its exit status is the job's
-    verbose = bool(getattr(args, "verbose", False) or getattr(args, "train_verbose", False))
+    verbose = verbose_requested(args)
     try:
         recipe, cfg = _recipe_and_config(args)
         if args.help_config:
@@ -121,9 +130,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     quiet_library_environment()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.dry_run:
-        return _dry_run(cfg, run_dir, verbose, args.log_level)
+        return _dry_run(cfg, run_dir, verbose, args.log_level, benchmark)
     # Rank 0 owns the run folder and the console; other ranks log to train.rank<r>.log and remove nothing.
-    created = _first_missing(run_dir) if rank == 0 else None
+    created = first_missing(run_dir) if rank == 0 else None
     with RunOutput(run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log"), verbose, args.log_level) as out:
         if resume_note is not None:  # shown on the terminal above; train.log keeps it too
             log.warning(resume_note, extra={"terminal": False})
@@ -183,40 +192,66 @@ def _resume_step(resume: str | None) -> tuple[int, str | None]:
     return step, f"--resume {resume}: checkpoint {found} {verb} damaged; continuing from {checkpoint.name} (step {step})"
 
 
-def _check_and_plan(cfg, run_dir: Path, console: Console, benchmark=None) -> list | None:
+def _check_and_plan(cfg, run_dir: Path, console: Console, benchmark=None, dry_run: bool = False) -> list | None:
     """Inputs checked (one-line errors as InputError), thread plan applied, the plan printed; the problems.
 
     Random weights (`model.load_format=dummy`) are set up and checked by `train` itself (it rewrites
-    model.path first): then only the threads are planned here, and None is returned."""
+    model.path first): then only the threads and the config's source are checked here, and None is returned.
+    A dry run sets them up here instead, so that it checks and plans what the run would."""
     threads = plan_threads()
     try:
         device = resolve_runtime(cfg)
         if device.type == "cpu":  # before vLLM starts: it keeps an OMP_NUM_THREADS it finds (cpu_threads)
             apply_thread_plan(threads)
         if cfg.model.load_format == "dummy":
-            return None
+            _check_random_weights_source(cfg)
+            if not dry_run:
+                return None
+            prepare_random_weights(cfg)  # model.path becomes the config's folder, as `train` makes it
         problems = check_inputs(cfg, need_data=benchmark is None)
         if device.type == "cuda":
             preflight_beside_engine(cfg, device)
     except (ConfigError, DataError, PreflightError) as exc:
         raise InputError(str(exc)) from None
     thread_text = threads.describe() if device.type == "cpu" else None
-    for label, text in plan_lines(cfg, device, len(problems), thread_text, run_dir):
-        line = f"{label:<8} {text}"
-        log.info(line, extra={"terminal": False})
-        console.print(f"[bold]{label:<8}[/] {escape(text)}", soft_wrap=True, highlight=False)
+    benchmark_steps = benchmark.steps if benchmark else None
+    for label, text in plan_lines(cfg, device, len(problems), thread_text, run_dir, benchmark_steps):
+        plan_line(console, label, text, log)
     warning = threads.warning(device.type == "cpu")
     if warning:
         log.warning(warning)  # once, at start; the terminal handler shows epirl warnings
     return problems
 
 
-def _dry_run(cfg, run_dir: Path, verbose: bool, level: str) -> int:
+def _check_random_weights_source(cfg) -> None:
+    """Random weights need only the architecture's config.json: a hub id without a config shipped under
+    recipes/configs/ is fetched from the hub, so an unreachable hub is one line that names the shipped configs
+    (one check, where the hub client would retry for a minute)."""
+    path = resolve_model_path(cfg.model.path)
+    if hub.local_path(path) is not None or shipped_config_dir(path) is not None:
+        return
+    shipped = sorted(folder.name for folder in SHIPPED_CONFIGS.iterdir()) if SHIPPED_CONFIGS.is_dir() else []
+    folder = _shown_path(SHIPPED_CONFIGS)
+    example = f"model.path={folder}/{shipped[-1]}" if shipped else "model.path=FOLDER_WITH_CONFIG_JSON"
+    hub.require_hub("model.path", cfg.model.path, InputError,
+                    hint=f"random weights need only a config.json: use one shipped in {folder}/ "
+                         f"({', '.join(shipped)}), e.g. {example}")
+
+
+def _shown_path(path: Path) -> str:
+    """`path` relative to the working folder when it lies inside it (`recipes/configs`), else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _dry_run(cfg, run_dir: Path, verbose: bool, level: str, benchmark: BenchmarkSettings | None = None) -> int:
     """Everything `train` checks before the engine starts, and the plan; writes nothing."""
     with tempfile.TemporaryDirectory(prefix="epirl-dry-run-") as tmp, \
             RunOutput(Path(tmp) / "train.log", verbose, level) as out:
         try:
-            _check_and_plan(cfg, run_dir, out.console)
+            _check_and_plan(cfg, run_dir, out.console, benchmark, dry_run=True)
             _check_engine_config(cfg)
         except InputError as exc:
             error_line(out.console, str(exc))
@@ -228,44 +263,60 @@ def _dry_run(cfg, run_dir: Path, verbose: bool, level: str) -> int:
 
 def _check_engine_config(cfg) -> None:
     """vLLM's own validation of the engine arguments (EngineArgs → VllmConfig), without loading weights."""
+    library_records: list[logging.LogRecord] = []
     try:
         engine_args.set_process_env(cfg.engine.cpu_kv_cache_gb)  # read by vLLM when it is imported (next)
         plugin.register()  # epirl's quantization methods, which the arguments may name
         kwargs = llm_kwargs(cfg, resolve_model_path(cfg.model.path), quantization_method(cfg.engine.precision))
-        engine_args.validate_engine_config(kwargs)  # imports vLLM: only here, once output goes to train.log
+        with library_records_held() as library_records:  # vLLM's error records: train.log only, read below
+            engine_args.validate_engine_config(kwargs)  # imports vLLM: only here, once output goes to train.log
     except ConfigError as exc:
         raise InputError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - vLLM's refusal, in its own words, on one line
+        missing = missing_model_package(exc, library_records)
+        if missing is not None:
+            architecture, package = missing
+            raise InputError(f"engine: vLLM's implementation of {architecture or cfg.model.path} needs the package "
+                             f"{package}, which this install lacks") from None
         reason = first_line(exc)
         raise InputError(f"engine: vLLM refuses the engine arguments: {type(exc).__name__}: {reason}") from None
 
 
+_MISSING_MODULE = re.compile(r"No module named '([\w.]+)'")
+_INSPECTED_ARCHITECTURE = re.compile(r"model architecture '(\w+)'")
+
+
+def missing_model_package(exc: BaseException, records: list[logging.LogRecord]) -> tuple[str | None, str] | None:
+    """(architecture, top-level package) when vLLM could not import a model's implementation, else None.
+
+    vLLM inspects a model class in a subprocess: the ModuleNotFoundError reaches us only as text, in the error
+    it raises and in the error it logged (`Error in inspecting model architecture 'X'` + the subprocess's
+    traceback). Warnings are not read: some installs warn of optional modules they lack at import."""
+    texts = [str(exc), *(str(link) for link in _exception_chain(exc))]
+    for record in records:
+        if record.levelno < logging.ERROR:
+            continue
+        texts.append(record.getMessage())
+        if record.exc_info:
+            texts.append("".join(traceback.format_exception(*record.exc_info)))
+    text = "\n".join(texts)
+    module = _MISSING_MODULE.search(text)
+    if module is None:
+        return None
+    architecture = _INSPECTED_ARCHITECTURE.search(text)
+    return (architecture.group(1) if architecture else None), module.group(1).split(".")[0]
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
 # ------------------------------------------------------------------------------------------ the run
-def _first_missing(run_dir: Path) -> Path | None:
-    """The outermost folder of `run_dir` (itself or a parent) that does not exist yet: what this command
-    creates, and all it may remove again."""
-    missing = None
-    for folder in [run_dir, *run_dir.parents]:
-        if folder.exists():
-            break
-        missing = folder
-    return missing
-
-
-def _remove_created(run_dir: Path, created: Path | None) -> None:
-    """Remove the run folder and the parents this command created, as long as they are empty."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    if created is None or created == run_dir:
-        return
-    for parent in run_dir.parents:
-        try:
-            parent.rmdir()
-        except OSError:  # not empty (another run appeared) or gone
-            return
-        if parent == created:
-            return
-
-
 def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | None, resume: bool,
          benchmark: BenchmarkSettings | None = None, rank: int = 0) -> int:
     console = out.console
@@ -289,13 +340,7 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
         log.exception("training failed", extra={"terminal": False})
         out.restore()
         kept = _keep_failed(run_dir, created, observer)
-        error_line(console, f"{type(exc).__name__}: {first_line(exc, '')}")
-        tail = log_tail(kept / "train.log")
-        if tail:
-            console.rule(f"end of {kept / 'train.log'}", style="dim")
-            for line in tail:
-                console.print(line, markup=False, highlight=False, soft_wrap=True)
-            console.rule(style="dim")
+        show_failure(console, exc, kept / "train.log")
         return 1
     if rank != 0:
         return 0
@@ -315,7 +360,7 @@ def _bad_input(out: RunOutput, exc: Exception, run_dir: Path, created: Path | No
     log.error("%s", exc, extra={"terminal": False})
     out.restore()
     if created is not None:
-        _remove_created(run_dir, created)
+        remove_created(run_dir, created)
     error_line(out.console, str(exc))
     return 2
 
@@ -338,11 +383,7 @@ def _keep_failed(run_dir: Path, created: Path | None, observer) -> Path:
     """A run this command created that failed before its first step: moved to `<name>.failed` (log kept)."""
     if created is None or observer.session_rows or not run_dir.exists():
         return run_dir
-    failed = run_dir.with_name(run_dir.name + ".failed")
-    if failed.exists():
-        shutil.rmtree(failed, ignore_errors=True)
-    run_dir.rename(failed)
-    return failed
+    return move_to_failed(run_dir)
 
 
 # ------------------------------------------------------------------------------------------ --help-config

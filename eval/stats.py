@@ -9,24 +9,23 @@ scores are not Bernoulli, so a percentile bootstrap over problems is used instea
 from __future__ import annotations
 
 import math
-import random
-from typing import Sequence
+import warnings
+from typing import Callable, Sequence
 
-Z_95 = 1.959963984540054  # standard normal quantile at 0.975
+import numpy as np
+from scipy import stats
+
+Z_95 = float(stats.norm.ppf(0.975))  # standard normal quantile of a two-sided 95% interval
 
 
-def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float, float]:
+def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (stays inside [0, 1], sane at 0 and n)."""
     if trials <= 0:
         raise ValueError("wilson_interval needs trials > 0")
     if not 0 <= successes <= trials:
         raise ValueError(f"wilson_interval: successes={successes} outside [0, {trials}]")
-    p = successes / trials
-    z2 = z * z
-    denominator = 1 + z2 / trials
-    centre = (p + z2 / (2 * trials)) / denominator
-    half_width = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials)) / denominator
-    return max(0.0, centre - half_width), min(1.0, centre + half_width)
+    interval = stats.binomtest(successes, trials).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(interval.low), float(interval.high)
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -38,19 +37,41 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
 
 
+def percentile_bootstrap(samples: Sequence, statistic: Callable, resamples: int = 2000, confidence: float = 0.95,
+                         seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of ``statistic(*samples, axis=-1)``, the samples' units (their last axis)
+    resampled with replacement and together (paired): scipy.stats.bootstrap, seeded. The same seed and number of
+    units draw the same resamples, so intervals of several statistics of the same units come from one set of
+    resamples. Resamples where the statistic is undefined (NaN: a ratio whose denominator resampled to 0) are
+    left out; both ends are NaN when no resample defines it."""
+    arrays = tuple(np.asarray(sample, dtype=float) for sample in samples)
+    if not arrays or arrays[0].shape[-1] == 0:
+        raise ValueError("percentile_bootstrap needs at least one unit")
+    if all(np.all(sample == sample[..., :1]) for sample in arrays):  # every resample equals the data: no rounding
+        value = float(statistic(*arrays, axis=-1))
+        return value, value
+    with warnings.catch_warnings():  # NaN resamples make scipy warn and return NaN ends: handled below
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        result = stats.bootstrap(arrays, statistic, n_resamples=resamples, confidence_level=confidence,
+                                 method="percentile", paired=True, vectorized=True, batch=1000,
+                                 rng=np.random.default_rng(seed))
+    low, high = result.confidence_interval
+    if np.isnan(low) or np.isnan(high):
+        defined = result.bootstrap_distribution[np.isfinite(result.bootstrap_distribution)]
+        if defined.size == 0:
+            return math.nan, math.nan
+        tail = (1.0 - confidence) / 2
+        low, high = np.quantile(defined, [tail, 1.0 - tail])
+    return float(low), float(high)
+
+
 def bootstrap_interval(
     per_problem: Sequence[float], resamples: int = 2000, seed: int = 0, level: float = 0.95
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of ``per_problem`` (resampling problems)."""
     if not per_problem:
         raise ValueError("bootstrap_interval needs at least one value")
-    rng = random.Random(seed)
-    size = len(per_problem)
-    means = sorted(sum(rng.choices(per_problem, k=size)) / size for _ in range(resamples))
-    tail = (1.0 - level) / 2
-    low_index = int(math.floor(tail * (resamples - 1)))
-    high_index = int(math.ceil((1.0 - tail) * (resamples - 1)))
-    return means[low_index], means[high_index]
+    return percentile_bootstrap((per_problem,), np.mean, resamples, level, seed)
 
 
 def summarize_correctness(correct: Sequence[Sequence[bool]], seed: int = 0) -> dict[str, float]:
@@ -82,7 +103,7 @@ def summarize_correctness(correct: Sequence[Sequence[bool]], seed: int = 0) -> d
 
 
 def mcnemar_exact_p(only_a_correct: int, only_b_correct: int) -> float:
-    """Two-sided exact McNemar p-value: binomial(b + c, 1/2) on the discordant pairs.
+    """Two-sided exact McNemar p-value: the binomial test of the discordant pairs against 1/2.
 
     p = min(1, 2 · P[X <= min(b, c)]), X ~ Binomial(b + c, 1/2); 1.0 when there are no discordant pairs.
     """
@@ -91,9 +112,7 @@ def mcnemar_exact_p(only_a_correct: int, only_b_correct: int) -> float:
     discordant = only_a_correct + only_b_correct
     if discordant == 0:
         return 1.0
-    smaller = min(only_a_correct, only_b_correct)
-    tail = sum(math.comb(discordant, i) for i in range(smaller + 1)) / 2**discordant
-    return min(1.0, 2.0 * tail)
+    return float(stats.binomtest(min(only_a_correct, only_b_correct), discordant, 0.5).pvalue)
 
 
 def paired_comparison(correct_a: Sequence[bool], correct_b: Sequence[bool]) -> dict[str, float]:

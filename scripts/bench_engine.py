@@ -8,7 +8,7 @@
 Each precision gets one engine; TPOT = (t(new_tokens) - t(1)) / (new_tokens - 1) with greedy decoding,
 `ignore_eos`, random 128-token prompts, with the adapter (and, for w8a8, without: vLLM's plain fp8).
 Prints a markdown table; writes JSON to `--json` (default $OUT/bench_engine.json when $OUT is set).
-`scripts/gpu_engine.py` reuses the helpers here for the issue-5 GPU evidence.
+`scripts/offline/gpu_engine.py` reuses the helpers here for the GPU evidence.
 """
 
 from __future__ import annotations

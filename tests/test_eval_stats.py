@@ -23,6 +23,16 @@ def test_wilson_interval_hand_values():
     assert high == pytest.approx(1.0) and low == pytest.approx(10 / 13.841459, abs=1e-6)
 
 
+def test_wilson_interval_matches_published_values():
+    # Newcombe (1998), "Two-sided confidence intervals for the single proportion", Statistics in Medicine 17,
+    # 857-872: the worked examples' score intervals without continuity correction (method 3), to 4 decimals
+    published = {(81, 263): (0.2553, 0.3662), (15, 148): (0.0624, 0.1605), (0, 20): (0.0, 0.1611),
+                 (1, 29): (0.0061, 0.1718)}
+    for (successes, trials), (low, high) in published.items():
+        got = wilson_interval(successes, trials)
+        assert got == pytest.approx((low, high), abs=5e-5), (successes, trials, got)
+
+
 def test_wilson_interval_rejects_bad_counts():
     with pytest.raises(ValueError):
         wilson_interval(3, 0)

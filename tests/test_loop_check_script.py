@@ -39,3 +39,36 @@ def test_unknown_pairing_is_refused_with_one_line(check, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         check.main()
     assert exit_.value.code == 2 and "unknown ['nope']" in capsys.readouterr().err
+
+
+def test_faults_follow_their_pairing_in_one_chain(check):
+    work = check.chains(["bf16", "w8a16", "w8a8"], ["skip", "stale", "skip-w8a8"])
+    assert work == [[("bf16", None)], [("w8a16", None), ("w8a16", "skip"), ("w8a16", "stale")],
+                    [("w8a8", None), ("w8a8", "skip-w8a8")]]
+    assert check.chains(["bf16"], ["skip"]) == [[("bf16", None)], [("w8a16", "skip")]]
+
+
+def test_chains_run_side_by_side_and_rows_come_back_in_table_order(check, monkeypatch, capsys):
+    import threading
+    import time
+    live, peak, lock = [0], [0], threading.Lock()
+
+    def fake_run(args, pairing, fault=None):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.05 if fault else 0.2)  # pairings end after the other chains' first runs
+        with lock:
+            live[0] -= 1
+        return _row(pairing, fault)
+
+    monkeypatch.setattr(check, "run_pairing", fake_run)
+    args = type("Args", (), {"jobs": 0})()
+    rows = check.run_chains(args, check.chains(["bf16", "w8a16", "w8a8"], ["skip", "skip-w8a8"]))
+    assert [(r["pairing"], r["fault"]) for r in rows] == [("bf16", None), ("w8a16", None), ("w8a8", None),
+                                                        ("w8a16", "skip"), ("w8a8", "skip-w8a8")]
+    assert peak[0] == 3 and len(capsys.readouterr().out.splitlines()) == 5
+    args.jobs = 1
+    live[0] = peak[0] = 0
+    check.run_chains(args, check.chains(["bf16", "w8a16"], []))
+    assert peak[0] == 1

@@ -135,7 +135,7 @@ def test_estimate_bounds_the_measured_trainer_micro_batch_peak(arch, checkpointi
 
 
 def test_plan_prints_the_terms_and_the_gdn_kernel_it_assumed(tmp_path, monkeypatch, caplog):
-    """The run's `memory plan` log lines (grepped by scripts/gpu_main_recipe.sh) and the console's memory row
+    """The run's `memory plan` log lines (grepped by scripts/offline/gpu_main_recipe.sh) and the console's memory row
     name the activation terms and the GDN kernel; a benchmark's prompt length replaces the prompt cap."""
     import logging
 

@@ -9,8 +9,8 @@ import torch
 
 from epirl.mismatch import measure, variants
 from epirl.mismatch.cli import MismatchInputError
-from epirl.mismatch.measure import (PromptMeans, TokenTable, bootstrap_weights, summarize, token_table,
-                                    topk_tail_kl)
+from epirl.mismatch.measure import (PromptMeans, Resampling, TokenTable, mean_with_interval, ratio_with_interval,
+                                    summarize, token_mean, token_table, topk_tail_kl)
 
 
 # ------------------------------------------------------------------------------------------- statistics
@@ -31,15 +31,22 @@ def test_topk_tail_kl_is_exact_with_full_support_and_a_lower_bound_with_top_k():
 
 
 def test_bootstrap_is_seeded_and_resamples_whole_prompts():
-    weights_B_P = bootstrap_weights(7, 50, seed=3)
-    assert weights_B_P.shape == (50, 7) and (weights_B_P.sum(1) == 7).all()
-    assert torch.equal(weights_B_P, bootstrap_weights(7, 50, seed=3))
-    assert not torch.equal(weights_B_P, bootstrap_weights(7, 50, seed=4))
     prompt_N = torch.tensor([0, 0, 1, 2, 2, 2])
     means = PromptMeans(prompt_N, torch.tensor([1.0, 3.0, 5.0, 0.0, 0.0, 3.0]), 3)
     assert means.mean() == pytest.approx(2.0)
-    one_prompt = torch.tensor([[0.0, 3.0, 0.0]])  # a replicate that drew prompt 1 three times
-    assert means.replicates(one_prompt).item() == pytest.approx(5.0)
+    # a resample that drew prompt 1 three times: its one token, not three of the six tokens
+    assert token_mean(means.sums_P[[1, 1, 1]], means.counts_P[[1, 1, 1]]) == pytest.approx(5.0)
+    ci, again, other = (mean_with_interval(means, Resampling(50, seed))["ci95"] for seed in (3, 3, 4))
+    assert ci == again and ci != other
+    # whole prompts: no resample goes below prompt 2's mean of 1.0 or above prompt 1's 5.0
+    assert 1.0 <= ci[0] < 2.0 < ci[1] <= 5.0, ci
+
+
+def test_ratio_interval_leaves_out_resamples_with_a_zero_denominator():
+    num = PromptMeans(torch.tensor([0, 1, 2]), torch.tensor([1.0, 1.0, 1.0]), 3)
+    den = PromptMeans(torch.tensor([0, 1, 2]), torch.tensor([2.0, 0.0, 0.0]), 3)  # 0 unless prompt 0 is drawn
+    low, high = ratio_with_interval(num, den, Resampling(200, seed=0))["ci95"]
+    assert 0.5 <= low <= high <= 1.5, (low, high)  # 1 / (2k / 3), prompt 0 drawn k = 1..3 times
 
 
 def _table(precision, engine, a, b, c, prompts):

@@ -1,6 +1,6 @@
 """FP8 trainer on CUDA (Triton kernels): tiny models vs bf16, and an 8B-shaped step's memory.
 
-Run on the H200: `bash scripts/gpu_trainer.sh` (or `pytest -m gpu tests/test_model_gpu.py`).
+Run on an H200: `bash scripts/offline/gpu_benchmarks.sh trainer` (or `pytest -m gpu tests/test_model_gpu.py`).
 """
 
 import gc

@@ -55,6 +55,20 @@ def test_a_hub_id_while_offline_is_one_line_without_retries(tmp_path):
         assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_random_weights_of_a_hub_id_while_offline_is_one_line_naming_the_shipped_configs(tmp_path):
+    """model.load_format=dummy needs only a config.json: a hub id without a shipped config, with the hub
+    unreachable, is one check and one line that names recipes/configs/, not a minute of retries."""
+    env = {"HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    start = time.perf_counter()
+    proc = epirl_train(tmp_path, str(RECIPE), "--dry-run", "model.load_format=dummy", "model.path=Qwen/Qwen3-14B",
+                       env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = output_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("error: model.path: Qwen/Qwen3-14B:"), lines
+    assert "recipes/configs/" in lines[0] and "Qwen3.5-9B" in lines[0] and "Retrying" not in proc.stderr
+    assert time.perf_counter() - start < 60
+
+
 def test_resume_of_a_missing_run_folder_says_so(tmp_path):
     proc = epirl_train(tmp_path, "--resume", "runs/nope")
     assert proc.returncode == 2

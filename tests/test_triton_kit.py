@@ -1,4 +1,4 @@
-"""The Triton 3.7.1 + fla kit (scripts/triton_kit.sh) and its device check (scripts/gpu_fla_check.py), on CPU:
+"""The Triton 3.7.1 + fla kit (scripts/offline/triton_kit.sh) and its device check (gpu_fla_check.py), on CPU:
 shell syntax, the trim list, the call planner, the device installer on a fake payload (sums, idempotence,
 refusal of a corrupt part), and the check script's table / failure aggregation with stub checks. What needs the
 H200 (the real payload, fla, vLLM) is gpu_fla_check.py's job there."""
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KIT = ROOT / "scripts" / "triton_kit.sh"
-CHECK = ROOT / "scripts" / "gpu_fla_check.py"
+OFFLINE = ROOT / "scripts" / "offline"
+KIT = OFFLINE / "triton_kit.sh"
+CHECK = OFFLINE / "gpu_fla_check.py"
 
 
 def kit(*args: str, stage: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -26,10 +27,9 @@ def kit(*args: str, stage: Path | None = None, **env: str) -> subprocess.Complet
                           timeout=60)
 
 
-@pytest.mark.parametrize("script", ["triton_kit.sh", "gpu_main_recipe.sh", "device_env.sh", "device_bg.sh",
-                                    "gpu_session.sh"])
+@pytest.mark.parametrize("script", sorted(p.name for p in OFFLINE.glob("*.sh")))
 def test_scripts_parse(script):
-    subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
+    subprocess.run(["bash", "-n", str(OFFLINE / script)], check=True)
 
 
 def test_trim_list_gives_a_reason_for_each_path_and_keeps_what_sm90_needs():
@@ -138,7 +138,7 @@ def test_device_installer_refuses_a_corrupt_part(tmp_path):
     assert res.returncode != 0 and not (home / "triton37-site").exists()
 
 
-# ---- scripts/gpu_fla_check.py ------------------------------------------------------------------------------
+# ---- scripts/offline/gpu_fla_check.py ----------------------------------------------------------------------------
 
 def load_check():
     spec = importlib.util.spec_from_file_location("gpu_fla_check", CHECK)

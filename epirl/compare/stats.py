@@ -2,9 +2,10 @@
 
 Data: `correct[s, j]` = 1 when seed s's adapter answered held-out problem j (greedy, one answer per problem). Every
 pairing is scored on the same problems, so problems are the unit of resampling: the percentile bootstrap
-(scipy.stats.bootstrap) resamples problems and averages over seeds, i.e. it bootstraps the mean of the per-problem
-seed averages. The interval says how much the accuracy could move on another draw of problems from the task with
-these trained adapters; the seed-to-seed spread is reported beside it (per-seed accuracies), not folded in.
+(epirl.eval.stats.percentile_bootstrap, on scipy.stats.bootstrap) resamples problems and averages over seeds, i.e.
+it bootstraps the mean of the per-problem seed averages. The interval says how much the accuracy could move on
+another draw of problems from the task with these trained adapters; the seed-to-seed spread is reported beside it
+(per-seed accuracies), not folded in.
 
 The paired difference uses the per-problem difference of the two pairings' seed averages, resampled together
 (same problems), which removes the problems' shared difficulty from its variance.
@@ -16,7 +17,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
+
+from epirl.eval.stats import percentile_bootstrap
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,8 @@ def bootstrap_mean(values_M, resamples: int = 10_000, confidence: float = 0.95, 
     values = np.asarray(values_M, dtype=float)
     if values.ndim != 1 or values.size == 0:
         raise ValueError("bootstrap_mean needs a non-empty vector")
-    estimate = float(values.mean())
-    if np.all(values == values[0]):  # every resample has the same mean (scipy would warn about degenerate data)
-        return Interval(estimate, estimate, estimate)
-    result = stats.bootstrap((values,), np.mean, n_resamples=resamples, confidence_level=confidence,
-                             method="percentile", vectorized=True, batch=1000, rng=np.random.default_rng(seed))
-    return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
+    low, high = percentile_bootstrap((values,), np.mean, resamples, confidence, seed)
+    return Interval(float(values.mean()), low, high)
 
 
 def accuracy_interval(correct_S_M, resamples: int = 10_000, confidence: float = 0.95, seed: int = 0) -> Interval:

@@ -2,6 +2,11 @@
 (`epirl.mismatch`).
 
     epirl mismatch --model smollm2 --engines bf16,w8a8,w8a16 --n-prompts 32 --samples 4 --out runs/mm
+
+The terminal shows the plan, a progress bar (one step per engine, one for the trainer variants) and the tables
+(on standard output); what vLLM and other libraries print goes to OUT/mismatch.log (--verbose: to the terminal
+too). Bad input is one line and exit code 2 before any engine starts; a crash moves a new OUT to OUT.failed
+and prints the end of its log.
 """
 
 from __future__ import annotations
@@ -13,16 +18,20 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from transformers import AutoTokenizer
 
 from epirl import hub
 from epirl.config import ENGINE_PRECISIONS, MODEL_ALIASES, ConfigError, first_line, load_config, resolve_runtime
-from epirl.console import DefaultsHelpFormatter, error_line
+from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, error_line, plan_line,
+                           quiet_library_environment, run_in_folder, verbose_requested)
 from epirl.data import DataError, load_problems, render_prompt
 from epirl.engine.engine import check_vllm_args
-from epirl.mismatch.measure import measure_engines
+from epirl.mismatch.measure import collect_rollouts, score_rollouts, summarize, token_table
 from epirl.mismatch.report import log_wandb, render_tables, write_chart, write_json
+from epirl.mismatch.variants import VARIANTS
 from epirl.model.loading import local_model_dir
+from epirl.progress import PhaseProgress
 
 log = logging.getLogger(__name__)
 # vLLM's default `max_logprobs` (the engine does not raise it): the most alternatives it returns per token.
@@ -62,6 +71,7 @@ def add_mismatch_args(subparsers) -> argparse.ArgumentParser:
                         help="log the summary and chart to a W&B run")
     parser.add_argument("overrides", nargs="*", help="config overrides key.sub=value, e.g. model.dtype=bfloat16 "
                                                      "(default: none; `epirl train --help-config` lists the keys)")
+    add_verbose_arg(parser, "OUT/mismatch.log")
     parser.set_defaults(func=run_mismatch_command)
     return parser
 
@@ -178,27 +188,69 @@ def _prepare(args):
 
 def run_mismatch_command(args: argparse.Namespace) -> int:
     """`epirl mismatch ...`: measure, print, write mismatch.json / mismatch.png, W&B. Returns the exit status."""
-    console = Console()
-    if not console.is_terminal:  # piped / logged: rich would wrap the tables at 80 columns
-        console = Console(width=200)
-    try:
-        cfg, device, prompt_ids, engines = _prepare(args)
-    except MismatchInputError as exc:
-        error_line(Console(stderr=True), str(exc))
-        return 2
+    verbose = verbose_requested(args)
+    quiet_library_environment()
+    with RunOutput(None, verbose) as checking:  # no folder yet: bad input leaves nothing behind
+        try:
+            cfg, device, prompt_ids, engines = _prepare(args)
+        except MismatchInputError as exc:
+            error_line(checking.console, str(exc))
+            return 2
     out_dir = Path(args.out or f"runs/mismatch-{time.strftime('%Y%m%d-%H%M%S')}")
-    t0 = time.perf_counter()
-    summary, _ = measure_engines(cfg, prompt_ids, engines, args.samples, args.max_tokens, args.temperature,
-                                 args.topk, args.seed, device, args.adapter, args.bootstrap)
-    summary["settings"] = {"model": args.model, "adapter": args.adapter, "prompts": args.prompts,
-                           "n_prompts": len(prompt_ids), "samples": args.samples, "max_tokens": args.max_tokens,
-                           "temperature": args.temperature, "topk": args.topk, "engines": engines,
-                           "seed": args.seed, "dtype": cfg.model.dtype, "device": str(device),
-                           "wall_s": round(time.perf_counter() - t0, 1)}
-    render_tables(summary, console)
-    out_dir.mkdir(parents=True, exist_ok=True)  # only now: an interrupted or failed measurement leaves no folder
-    json_path = write_json(summary, out_dir)
-    chart_path = write_chart(summary, out_dir)
-    log_wandb(summary, chart_path, args.wandb, cfg.tracking.project, f"mismatch-{args.model}", out_dir)
-    console.print(f"[green]wrote[/] {json_path} and {chart_path}")
-    return 0
+
+    def measure_and_report(out: RunOutput) -> int:
+        _print_plan(out, args, cfg, device, len(prompt_ids), engines, out_dir)
+        t0 = time.perf_counter()
+        summary = _measure(cfg, prompt_ids, engines, args, device, out.console)
+        summary["settings"] = {"model": args.model, "adapter": args.adapter, "prompts": args.prompts,
+                               "n_prompts": len(prompt_ids), "samples": args.samples, "max_tokens": args.max_tokens,
+                               "temperature": args.temperature, "topk": args.topk, "engines": engines,
+                               "seed": args.seed, "dtype": cfg.model.dtype, "device": str(device),
+                               "wall_s": round(time.perf_counter() - t0, 1)}
+        # The tables are the result: standard output, as wide as they need when it is not a terminal.
+        tables = Console(file=out.stdout)
+        render_tables(summary, tables if tables.is_terminal else Console(file=out.stdout, width=200))
+        json_path = write_json(summary, out_dir)
+        chart_path = write_chart(summary, out_dir)
+        log_wandb(summary, chart_path, args.wandb, cfg.tracking.project, f"mismatch-{args.model}", out_dir)
+        out.console.print(f"[green]wrote[/] {escape(str(json_path))} and {chart_path.name}", soft_wrap=True,
+                          highlight=False)
+        return 0
+
+    return run_in_folder(out_dir, "mismatch.log", verbose, log, measure_and_report)
+
+
+def _print_plan(out: RunOutput, args, cfg, device, n_prompts: int, engines: list[str], out_dir: Path) -> None:
+    from epirl.plan import installed_vllm, model_row
+
+    variants = ", ".join(f"({name}) {text}" for name, text in VARIANTS.items())
+    rows = [("run", f"{out_dir}  (log: {out_dir / 'mismatch.log'})"), model_row(cfg, args.adapter),
+            ("engines", f"vLLM {installed_vllm()} {', '.join(engines)} on {device.type}, one at a time"),
+            ("trainer", f"variants {variants} on {device.type}"),
+            ("prompts", f"{n_prompts} from {args.prompts} × {args.samples} samples, ≤ {args.max_tokens} tokens, "
+                        f"temperature {args.temperature:g}, top-{args.topk} log-probs, {args.bootstrap} bootstrap "
+                        "replicates")]
+    for label, text in rows:
+        plan_line(out.console, label, text, log)
+
+
+def _measure(cfg, prompt_ids: list[list[int]], engines: list[str], args, device, console: Console) -> dict:
+    """`measure.measure_engines`, phase by phase for the progress bar: each engine (started, sampled, closed),
+    then the trainer variants' scoring and the bootstrap."""
+    with PhaseProgress(console, "mismatch", len(engines) + 1) as phases:
+        rollouts = {}
+        for spec in engines:
+            phases.start(f"{spec} engine: start, sample")
+            rollouts.update(collect_rollouts(cfg, [spec], prompt_ids, args.samples, args.max_tokens,
+                                             args.temperature, args.topk, args.seed, args.adapter))
+            phases.finished(f"{spec} engine: {rollouts[spec].num_tokens} tokens sampled in "
+                            f"{rollouts[spec].sample_s:.1f} s")
+        phases.start("trainer variants: score")
+        scores, checks = score_rollouts(cfg, rollouts, device, args.temperature, args.adapter)
+        tables = {spec: token_table(rollouts[spec], scores[spec]) for spec in engines}
+        summary = summarize(tables, len(prompt_ids), args.bootstrap, args.seed)
+        phases.finished(f"trainer variants scored, {args.bootstrap} bootstrap replicates ({phases.elapsed()} in all)")
+    summary["checks"] = checks
+    summary["sample_s"] = {spec: r.sample_s for spec, r in rollouts.items()}
+    summary["variants"] = dict(VARIANTS)
+    return summary

@@ -18,7 +18,8 @@ bound on the full KL (data-processing inequality) and the gap is exactly p_tail 
 so the reader can see how tight the bound is.
 
 Confidence intervals: percentile bootstrap over prompts (all samples of a prompt move together, since
-they share a prefix), seeded; ratios between engines resample the same prompts jointly.
+they share a prefix; epirl.eval.stats.percentile_bootstrap), seeded; every statistic, and the ratios between
+engines, resample the same prompts.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from epirl.engine import RolloutEngine
+from epirl.eval.stats import percentile_bootstrap
 from epirl.kernels import quantize_activation_fp8, w8a16_lora
 from epirl.mismatch.variants import (VARIANTS, fake_quant_activations, fp8_projections, load_variant_policy,
                                      score_sequences)
@@ -152,48 +155,53 @@ def token_table(rollouts: EngineRollouts, scores: dict) -> TokenTable:
 
 
 # ------------------------------------------------------------------------------------------ statistics
-def bootstrap_weights(num_prompts: int, replicates: int, seed: int) -> torch.Tensor:
-    """[B, P] multiplicities of each prompt in B resamples of P prompts with replacement (seeded)."""
-    g = torch.Generator().manual_seed(seed)
-    draws_B_P = torch.randint(num_prompts, (replicates, num_prompts), generator=g)
-    weights_B_P = torch.zeros(replicates, num_prompts, dtype=torch.float64)
-    return weights_B_P.scatter_add_(1, draws_B_P, torch.ones_like(draws_B_P, dtype=torch.float64))
+@dataclass(frozen=True)
+class Resampling:
+    """The percentile bootstrap over prompts: every statistic resamples the same prompts (same seed, same count)."""
+    replicates: int
+    seed: int
+
+    def interval(self, samples: tuple, statistic) -> list[float]:
+        return list(percentile_bootstrap(samples, statistic, self.replicates, 0.95, self.seed))
+
+
+def token_mean(sums_P, counts_P, axis: int = -1):
+    """Mean over tokens of the prompts given as per-prompt sums and token counts (0 for no token)."""
+    return sums_P.sum(axis) / np.maximum(counts_P.sum(axis), 1)
+
+
+def token_mean_ratio(num_sums_P, num_counts_P, den_sums_P, den_counts_P, axis: int = -1):
+    """One token mean over another on the same prompts; NaN where the denominator is 0."""
+    den = np.asarray(token_mean(den_sums_P, den_counts_P, axis))
+    num = np.asarray(token_mean(num_sums_P, num_counts_P, axis))
+    return np.divide(num, den, out=np.full(den.shape, np.nan), where=den != 0)
 
 
 class PromptMeans:
-    """Token means of per-token values, as per-prompt sums, so bootstrap replicates are matrix products."""
+    """Token means of per-token values, kept as per-prompt sums and token counts: a resample of prompts moves all
+    of a prompt's tokens together."""
 
     def __init__(self, prompt_N: torch.Tensor, values_N: torch.Tensor, num_prompts: int):
-        self.sums_P = torch.bincount(prompt_N, weights=values_N.double(), minlength=num_prompts)
-        self.counts_P = torch.bincount(prompt_N, minlength=num_prompts).double()
+        self.sums_P = torch.bincount(prompt_N, weights=values_N.double(), minlength=num_prompts).numpy()
+        self.counts_P = torch.bincount(prompt_N, minlength=num_prompts).double().numpy()
 
     def mean(self) -> float:
-        return float(self.sums_P.sum() / self.counts_P.sum().clamp(min=1))
-
-    def replicates(self, weights_B_P: torch.Tensor) -> torch.Tensor:
-        weights_B_P = weights_B_P.double()
-        return (weights_B_P @ self.sums_P) / (weights_B_P @ self.counts_P).clamp(min=1)
+        return float(token_mean(self.sums_P, self.counts_P))
 
 
-def _ci(replicates_B: torch.Tensor) -> list[float]:
-    finite = replicates_B[torch.isfinite(replicates_B)]
-    if finite.numel() == 0:
-        return [float("nan"), float("nan")]
-    return [float(torch.quantile(finite, 0.025)), float(torch.quantile(finite, 0.975))]
+def mean_with_interval(means: PromptMeans, resampling: Resampling) -> dict:
+    return {"mean": means.mean(), "ci95": resampling.interval((means.sums_P, means.counts_P), token_mean)}
 
 
-def _stat(means: PromptMeans, weights_B_P: torch.Tensor) -> dict:
-    return {"mean": means.mean(), "ci95": _ci(means.replicates(weights_B_P))}
-
-
-def _ratio(num: PromptMeans, den: PromptMeans, weights_B_P: torch.Tensor) -> dict | None:
+def ratio_with_interval(num: PromptMeans, den: PromptMeans, resampling: Resampling) -> dict | None:
     if den.mean() <= 1e-12:  # the bf16 pair is exactly (or numerically) 0: a ratio would be noise / 0
         return None
-    return {"mean": num.mean() / den.mean(), "ci95": _ci(num.replicates(weights_B_P) / den.replicates(weights_B_P))}
+    samples = (num.sums_P, num.counts_P, den.sums_P, den.counts_P)
+    return {"mean": num.mean() / den.mean(), "ci95": resampling.interval(samples, token_mean_ratio)}
 
 
 # ------------------------------------------------------------------------------------------- summary
-def summarize_engine(table: TokenTable, num_prompts: int, weights_B_P: torch.Tensor,
+def summarize_engine(table: TokenTable, num_prompts: int, resampling: Resampling,
                      reference: dict[str, PromptMeans] | None) -> dict:
     """Per trainer variant: mean |Δ log p|, top-k+tail KL, TIS clip fraction (+ ratios); δW/δA/δK."""
     prompt_N = table.prompt_N
@@ -203,11 +211,12 @@ def summarize_engine(table: TokenTable, num_prompts: int, weights_B_P: torch.Ten
         kl_means = PromptMeans(prompt_N, table.kl_N[v], num_prompts)
         # TIS weight p_trainer / p_engine; a cap of 2 clips every token above it
         clipped_N = ((trainer_N - table.engine_N).exp() > TIS_CAP).double()
-        entry = {"abs_dlogp": _stat(abs_means, weights_B_P), "kl": _stat(kl_means, weights_B_P),
-                 "tis_clip_frac": _stat(PromptMeans(prompt_N, clipped_N, num_prompts), weights_B_P)}
+        entry = {"abs_dlogp": mean_with_interval(abs_means, resampling),
+                 "kl": mean_with_interval(kl_means, resampling),
+                 "tis_clip_frac": mean_with_interval(PromptMeans(prompt_N, clipped_N, num_prompts), resampling)}
         if reference is not None:
-            entry["rel_abs_dlogp"] = _ratio(abs_means, reference["abs_dlogp"], weights_B_P)
-            entry["rel_kl"] = _ratio(kl_means, reference["kl"], weights_B_P)
+            entry["rel_abs_dlogp"] = ratio_with_interval(abs_means, reference["abs_dlogp"], resampling)
+            entry["rel_kl"] = ratio_with_interval(kl_means, reference["kl"], resampling)
         versus[v] = entry
     deltas = table.deltas()
     abs_means = {k: PromptMeans(prompt_N, d.abs(), num_prompts) for k, d in deltas.items()}
@@ -215,7 +224,7 @@ def summarize_engine(table: TokenTable, num_prompts: int, weights_B_P: torch.Ten
     decomposition = {}
     for k, d in deltas.items():
         decomposition[k] = {"mean": float(d.mean()) if d.numel() else 0.0,
-                            "mean_abs": _stat(abs_means[k], weights_B_P),
+                            "mean_abs": mean_with_interval(abs_means[k], resampling),
                             "share": (abs_means[k].mean() / parts_total) if parts_total > 0 else None}
     decomposition["total"].pop("share")
     residual_N = deltas["delta_W"] + deltas["delta_A"] + deltas["delta_K"] - deltas["total"]
@@ -227,7 +236,7 @@ def summarize_engine(table: TokenTable, num_prompts: int, weights_B_P: torch.Ten
 
 def summarize(tables: dict[str, TokenTable], num_prompts: int, replicates: int = 1000, seed: int = 0) -> dict:
     """The report's numbers for every engine; ratios relative to the bf16-engine / (a)-trainer pair."""
-    weights_B_P = bootstrap_weights(num_prompts, replicates, seed)
+    resampling = Resampling(replicates, seed)
     reference, notes = None, []
     ref_table = tables.get("bf16")
     if ref_table is not None and "a" in ref_table.variant_N:
@@ -242,7 +251,7 @@ def summarize(tables: dict[str, TokenTable], num_prompts: int, replicates: int =
                              f"bf16-rounding baseline")
     else:
         notes.append("no bf16 engine in --engines: ratios relative to the bf16 pair are omitted")
-    engines = {p: summarize_engine(t, num_prompts, weights_B_P, reference) for p, t in tables.items()}
+    engines = {p: summarize_engine(t, num_prompts, resampling, reference) for p, t in tables.items()}
     return {"bootstrap": {"replicates": replicates, "seed": seed, "unit": "prompt"},
             "reference_pair": None if reference is None else {k: m.mean() for k, m in reference.items()},
             "engines": engines, "notes": notes}

@@ -43,7 +43,7 @@ PACKED_MODULES = {
 _PACKED_NAME_OF = {member: packed for packed, members in PACKED_MODULES.items() for member in members}
 # The fused layers that run as one call (unless `kernels.fused_slices` is off): the matched engine (epirl.engine.plugin._one_call
 # reads this list) and the trainer, which groups its modules the same way (`group_fused_layer`). Only qkv_proj: on
-# the H200 (BENCHMARKS.md, fifteenth session) one call is 0.54-0.66x the per-slice calls at decode and 0.92x bf16
+# the H200 one call is 0.54-0.66x the per-slice calls at decode and 0.92x bf16
 # against 1.15x in training, but gate_up_proj as one call is 1.07x the per-slice calls at one token and
 # 1.08-1.13x bf16 in training (its rank-128 epilogue and the wider tile cost more than one launch saves), and its
 # column-view outputs make the MLP's elementwise ops strided. Qwen3.5's in_proj_qkvz (four slices in two

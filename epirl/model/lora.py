@@ -8,7 +8,6 @@ after the base output, in the same order as vLLM's punica path).
 
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Iterator
 
@@ -20,6 +19,7 @@ from torch import nn
 # gated-DeltaNet layers add the in_proj_* family and out_proj; Llama / Qwen3 / Qwen3.5 full attention and
 # MLPs use the first seven.
 from epirl.config import ALL_PROJECTIONS
+from epirl.kernels import peft_lora_init
 
 
 class LoRALinear(nn.Module):
@@ -55,17 +55,14 @@ def is_lora_module(module: nn.Module) -> bool:
 
 def init_lora_weights(module_name: str, rank: int, in_features: int, out_features: int,
                       seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """PEFT's default init (A: kaiming-uniform with a=√5, B: zeros), seeded per module name.
+    """PEFT's default init (`epirl.kernels.peft_lora_init`: A kaiming-uniform with a=√5, B zeros), fp32 on the
+    CPU, seeded per module name.
 
     Seeding by name (not by visiting order or device RNG) gives the bf16 and the FP8 policy of one
     seed bit-identical adapters, which is what lets tests compare the two bases step by step.
     """
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(module_name.encode()))
-    # kaiming_uniform_(a=sqrt(5)) on a [rank, in] matrix draws from U(-1/sqrt(in), 1/sqrt(in)).
-    bound = 1.0 / math.sqrt(in_features)
-    lora_a_R_I = (torch.rand(rank, in_features, generator=generator) * 2 - 1) * bound
-    lora_b_O_R = torch.zeros(out_features, rank)
-    return lora_a_R_I, lora_b_O_R
+    module_seed = seed * 1_000_003 + zlib.crc32(module_name.encode())
+    return peft_lora_init(rank, in_features, out_features, torch.float32, "cpu", seed=module_seed)
 
 
 def projection_modules(model: nn.Module, names: tuple[str, ...] = ALL_PROJECTIONS

@@ -116,7 +116,7 @@ def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str
 #                  entropy_keeps_graph): its exp/mul nodes stay referenced (entropy_B_T lives until the next
 #                  micro-batch's forward), so when the LM-head chunks are recomputed in backward their fp32
 #                  log-softmax and its exp are kept for every chunk: 2·N·V·4 bytes (17 GiB at 4×2304 tokens and
-#                  Qwen3.5's 248k vocabulary). The H200 measurements below were taken with it; today it is 0.
+#                  Qwen3.5's 248k vocabulary). The H200 measurements below were taken with it; the trainer no longer keeps it (0).
 #   head           the final norm's fp32 input, its output (the chunks' input), that output's gradient and the
 #                  residual gradients: H·4 + 3·H·a, plus the per-token fp32 loss tensors.
 #   then the larger of
@@ -130,14 +130,14 @@ def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str
 # reserved-but-free blocks) is not in it and not in this estimate; preflight_check's safety factor covers it.
 #
 # Checked against (see tests/test_memory_estimate.py):
-# - H200 2026-11-30, Qwen3.5-9B shapes, 4×2304 tokens, rank 64 on 12 projections, shared FP8 base, torch GDN
+# - H200, Qwen3.5-9B shapes, 4×2304 tokens, rank 64 on 12 projections, shared FP8 base, torch GDN
 #   fallback, checkpointing, chunk 1024, entropy with grad (BENCHMARKS.md "Main recipe at full scale"): measured
 #   24.09 GiB (step 2; step 1's 22.79 is the same peak minus the AdamW moments created after it). Estimate with
 #   entropy_graph=True 25.9 GiB: layer_inputs 2.25 + entropy_graph 17.05 + top_layer (GDN torch) 4.99 + head 0.35
-#   + margin 1.23. Without the graph (today's code) 8.0 GiB; the measurement implies ~7.05 (not measured yet).
-# - H200 2026-11-30, Qwen3-8B shapes, same settings on 7 projections, shared W8A16 engine and bf16 trainer base:
+#   + margin 1.23. Without the graph (the current code) 8.0 GiB; the measurement implies ~7.05 (not measured yet).
+# - H200, Qwen3-8B shapes, same settings on 7 projections, shared W8A16 engine and bf16 trainer base:
 #   entropy with grad: measured 15.71 GiB (steps 2-3; step 1 14.41). Estimate 16.49 / 16.50 GiB (1.05x):
-#   layer_inputs 2.53 + entropy_graph 10.43 + top_layer 2.39 + head 0.35 + margin 0.79 (today's code: 5.5 GiB).
+#   layer_inputs 2.53 + entropy_graph 10.43 + top_layer 2.39 + head 0.35 + margin 0.79 (the current code: 5.5 GiB).
 # - CPU, one real-width decoder layer (H 4096, I 12288, bf16, LoRA rank 64), per-token slope of the forward+backward
 #   peak over T = 128..512 (torch.profiler allocation events): GDN torch fallback 578 KiB, Qwen3.5 full attention
 #   297 KiB, Qwen3-8B layer 274 KiB, each including the embedding output, final norm and an fp32 copy of the output

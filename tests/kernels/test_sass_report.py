@@ -248,18 +248,6 @@ def test_gluon_shared_memory_estimate_covers_the_compiled_kernel(cfg):
     assert (estimate <= ws_gluon.SMEM_LIMIT) == (ring or bm == 128), estimate
 
 
-@pytest.mark.parametrize("text", ["256/64/4/16", "128/64/4/s", "256/64/3/8/s/r", "256/64/4/16/r"])
-def test_gluon_config_text_round_trips(text):
-    """The probe's and race_count's config text (`probe_gluon_fwd.parse_config`: BM/BK/STAGES[/GROUP_N][/s][/r]) reads
-    into the fields `ws_gluon` takes and prints back the same (GROUP_N written out)."""
-    from probe_gluon_fwd import config_label, parse_config
-    cfg = parse_config(text)
-    fields = text.split("/")
-    assert (cfg["BM"], cfg["BK"], cfg["num_stages"]) == tuple(map(int, fields[:3]))
-    assert cfg["A_SMEM"] == ("s" in fields) and cfg["LORA_RING"] == ("r" in fields), cfg
-    assert parse_config(config_label(cfg)) == cfg and config_label(cfg).count("/") >= 3
-
-
 def test_gluon_kernel_never_specializes_its_chunk_count():
     """dX runs in one K chunk (`whole_k`): were N_CHUNKS = 1 specialized into a constant (Triton's default for an
     integer argument equal to 1), ptxas would serialize the kernel's wgmmas (C7515, 864 B of spills under Triton 3.6)

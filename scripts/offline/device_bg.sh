@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Run one long GPU job across several device calls (each call is limited to 10 minutes; a process started in its
-# own session survives the end of a call while the machine stays warm, ../.library/device/README.md):
-#   bash scripts/device_bg.sh start NAME CMD...   # copies the repo to $HOME/bg/NAME/repo, starts CMD there with
-#                                                 # setsid (OUT=$HOME/bg/NAME/out), returns at once
-#   bash scripts/device_bg.sh wait NAME SECONDS   # waits until the job ends or SECONDS pass, prints the log's
-#                                                 # tail, puts the log and a tarball of the job's OUT (what it
-#                                                 # has so far) into this call's $OUT
-# The copy keeps the job's imports stable while later calls re-sync the working tree. Exit status of `wait`:
-# the job's when it ended, 99 while it still runs (call `wait` again within the 30 s idle window).
+# Run one long GPU job across several commands, where each command on the GPU host has a time limit (10
+# minutes) but the host stays up between them: a process detached with setsid outlives the command.
+# From the repo root:
+#   bash scripts/offline/device_bg.sh start NAME CMD...   # copies the repo to $HOME/bg/NAME/repo, starts CMD
+#                                                         # there with setsid (OUT=$HOME/bg/NAME/out), returns
+#   bash scripts/offline/device_bg.sh wait NAME SECONDS   # waits until the job ends or SECONDS pass, prints the
+#                                                         # log's tail, puts the log and a tarball of the job's
+#                                                         # OUT (what it has so far) into this command's $OUT
+# The copy keeps the job's imports stable while later commands re-sync the working tree. Exit status of `wait`:
+# the job's when it ended, 99 while it still runs (call `wait` again before the host's idle timeout).
 set -o pipefail
 cmd=${1:?usage: device_bg.sh start NAME CMD... | wait NAME SECONDS}; name=${2:?job name}; shift 2
 dir=$HOME/bg/$name
@@ -22,7 +23,7 @@ case "$cmd" in
   wait)
     limit=${1:?seconds}; t0=$(date +%s)
     while [ ! -f "$dir/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 2; done
-    # two files back (a device call returns only a few): the job's log and its $OUT as one tarball
+    # two files back (a command may return only a few): the job's log and its $OUT as one tarball
     mkdir -p "${OUT:-/tmp/out}"; cp "$dir/log" "${OUT:-/tmp/out}/bg_$name.log"
     tar czf "${OUT:-/tmp/out}/bg_${name}_out.tgz" -C "$dir/out" .
     if [ -f "$dir/rc" ]; then

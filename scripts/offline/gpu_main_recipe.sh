@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
 # The main recipe as written (16 prompts x 8 samples, <= 2048-token responses, rank-64 LoRA, W8A8 + TIS,
-# trainer.base=shared, gpu_memory_utilization 0.55, CUDA graphs, KV release, publish every step) on the lent
+# trainer.base=shared, gpu_memory_utilization 0.55, CUDA graphs, KV release, publish every step) on one
 # H200 in benchmark mode: `epirl train RECIPE --benchmark 3` with the real architecture and random weights
 # (model.load_format=dummy, configs from recipes/configs/), synthetic 256-token prompts, seeded-coin rewards,
-# every response forced to 2048 tokens. One part per device call (each < 10 min):
+# every response forced to 2048 tokens. One part per command (each < 10 min):
 #
-#   bash scripts/gpu_main_recipe.sh q35       # Qwen3.5-9B,  W8A8 + TIS, trainer.base=shared   (~9 min; STEPS=2: ~7)
-#   bash scripts/gpu_main_recipe.sh q3        # Qwen3-8B,    W8A8 + TIS, trainer.base=shared   (~6 min)
-#   bash scripts/gpu_main_recipe.sh q3w8a16   # Qwen3-8B,    matched W8A16, rl.correction=none  (~7 min)
-#   bash scripts/gpu_main_recipe.sh bf16      # Qwen3-8B,    W8A8 + TIS, trainer.base=bf16 (own bf16 copy) (~5 min)
-#   bash scripts/gpu_main_recipe.sh q35bf16   # Qwen3.5-9B,  W8A8 + TIS, trainer.base=bf16     (~8.5 min; STEPS=2: ~6.5)
-#   bash scripts/gpu_main_recipe.sh q35w8a16  # Qwen3.5-9B,  matched W8A16, rl.correction=none  (~9.5 min; use STEPS=2)
+# Part        model        engine, correction            trainer.base        time (STEPS=2)
+#   q35       Qwen3.5-9B   W8A8 + TIS                    shared              ~9 min (~7)
+#   q3        Qwen3-8B     W8A8 + TIS                    shared              ~6 min
+#   q3w8a16   Qwen3-8B     matched W8A16, none           shared              ~7 min
+#   bf16      Qwen3-8B     W8A8 + TIS                    bf16 (own copy)     ~5 min
+#   q35bf16   Qwen3.5-9B   W8A8 + TIS                    bf16                ~8.5 min (~6.5)
+#   q35w8a16  Qwen3.5-9B   matched W8A16, none           shared              ~9.5 min (use STEPS=2)
+#   bash scripts/offline/gpu_main_recipe.sh q3
 #
-# Qwen3.5 on the fla kit does not fit 3 steps in one call from a cold machine (2026-12-01: engine + trainer start
-# 366 s, step 1 188 s): run it in the background across calls, one start and then waits back to back
+# Qwen3.5 on the fla kit does not fit 3 steps in 10 minutes from a cold machine (engine + trainer start
+# 366 s, step 1 188 s): run it in the background, one start and then waits back to back
 # (TIMEOUT raises the 570 s limit on the train command):
-#   bash scripts/device_bg.sh start q35 env STEPS=3 TIMEOUT=1500 bash scripts/gpu_main_recipe.sh q35
-#   bash scripts/device_bg.sh wait q35 580      # again while it prints "still running".
-# Needs vLLM 0.26 staged (../shared/device/README.md: `source ~/vllm-env.sh` sets VLLM_USE_FLASHINFER_SAMPLER=0)
-# and math-verify carried as wheels in .whl/ (as for scripts/gpu_evidence.sh: the loop imports the grader even
-# though benchmark rewards are a coin). Qwen3.5 runs with language_model_only (automatic for its config) and
-# vLLM's Triton GDN prefill (FlashInfer is not shipped there). The trainer's gated-DeltaNet layers use
-# flash-linear-attention when it imports and passes a forward+backward check on the device, else transformers'
-# torch fallback; benchmark.json and the table say which ran. fla 0.6's Hopper backward needs Triton >= 3.7.1 (the
-# image has 3.6): when scripts/triton_kit.sh's kit is staged ($HOME/env-triton37.sh exists) it is sourced after
-# the vLLM environment, so `q35` measures the fla path; the header line says which triton/fla are active. Each part prints the per-step table + the plan-vs-measured line and leaves
-# $OUT/main_<part>.json (the full benchmark.json) and $OUT/main_<part>.log (the log's tail).
+#   bash scripts/offline/device_bg.sh start q35 env STEPS=3 TIMEOUT=1500 \
+#     bash scripts/offline/gpu_main_recipe.sh q35
+#   bash scripts/offline/device_bg.sh wait q35 580      # again while it prints "still running".
+# Needs vLLM 0.26 staged (`source ~/vllm-env.sh` sets VLLM_USE_FLASHINFER_SAMPLER=0) and math-verify carried as
+# wheels in .whl/ (the loop imports the grader even though benchmark rewards are a coin). Qwen3.5 runs with
+# language_model_only (automatic for its config) and vLLM's Triton GDN prefill (FlashInfer is not shipped
+# there). The trainer's gated-DeltaNet layers use flash-linear-attention when it imports and passes a
+# forward+backward check on the device, else transformers' torch fallback; benchmark.json and the table say
+# which ran. fla 0.6's Hopper backward needs Triton >= 3.7.1 (the image has 3.6): when triton_kit.sh's kit is
+# staged ($HOME/env-triton37.sh exists) it is sourced after the vLLM environment, so `q35` measures the fla
+# path; the header line says which triton/fla are active. Each part prints the per-step table + the
+# plan-vs-measured line and leaves $OUT/main_<part>.json (the full benchmark.json) and $OUT/main_<part>.log
+# (the log's tail).
 set -o pipefail
 part=${1:?usage: gpu_main_recipe.sh q35|q3|q3w8a16|bf16|q35bf16|q35w8a16}
 STEPS=${STEPS:-3}
-source scripts/device_env.sh
+source scripts/offline/device_env.sh
 # after device_env.sh (which sources ~/vllm-env.sh): the kit's PYTHONPATH entry must come first to shadow triton 3.6
 [ -f "$HOME/env-triton37.sh" ] && source "$HOME/env-triton37.sh"
 export COLUMNS=250  # rich wraps log lines at 80 columns when stderr is not a terminal

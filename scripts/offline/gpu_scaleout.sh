@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # Scale-out evidence (BENCHMARKS.md "Scale-out"): one recipe at 1 GPU and at N GPUs (default 2) with the same
-# seed and the same global batch, then the table of scripts/scaleout_table.py: step time split, samples/s,
+# seed and the same global batch, then the table of scripts/offline/scaleout_table.py: step time split, samples/s,
 # speed-up, gradient all-reduce seconds and their share of the step, checksums equal every step, and whether
-# both runs trained on the same batches. Device kind: nvidia-h200-x2 (or -x4/-x8 with NPROC=4/8), vLLM 0.26
-# staged (../shared/device/README.md, kit built with WITH_SMOLLM2=1; math-verify wheels carried in .whl/, as
-# for scripts/gpu_evidence.sh). One part per device call (each under 10 minutes):
+# both runs trained on the same batches. On a host with 2 GPUs (or 4 / 8 with NPROC=4/8), vLLM 0.26 staged
+# (its kit built with the SmolLM2 weights; math-verify wheels carried in .whl/). One part per command (each under
+# 10 minutes):
 #
-#   bash scripts/gpu_scaleout.sh smollm2   # ~5 min: SmolLM2 recipe (matched W8A16 engine, trainer.base=shared,
-#                                          #   64 prompts x 8 samples per step, 6 steps) at 1 GPU then NPROC GPUs
-#   bash scripts/gpu_scaleout.sh qwen1     # ~6 min: Qwen3-8B shape, random weights, `--benchmark` (1 GPU)
-#   bash scripts/gpu_scaleout.sh qwen2     # ~6 min: the same at NPROC GPUs, then the Qwen table (both parts'
-#                                          #   runs live under $HOME/scaleout: run qwen1 and qwen2 while warm)
+#   bash scripts/offline/gpu_scaleout.sh smollm2  # ~5 min: SmolLM2 recipe (matched W8A16 engine,
+#                                                 #   trainer.base=shared, 64 prompts x 8 samples per step,
+#                                                 #   6 steps) at 1 GPU then NPROC GPUs
+#   bash scripts/offline/gpu_scaleout.sh qwen1    # ~6 min: Qwen3-8B shape, random weights, `--benchmark` (1 GPU)
+#   bash scripts/offline/gpu_scaleout.sh qwen2    # ~6 min: the same at NPROC GPUs, then the Qwen table (both
+#                                                 #   parts' runs live under $HOME/scaleout: same machine)
 #
-# The Qwen parts need `model.load_format: dummy` and `epirl train --benchmark` (branch i14); without them they
-# print "skipped" and exit 0. Knobs: NPROC (2), STEPS (6 SmolLM2 / 3 Qwen), PROMPTS (64 SmolLM2 / the recipe's
+# The Qwen parts need `model.load_format: dummy` and `epirl train --benchmark`; a checkout without them prints
+# "skipped" and exits 0. Knobs: NPROC (2), STEPS (6 SmolLM2 / 3 Qwen), PROMPTS (64 SmolLM2 / the recipe's
 # 16 Qwen), SEEDING (SmolLM2: prompt, both runs sample the same completions and do the same work; Qwen: step,
 # its synthetic prompts carry no stream position and --force-max-tokens makes the work equal anyway).
 # The first step of each run is warm-up and left out of the means (--skip 1).
 set -o pipefail
 part=${1:?usage: gpu_scaleout.sh smollm2|qwen1|qwen2}
 NPROC=${NPROC:-2}
-source scripts/device_env.sh
+source scripts/offline/device_env.sh
 export COLUMNS=250 PYTHONSAFEPATH=1  # torchrun's workers run `python -m epirl` from the repo root: no -P there
 RUNS=$HOME/scaleout; mkdir -p "$RUNS"
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
@@ -37,9 +38,11 @@ run_job() {  # name, ranks, limit_s, recipe, then `epirl train` overrides and op
       -m epirl train "${args[@]}" > "$log" 2>&1
   fi
   local rc=$?
-  echo "[$name] $ranks rank(s): exit $rc after $(( $(date +%s) - t0 )) s ($(grep -o 'started in [0-9.]* s' "$log" | head -1))"
+  local started; started=$(grep -o 'started in [0-9.]* s' "$log" | head -1)
+  echo "[$name] $ranks rank(s): exit $rc after $(( $(date +%s) - t0 )) s ($started)"
   if [ $rc -ne 0 ]; then
-    grep -v -E 'it/s|s/it|^\s*$' "$log" | grep -E "Error|error:|Traceback|differs|File \"/tmp/epirl" | cut -c1-300 | tail -n 14
+    grep -v -E 'it/s|s/it|^\s*$' "$log" | grep -E "Error|error:|Traceback|differs|File \"/tmp/epirl" \
+      | cut -c1-300 | tail -n 14
   fi
   grep -v -E 'it/s|s/it|^\s*$' "$log" | cut -c1-300 | tail -n 150 > "$OUT/$name.log"
   return $rc
@@ -47,14 +50,14 @@ run_job() {  # name, ranks, limit_s, recipe, then `epirl train` overrides and op
 
 table() {  # label_1,label_N then run folders
   local labels=$1; shift
-  python3 -P scripts/scaleout_table.py "$@" --labels "$labels" --skip 1 | tee -a "$OUT/scaleout.md"
+  python3 -P scripts/offline/scaleout_table.py "$@" --labels "$labels" --skip 1 | tee -a "$OUT/scaleout.md"
   for run in "$@"; do cp "$run/metrics.jsonl" "$OUT/$(basename "$run").metrics.jsonl" 2>/dev/null; done
 }
 
 needs_dummy() {
   if ! python3 -P -m epirl train --help | grep -q -- "--benchmark" \
       || ! python3 -P -m epirl train --help-config | grep -q "load_format"; then
-    echo "[$part] skipped: this checkout has no model.load_format=dummy / epirl train --benchmark (branch i14)"
+    echo "[$part] skipped: this checkout has no model.load_format=dummy / epirl train --benchmark"
     exit 0
   fi
 }

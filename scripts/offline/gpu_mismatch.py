@@ -1,11 +1,11 @@
-"""GPU evidence for issue 6: `epirl mismatch` on SmolLM2 with bf16, W8A8 (vLLM's own FP8) and matched
-W8A16 engines on the H200, printed as the Markdown table for BENCHMARKS.md § Mismatch.
+"""GPU evidence for `epirl mismatch` on SmolLM2 with bf16, W8A8 (vLLM's own FP8) and matched
+W8A16 engines on an H200, printed as the Markdown table for BENCHMARKS.md § Mismatch.
 
-    python scripts/gpu_mismatch.py --out $OUT/mismatch            # full run (128 prompts × 4 samples)
-    python scripts/gpu_mismatch.py --quick --out $OUT/mismatch    # 16 prompts × 2 samples, 128 tokens
-    python scripts/gpu_mismatch.py --random-adapter 0.02 ...      # with a random rank-r adapter on every projection
+    python scripts/offline/gpu_mismatch.py --out $OUT/mismatch          # full run (128 prompts × 4 samples)
+    python scripts/offline/gpu_mismatch.py --quick --out $OUT/mismatch  # 16 prompts × 2 samples, 128 tokens
+    python scripts/offline/gpu_mismatch.py --random-adapter 0.02 ...    # a random rank-r adapter on every projection
 
-Needs CUDA and a vLLM with the epirl plugin (see shared/device/ for staging). Writes mismatch.json,
+Needs CUDA and a vLLM with the epirl plugin (scripts/offline/README.md: staging). Writes mismatch.json,
 mismatch.png and mismatch.md under --out; exit status is the command's.
 """
 
@@ -75,8 +75,8 @@ def main() -> int:
     summary = json.loads((Path(args.out) / "mismatch.json").read_text())
     flags = (f"{' --quick' if args.quick else ''}{' --eager' if args.eager else ''}"
              f"{f' --random-adapter {args.random_adapter}' if args.random_adapter else ''} --engines {args.engines}")
-    header = (f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, `python scripts/gpu_mismatch.py{flags}`"
-              f" ({time.perf_counter() - t0:.0f} s)")
+    header = (f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, "
+              f"`python scripts/offline/gpu_mismatch.py{flags}` ({time.perf_counter() - t0:.0f} s)")
     table = markdown_table(summary)
     (Path(args.out) / "mismatch.md").write_text(header + "\n\n" + table + "\n")
     print(header)

@@ -1,7 +1,7 @@
-"""GPU evidence for the rollout engine (issue 5), in one run on the H200 with vLLM 0.26 staged.
+"""GPU evidence for the rollout engine, in one run on an H200 with vLLM 0.26 staged.
 
-    source ~/vllm-env.sh && python scripts/gpu_engine.py            # ~6-8 min
-    python scripts/gpu_engine.py --skip-smollm2 --skip-tpot           # quicker subsets
+    source ~/vllm-env.sh && python scripts/offline/gpu_engine.py            # ~6-8 min
+    python scripts/offline/gpu_engine.py --skip-smollm2 --skip-tpot           # quicker subsets
 
 Sections (each in its own try/except: one failure prints its error and the rest still run):
   tpot      decode time per output token, batch 1 and 32, 128-token prompts, 256 new tokens, CUDA
@@ -32,9 +32,9 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_engine's helpers
 
 from bench_engine import (QWEN3_8B, decode_tpot, ensure_epirl_kernels, make_cfg, publish_ms,  # noqa: E402
                           qwen3_8b_dir, random_adapter)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# triton_kit.sh -- stage Triton 3.7.1 + flash-linear-attention 0.6.0 for the lent H200 (issue 14).
+# triton_kit.sh -- stage Triton 3.7.1 + flash-linear-attention 0.6.0 for an H200 host without network.
 #
 # Why: the device image has triton 3.6 and no fla. fla 0.6's gated chunk backward refuses Hopper below
 # Triton 3.7.1 (fla/ops/common/chunk_o.py: "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect
 # results"), so the trainer falls back to transformers' torch GDN (>10x slower). This kit carries a trimmed
 # triton 3.7.1 + fla, unpacked on the device to $HOME/triton37-site and put FIRST on PYTHONPATH so it shadows
-# the image's triton 3.6 (torch 2.11 and vLLM 0.26 then run on 3.7.1 too: scripts/gpu_fla_check.py checks).
-# Built like ../shared/device/vllm_kit.sh: run here (pip access), from the repo root. Output (git-ignored):
+# the image's triton 3.6 (torch 2.11 and vLLM 0.26 then run on 3.7.1 too: gpu_fla_check.py checks).
+# Built like the vLLM kit: run on a machine with pip access, from the repo root. Output (git-ignored):
 #   .stage/triton37.partNN        xz tar of the site tree, split in <= CHUNK_MB MiB
 #   .stage/SHA256SUMS-triton37    checksums of the parts (not SHA256SUMS: that name is the vLLM kit's)
 #   .stage/install-triton37.sh    runs ON the device: checks sums, unpacks to $HOME/triton37-site once
@@ -16,7 +16,7 @@
 # Knobs (env): CHUNK_MB (58), XZ_LEVEL (9; 6 is ~2x faster on 2 cores, a few MB bigger), CARRY_MB (60: what one
 # call may carry, leaving room under the 64 MiB limit for the ~2 MB working tree and .whl),
 # TRITON_WHEEL / FLA_WHEEL / FLA_CORE_WHEEL (local wheels: skip the download), WORK ($TMPDIR/triton_kit).
-# `bash scripts/triton_kit.sh --print-trim` prints the trim list (path  # why) and exits (tests read it).
+# `bash scripts/offline/triton_kit.sh --print-trim` prints the trim list (path  # why) and exits (tests read it).
 # `--plan` only prints the call sequence for the parts already in .stage/; `--device-scripts` only writes
 # install-triton37.sh + env-triton37.sh (tests run them on a fake payload). STAGE overrides .stage/.
 set -euo pipefail
@@ -82,9 +82,10 @@ for i, (size, paths) in enumerate(calls, 1):
     print(f"call {i} ({size / 2**20:.1f} MiB): carry=[{carry}]\n  command: {cmd}")
 print("(a call that needs math-verify also carries \".whl\" (0.4 MB) -- 8 carry paths at most per call)")
 EOF
-  echo "later calls while warm: source scripts/device_env.sh && YOUR_COMMAND   (device_env.sh sources ~/vllm-env.sh;"
-  echo "  gpu_main_recipe.sh also sources ~/env-triton37.sh; for anything else: source ~/env-triton37.sh after it)"
-  echo "first command after staging: bash -c 'source scripts/device_env.sh && source ~/env-triton37.sh && python3 -P scripts/gpu_fla_check.py'"
+  echo "later calls while warm: source scripts/offline/device_env.sh && YOUR_COMMAND   (device_env.sh sources"
+  echo "  ~/vllm-env.sh; gpu_main_recipe.sh also sources ~/env-triton37.sh; else: source ~/env-triton37.sh after it)"
+  echo "first command after staging: bash -c 'source scripts/offline/device_env.sh && source ~/env-triton37.sh" \
+    "&& python3 -P scripts/offline/gpu_fla_check.py'"
 }
 if [ "${1:-}" = --plan ]; then print_calls; exit 0; fi
 
@@ -116,7 +117,7 @@ cat > "$STAGE/env-triton37.sh" <<'EOS'
 case ":${PYTHONPATH:-}:" in *":$HOME/triton37-site:"*) ;;
   *) export PYTHONPATH=$HOME/triton37-site${PYTHONPATH:+:$PYTHONPATH} ;; esac
 export TRITON_CACHE_DIR=$HOME/.cache/triton37 TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_triton37 \
-  VLLM_CACHE_ROOT=$HOME/.cache/vllm-triton37 EPIRL_TRITON_KIT=triton37
+  VLLM_CACHE_ROOT=$HOME/.cache/vllm-triton37
 EOS
 }
 if [ "${1:-}" = --device-scripts ]; then write_device_scripts; exit 0; fi
@@ -152,7 +153,7 @@ done
 find "$SITE" -name __pycache__ -type d -prune -exec rm -rf {} +
 # libtriton.so ships "with debug_info, not stripped": 462 MB, of which ~240 MB are .debug_* sections that are
 # never loaded (DWARF for debuggers). --strip-debug keeps .symtab (LLVM crash backtraces stay symbolized) and
-# every loaded segment, so the code is byte-identical; xz payload 77 MB -> 39 MB (measured 2026-12-01).
+# every loaded segment, so the code is byte-identical; xz payload 77 MB -> 39 MB.
 if command -v strip >/dev/null; then strip --strip-debug "$SITE/triton/_C/libtriton.so"
 else echo "warning: no strip (binutils): libtriton.so travels with its debug info (+38 MB xz)" >&2; fi
 for b in ptxas nvdisasm cuobjdump; do chmod +x "$SITE/triton/backends/nvidia/bin/$b"; done

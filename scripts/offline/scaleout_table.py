@@ -1,6 +1,6 @@
 """The scale-out table of runs of one recipe at 1 and N ranks (same seed, same global batch).
 
-    python scripts/scaleout_table.py RUN_1GPU RUN_NGPU [...] [--skip 1]
+    python scripts/offline/scaleout_table.py RUN_1GPU RUN_NGPU [...] [--skip 1]
 
 Per run (from metrics.jsonl + config.yaml, the first `--skip` steps left out as warm-up): ranks, mean step
 seconds and its split (generate / train / publish / other), samples/s (completions generated per second of

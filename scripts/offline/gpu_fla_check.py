@@ -1,15 +1,17 @@
-"""Checks, on the lent H200, that the staged Triton 3.7.1 + flash-linear-attention kit (scripts/triton_kit.sh)
+"""Checks, on an H200, that the staged Triton 3.7.1 + flash-linear-attention kit (scripts/offline/triton_kit.sh)
 is the one imported and that everything epirl runs on Triton still works with it; prints one markdown table.
 
-    source scripts/device_env.sh && source ~/env-triton37.sh && python3 -P scripts/gpu_fla_check.py [--skip-vllm]
+    source scripts/offline/device_env.sh && source ~/env-triton37.sh
+    python3 -P scripts/offline/gpu_fla_check.py [--skip-vllm]
 
 Rows: versions + paths (proves which triton is imported); fla's chunk_gated_delta_rule forward + backward vs
 transformers' torch reference on odd shapes; epirl's `select_gdn_kernel` verdict and a tiny random Qwen3.5's
 logits/gradients with fla vs the torch path; torch.compile (inductor's Triton codegen); epirl's own Triton kernels
 through the GPU tests' own assertions; a tiny vLLM Qwen3.5 engine (CUDA graphs, Triton GDN prefill) when vLLM
 imports. Every check runs in its own try/except: one failure shows as one row and never hides the others. Exit
-status 1 when a required check failed. Budget several minutes on a fresh machine: on 2026-12-01 the fla-vs-torch
-check alone did not finish in 145 s (fla autotunes and compiles every kernel at each new shape on first use). Nothing CUDA is imported at module import (tests/test_triton_kit.py).
+status 1 when a required check failed. Budget several minutes on a fresh machine: the fla-vs-torch check alone
+took over 145 s there (fla autotunes and compiles every kernel at each new shape on first use). Nothing CUDA is
+imported at module import (tests/test_triton_kit.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `python3 -P` drops the cwd; epirl itself comes from device_env.sh's PYTHONPATH
     sys.path.append(str(ROOT))
 

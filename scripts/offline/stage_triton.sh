@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Build .stage/t39.tar.xz: Triton 3.9 for the lent H200 (python 3.12), trimmed to fit one device call (≈57 MB),
-# so a device job can compare a kernel under the image's Triton 3.6 and under 3.9 (gpu_session.sh part
-# racecount39). Dropped: the AMD codegen library, CUPTI, proton, the legacy ptxas (sm_90 builds with
-# ptxas-blackwell, kept; `ptxas` links to it). On the device (the call that carries the archive):
-#   mkdir -p $HOME/t39 && tar -xJf .stage/t39.tar.xz -C $HOME/t39      # then PYTHONPATH=$HOME/t39:...
+# Build .stage/t39.tar.xz: a second Triton (TRITON_VERSION, default 3.9.0) for a GPU host without network
+# (python 3.12), trimmed to fit one 64 MiB carry (~57 MB), to time or test the kernels under it beside the
+# image's Triton 3.6. Dropped: the AMD codegen library, CUPTI, proton, the legacy ptxas (sm_90 builds with
+# ptxas-blackwell, kept; `ptxas` links to it). On the GPU host, with the archive carried:
+#   mkdir -p $HOME/t39 && tar -xJf .stage/t39.tar.xz -C $HOME/t39
+#   source scripts/offline/device_env.sh && export PYTHONPATH=$HOME/t39:$PYTHONPATH   # then the command
 set -euo pipefail
 VERSION=${TRITON_VERSION:-3.9.0}
 WORK=${WORK:-${TMPDIR:-/tmp}/stage_triton}
