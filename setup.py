@@ -13,4 +13,7 @@ for name, folder in PACKAGE_DIRS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=PACKAGE_DIRS, package_data={"epirl": ["py.typed"]})
+# the W8A16 tile table is read at import time from beside its module (kernels/w8a16/configs.py)
+PACKAGE_DATA = {"epirl": ["py.typed"], "epirl.kernels.w8a16": ["*.json"]}
+
+setup(packages=packages, package_dir=PACKAGE_DIRS, package_data=PACKAGE_DATA)

@@ -152,7 +152,7 @@ class KernelsConfig(Section):
     fused_slices: bool = True
     """One W8A16 call for the fused q, k, v layer (epirl.model.loading.ONE_CALL_LAYERS) in both the matched engine
     and the FP8 trainer, instead of one per slice: each slice's LoRA becomes a block of one block-diagonal rank-S·r
-    term, same bits on both sides (kernels/w8a16_lora/slices.py). On the H200 it cuts the matched engine's TPOT by
+    term, same bits on both sides (kernels/w8a16/slices.py). On the H200 it cuts the matched engine's TPOT by
     8-13 % and the trainer's qkv GEMMs from 1.15x to 0.92x bf16 (docs/GPU.md); false runs one call per slice."""
     serving_vllm_from: int | None = Field(None, ge=1)
     """With `engine.serving_kernels` fused or timed: batches of at least this many tokens run vLLM's own LoRA path

@@ -1,6 +1,6 @@
 """Which kernel runs a call: one pure function, `plan(op, shape, tokens, device) -> KernelPlan`.
 
-Every launch path of the W8A16 GEMM (`gemm/weight_stationary.py`) asks `plan` what to run instead of reading
+Every launch path of the W8A16 GEMM (`w8a16/weight_stationary.py`) asks `plan` what to run instead of reading
 environment variables or module globals, and `epirl kernels explain` prints the same plans as a table. The inputs are
 values only - the op, the layer's `(N, K)`, the token count, a `Device` (capability, SM count, shared memory, whether
 programmatic dependent launch works) and `KernelSettings` (another tile table; the reference) - so a plan for an H100
@@ -10,11 +10,11 @@ a Triton whose Gluon API moved) are checked at launch, which then runs the point
 Ops: "w8a16" (the forward y = x·Wᵀ with its LoRA epilogue), "w8a16_dx" (the trainer's dX = dY·W) and "lora_down"
 (xa = bf16(x·Aᵀ) with the base layer's K chunking). Their kernels:
 
-- `ws_ticket`: split-K in one launch, each tile reduced by its last-arriving program (`gemm/ws_splitk.py`);
+- `ws_ticket`: split-K in one launch, each tile reduced by its last-arriving program (`w8a16/ws_splitk.py`);
 - `ws_split`: split-K as a partial kernel and a reduce kernel, the LoRA down-projection's partials fused into the
   first one (only without PDL: off Hopper and in the interpreter);
 - `ws_single` / `ws_tma` / `ws_gluon`: one program per output tile - pointer loads, TMA loads, or the
-  warp-specialized Gluon kernel (`gemm/ws_gluon.py`), as the table entry says;
+  warp-specialized Gluon kernel (`w8a16/ws_gluon.py`), as the table entry says;
 - `ws_down_single`: `lora_down` as one pass per (token tile, rank tile), for many tokens;
 - `reference`: the plain-torch reference (a CPU device, or `KernelSettings.reference`; `EPIRL_KERNELS=reference`
   chooses it before any plan, in `_dispatch.use_triton`).
@@ -26,8 +26,8 @@ import functools
 from dataclasses import dataclass, field
 
 from ._host import cdiv, next_power_of_2
-from .gemm import configs as _configs
-from .gemm.configs import k_chunking, shared_bytes, whole_k, ws_config, xa_chunking
+from .w8a16 import configs as _configs
+from .w8a16.configs import k_chunking, shared_bytes, whole_k, ws_config, xa_chunking
 
 OPS = ("w8a16", "w8a16_dx", "lora_down")
 
@@ -80,7 +80,7 @@ NAMED = {"h100": H100, "h200": H200, "cpu": CPU, "interpreter": INTERPRETER}
 @dataclass(frozen=True)
 class KernelSettings:
     """What a caller may change about the choice: `table`, another tile table file than the committed
-    `gemm/ws_configs_tma.json` (the tuner's output before it is committed; tiles never change the bits, only the
+    `w8a16/ws_configs_tma.json` (the tuner's output before it is committed; tiles never change the bits, only the
     speed); `reference`, the plain-torch reference everywhere (debugging; `EPIRL_KERNELS=reference` for a process)."""
 
     table: str | None = None

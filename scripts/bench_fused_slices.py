@@ -1,4 +1,4 @@
-"""One call per fused layer against one call per slice (`kernels.fused_slices`, kernels/w8a16_lora/slices.py), side by
+"""One call per fused layer against one call per slice (`kernels.fused_slices`, kernels/w8a16/slices.py), side by
 side in one process on the GPU; prints markdown tables, writes JSON.
 
 Decode (1-16 tokens, rank-64 LoRA on every slice): the matched engine's fused layer as it runs by default (`w8a16_lora`
@@ -25,7 +25,7 @@ import bench_kernels as bench  # noqa: E402  (its timers, so that the CPU test p
 
 from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused, w8a16_lora  # noqa: E402
 from epirl.kernels.lora_linear.sliced import attach_slice_group  # noqa: E402
-from epirl.kernels.w8a16_lora.slices import sliced_lora_operands  # noqa: E402
+from epirl.kernels.w8a16.slices import sliced_lora_operands  # noqa: E402
 
 # Qwen3-8B's fused layers: (K, slice widths)
 LAYERS = {"q3_qkv": (4096, [4096, 1024, 1024]), "q3_gate_up": (4096, [12288, 12288])}

@@ -25,7 +25,7 @@ from triton.testing import do_bench
 from epirl.kernels import Fp8LoRALinear, quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora
 from dataclasses import replace
 
-from epirl.kernels.gemm.weight_stationary import weight_stationary_gemm
+from epirl.kernels.w8a16.weight_stationary import weight_stationary_gemm
 from epirl.kernels.gpu_timing import flush_mode, graph_us
 from epirl.kernels.plan import describe
 
@@ -167,7 +167,7 @@ SWEEP_CONFIGS = [dict(BN=128, BM=64, BK=64, num_warps=4, num_stages=4),
 
 def sweep_weight_stationary():
     """Candidate pinned configs for the W8A16 kernel (one config must serve every M)."""
-    from epirl.kernels.gemm.weight_stationary import weight_stationary_gemm
+    from epirl.kernels.w8a16.weight_stationary import weight_stationary_gemm
 
     print("\n| config | shape | tokens | µs |\n|---|---|---|---|")
     rows = []

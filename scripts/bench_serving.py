@@ -56,8 +56,8 @@ SLICES = {"qkv": [4096, 1024, 1024], "o": [4096], "gate_up": [12288, 12288], "do
 
 
 def build_layer():
-    from epirl.kernels.w8a8_multi_lora.dispatch import Shape
-    from epirl.kernels.w8a8_multi_lora.timing import random_projection
+    from epirl.kernels.w8a8_multi.dispatch import Shape
+    from epirl.kernels.w8a8_multi.timing import random_projection
 
     layer, g = [], torch.Generator(device="cuda").manual_seed(7)
     for i, (name, K, N) in enumerate(LAYER):
@@ -72,8 +72,8 @@ def build_layer():
 
 def variants(layer, M, config=None):
     from epirl.kernels import w8a8_multi_lora
-    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
-    from epirl.kernels.w8a8_multi_lora.triton import expand_into, pdl_supported, w8a8_multi_lora_slices
+    from epirl.kernels.w8a8_multi.timing import vendor_base
+    from epirl.kernels.w8a8_multi.triton import expand_into, pdl_supported, w8a8_multi_lora_slices
 
     xs = {p["K"]: torch.randn(M, p["K"], device="cuda", dtype=torch.bfloat16) for p in layer}
     ids = torch.zeros(M, device="cuda", dtype=torch.int64)
@@ -126,7 +126,7 @@ def projection_table(layer):
     """Per projection at 1 and 16 tokens: fused (best path) vs base, to see where the layer's time goes."""
     from epirl.kernels import w8a8_multi_lora
     from epirl.kernels.gpu_timing import graph_us
-    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
+    from epirl.kernels.w8a8_multi.timing import vendor_base
 
     rows = []
     print("\n| projection | tokens | base µs | fused µs | fused no-LoRA µs |\n|---|---|---|---|---|")
@@ -149,7 +149,7 @@ def numerics_table(layer, M=16):
     """max / mean |Δ| at M tokens vs the float64-accumulated reference: ours, and the vendor path
     (quantization + torch._scaled_mm + bf16 LoRA matmuls, a stand-in for vLLM's CUTLASS + punica)."""
     from epirl.kernels import w8a8_multi_lora
-    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
+    from epirl.kernels.w8a8_multi.timing import vendor_base
 
     rows = []
     print("\n| projection | ours max / mean abs Δ vs reference | vendor path max / mean abs Δ | mean abs y |\n"
@@ -190,9 +190,9 @@ def sweep_table(layer):
 
 def dispatch_table(cache_dir):
     """The engine's timed dispatch on this layer's projection shapes (buckets 1 and 16), as the engine runs it."""
-    from epirl.kernels.w8a8_multi_lora import dispatch
+    from epirl.kernels.w8a8_multi import dispatch
     from epirl.kernels.gpu_timing import graph_us
-    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates
+    from epirl.kernels.w8a8_multi.timing import gpu_candidates
 
     shapes = [dispatch.Shape(name, K, N, RANK) for name, K, N in LAYER]
     table = dispatch.load_or_time(cache_dir, torch.cuda.get_device_name(), "none", shapes, gpu_candidates, graph_us,
@@ -555,7 +555,7 @@ def print_summary(rows, errors, plan):
                   f"steps, done after {t['total_s']} s / {t['steps']} steps")
     print("\n".join(_agreement(rows)))
     if ours.get("dispatch", {}).get("entries"):
-        from epirl.kernels.w8a8_multi_lora.dispatch import DispatchTable as Table
+        from epirl.kernels.w8a8_multi.dispatch import DispatchTable as Table
         print("\ntimed dispatch (µs per candidate, chosen):\n" + Table(**ours["dispatch"]).markdown())
     if ours.get("layer_numerics"):
         print("\n| layer 0 (ours vs vLLM's apply) | tokens | max abs Δ | mean abs Δ | mean abs y | codes / scales "

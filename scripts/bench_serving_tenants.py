@@ -66,7 +66,7 @@ def prefill_path(x, p, ids, k2_config=None, shrink="grouped", shrink_config=None
     shrink "grouped": the grouped tensor-core shrink + one chunk sum (the path as it is); "k1": K1's per-token
     shrink with K2 summing the chunk partials in every weight tile (the path before the grouped shrink)."""
     from epirl.kernels.fp8_quant.triton import quantize_per_token
-    from epirl.kernels.w8a8_multi_lora.triton import (PREFILL_CONFIG, Slices, adapter_order, grouped_shrink,
+    from epirl.kernels.w8a8_multi.triton import (PREFILL_CONFIG, Slices, adapter_order, grouped_shrink,
                                                       multi_lora_gemm, quant_shrink, sum_chunks)
 
     k2 = k2_config or PREFILL_CONFIG
@@ -84,9 +84,9 @@ def prefill_path(x, p, ids, k2_config=None, shrink="grouped", shrink_config=None
 
 def variants(layer, M: int, T: int, sweep: bool = False):
     """{variant: fn computing the whole layer}; the inputs are built here, outside any graph."""
-    from epirl.kernels.w8a8_multi_lora.segmented import expand_segments, segments
-    from epirl.kernels.w8a8_multi_lora.timing import spread_adapters, vendor_base
-    from epirl.kernels.w8a8_multi_lora.triton import adapter_order, expand_into, w8a8_multi_lora_slices
+    from epirl.kernels.w8a8_multi.segmented import expand_segments, segments
+    from epirl.kernels.w8a8_multi.timing import spread_adapters, vendor_base
+    from epirl.kernels.w8a8_multi.triton import adapter_order, expand_into, w8a8_multi_lora_slices
 
     xs = {p["K"]: torch.randn(M, p["K"], device=DEV, dtype=torch.bfloat16) for p in layer}
     ids = spread_adapters(M, T).to(DEV)  # evenly over min(T, M) adapters, random order (as the dispatch times)
@@ -106,7 +106,7 @@ def variants(layer, M: int, T: int, sweep: bool = False):
     out["vendor+seg"] = each(lambda p, x: expand_segments(vendor_base(x, p["codes"], p["scale_b"]), x, p["a"], p["b"],
                                                           segs, SIGMA, widths=p["widths"]))
     if sweep:
-        from epirl.kernels.w8a8_multi_lora.triton import PREFILL_VARIANTS
+        from epirl.kernels.w8a8_multi.triton import PREFILL_VARIANTS
 
         sweep_tiles = {**{f"k2-{tag}": (cfg, None) for tag, cfg in PREFILL_VARIANTS.items()}, **SWEEP}
         for tag, (k2, shrink) in sweep_tiles.items():

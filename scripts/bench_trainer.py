@@ -156,7 +156,7 @@ def main() -> None:
                              "(False)) instead of autograd's CUDA device thread")
     parser.add_argument("--fused-slices", choices=["on", "off"], default="on",
                         help="on (default, `kernels.fused_slices`): the FP8 trainer runs each layer of ONE_CALL_LAYERS "
-                             "(q, k, v) as one call (the matched engine's call, kernels/w8a16_lora/slices.py); off: one "
+                             "(q, k, v) as one call (the matched engine's call, kernels/w8a16/slices.py); off: one "
                              "call per slice")
     parser.add_argument("--kernel-table", type=int, default=0, metavar="N",
                         help="with --kernel-sum: print the step's kernel time by group and its N largest kernels")

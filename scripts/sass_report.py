@@ -7,7 +7,7 @@ device specializes integer arguments the same way (`tt.divisibility` 16 on point
 
 Per tile (BN weight rows / BM tokens / BK / warps / stages): registers, stack bytes (spills), and per trip of the
 innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.async), BAR, the e4m3 → bf16
-widening (F2FP, F2F: Triton's own conversions; PRMT, LOP3, HMUL2: `kernels/gemm/widen.py`'s) and
+widening (F2FP, F2F: Triton's own conversions; PRMT, LOP3, HMUL2: `kernels/w8a16/widen.py`'s) and
 LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
 
     python scripts/sass_report.py --tma full|x [--flatten] [--dx] [--tiles ...]
@@ -17,7 +17,7 @@ chunk loop (FLATTEN) does to it.
 
     python scripts/sass_report.py --gluon [256/64/4 ...]
 
-the warp-specialized Gluon forward (`kernels/gemm/ws_gluon.py`) in table configs: registers, whether ptxas serialized
+the warp-specialized Gluon forward (`kernels/w8a16/ws_gluon.py`) in table configs: registers, whether ptxas serialized
 its wgmmas, its loops, and the instructions that write an in-flight register-A wgmma's operand
 (`wgmma_register_hazards`: how that kernel first went wrong on the H200).
 
@@ -50,7 +50,7 @@ DIVISIBLE = {"x_ptr", "w_ptr", "y_ptr", "w_scale_ptr", "xa_ptr", "b_ptr", "bias_
 def compile_cubin(tile: str, one_chunk: bool, dx: bool, even: bool = True) -> bytes:
     """The weight-stationary single-pass kernel for sm_90a; even: the K loop without load masks, as every Qwen
     shape runs it at training sizes (`_ws_chunk`'s EVEN_K / EVEN_N / EVEN_M)."""
-    from epirl.kernels.gemm.weight_stationary import _ws_single_kernel as fn
+    from epirl.kernels.w8a16.weight_stationary import _ws_single_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(HAS_W_SCALE=True, HAS_LORA=False, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK, BR=16,
                  GROUP_N=8, WAIT_PDL=False, EVEN_K=even, EVEN_N=even, EVEN_M=even, stride_xk=1, stride_yn=1)
@@ -70,7 +70,7 @@ def compile_tma_cubin(tile: str, variant=True, flatten: bool = False, dx: bool =
 def compile_tma(tile: str, variant=True, flatten: bool = False, dx: bool = False, br: int = 64):
     """`compile_tma_cubin`'s compiled kernel (its `metadata.shared` is the shared memory a launch needs); br: the
     epilogue's padded LoRA rank (64 for rank 64; 256 for a fused qkv's block-diagonal rank 192)."""
-    from epirl.kernels.gemm.ws_tma import _ws_tma_kernel as fn
+    from epirl.kernels.w8a16.ws_tma import _ws_tma_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(W_TRANSPOSED=dx, HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK,
                  BR=br, GROUP_N=8, W_TMA=variant is True, SYNC_K=False, EVEN_K=True, EVEN_N=True, FLATTEN=flatten,
@@ -188,8 +188,9 @@ def wgmma_cases() -> list[tuple[str, callable]]:
     """(name, () -> PTX) for each wgmma kernel of epirl.kernels in the configs it runs with: the W8A16 forward and
     dX over every row of the committed tile table (one chunk where `k_chunking` gives one, as Triton specializes
     it), its split-K decode kernels, the W8A8 GEMM, and the serving kernels (K1's shrink, K2, segmented shrink)."""
-    from epirl.kernels.gemm import configs, scaled, weight_stationary as ws
-    from epirl.kernels.w8a8_multi_lora import segmented, triton as multi
+    from epirl.kernels.w8a8 import scaled
+    from epirl.kernels.w8a16 import configs, weight_stationary as ws
+    from epirl.kernels.w8a8_multi import segmented, triton as multi
 
     fp8 = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "part_ptr": "*fp32", "xa_part_ptr": "*fp32"}
     div = ("x_ptr", "w_ptr", "y_ptr", "xa_ptr", "b_ptr", "a_ptr", "part_ptr", "xa_part_ptr", "N", "K", "K_CHUNK",
@@ -255,7 +256,7 @@ def compile_gluon(cfg: dict, br: int = 64, dx: bool = False, a_smem: bool = Fals
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from epirl.kernels.gemm import ws_gluon
+    from epirl.kernels.w8a16 import ws_gluon
     fn = ws_gluon._ws_gluon_kernel
     BM, BK = cfg["BM"], cfg["BK"]
 

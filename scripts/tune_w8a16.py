@@ -1,4 +1,4 @@
-"""Tune the weight-stationary W8A16 GEMM's tile table (kernels/gemm/ws_configs_tma.json) on the GPU.
+"""Tune the weight-stationary W8A16 GEMM's tile table (kernels/w8a16/ws_configs_tma.json) on the GPU.
 
 For each Qwen3-8B / Qwen3.5-9B projection shape, op ("fwd": y = x·Wᵀ; "dx": dX = dY·W, codes read
 transposed) and M bucket, times every candidate config (CUDA-graph replays, L2 flushed, a bucket's candidates
@@ -13,7 +13,7 @@ its down-projection (on the GPU at decode sizes a separate launch, with the base
 or single pass as `split` says - since 2026-12-03 also with LoRA; without PDL fused into split-K), dX gets
 gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 `--tma` adds TMA-load twins of the candidates (x and the codes through descriptors; buckets >= 256;
-`kernels/gemm/ws_tma.py`; of the tiles `configs.TMA_TUNER_TILES`, of all with `--tma-all`; a twin that gives other
+`kernels/w8a16/ws_tma.py`; of the tiles `configs.TMA_TUNER_TILES`, of all with `--tma-all`; a twin that gives other
 bits than the first candidate is excluded), and it prints cuBLAS bf16 (+ the same LoRA as separate matmuls) on the
 same shape beside the many-token bucket. `--gluon` times the Gluon kernel's configs
 (`GLUON_CANDIDATES`, forward and dX: one tile a program or PERSISTENT, LoRA tiles or through the ring) beside
@@ -39,8 +39,8 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import SHAPES, graph_us, make_layer  # noqa: E402
 
-from epirl.kernels.gemm.configs import TMA_TUNER_TILES, k_chunking, load_table, tile_of  # noqa: E402
-from epirl.kernels.gemm.weight_stationary import _ws_single_kernel, weight_stationary_gemm  # noqa: E402
+from epirl.kernels.w8a16.configs import TMA_TUNER_TILES, k_chunking, load_table, tile_of  # noqa: E402
+from epirl.kernels.w8a16.weight_stationary import _ws_single_kernel, weight_stationary_gemm  # noqa: E402
 from epirl.kernels.gpu_timing import graph_us_interleaved  # noqa: E402
 
 
@@ -75,7 +75,7 @@ FWD_BUCKETS = {
 }
 DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
 # `--gluon`: the warp-specialized Gluon kernel's configs timed beside the many-token bucket's best Triton config
-# (kernels/gemm/ws_gluon.py; A_SMEM: the codes widened in shared memory; LORA_RING: the LoRA ranks through the k-step
+# (kernels/w8a16/ws_gluon.py; A_SMEM: the codes widened in shared memory; LORA_RING: the LoRA ranks through the k-step
 # ring, which lets the fused qkv's rank 192 keep 256-token tiles - timed here at rank 64, one ring step)
 # PERSISTENT: a program per SM over many tiles, the LoRA through the ring. The A_SMEM configs lost to the register
 # form by 1-8 % on every entry (twenty-first session) and are no longer timed here (probe_gluon_fwd.py .../s still does)
@@ -119,7 +119,7 @@ def one_chunk_us(x, w, scale, c):
 
 def with_twins(cands, tma=False):
     """The pointer-load candidates plus, with tma, the TMA twin (same tile, x and the codes through descriptors;
-    `kernels/gemm/ws_tma.py`) of the tiles worth timing (`configs.TMA_TUNER_TILES`; of every tile with tma="all")."""
+    `kernels/w8a16/ws_tma.py`) of the tiles worth timing (`configs.TMA_TUNER_TILES`; of every tile with tma="all")."""
     twins = [dict(c, tma=True) for c in cands if tile_of(c) in TMA_TUNER_TILES or tma == "all"] if tma else []
     return cands + twins
 
@@ -132,7 +132,7 @@ def describe(c):
 def compiled_kernels() -> dict:
     """Every compiled GEMM kernel so far (id -> CompiledKernel): registers and spills of a new compile are
     printed beside the candidate that caused it (a spilling accumulator explains a slow tile)."""
-    from epirl.kernels.gemm.ws_tma import _ws_tma_kernel
+    from epirl.kernels.w8a16.ws_tma import _ws_tma_kernel
     found = {}
     for fn in (_ws_single_kernel, _ws_tma_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
@@ -187,10 +187,10 @@ def gluon_runs(op, x, codes, lora, g) -> bool:
     if not x.is_cuda:
         return False
     try:
-        from epirl.kernels.gemm import ws_gluon
+        from epirl.kernels.w8a16 import ws_gluon
     except (ImportError, AttributeError):
         return False
-    from epirl.kernels.gemm.weight_stationary import _epilogue_rows, lora_down, whole_k
+    from epirl.kernels.w8a16.weight_stationary import _epilogue_rows, lora_down, whole_k
     N, K = codes.shape
     if op == "fwd":
         w, (k_chunk, n_chunks), n_out = codes, k_chunking(N, K), N

@@ -130,7 +130,7 @@ def test_fused_slices_engine_layers_are_one_block_diagonal_call(engine_pool, ada
     (tests/kernels/test_fused_slices.py checks the group against the same call); plain layers are unchanged."""
     from epirl.engine import plugin
     from epirl.engine.lora_publish import modules_of
-    from epirl.kernels.w8a16_lora.slices import fused_layer_call
+    from epirl.kernels.w8a16.slices import fused_layer_call
     from epirl.model.loading import ONE_CALL_LAYERS
 
     engine = engine_pool.get("w8a16", dtype=DTYPE, fused_slices=True)

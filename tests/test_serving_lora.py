@@ -88,7 +88,7 @@ def test_op_reads_the_live_token_map_not_the_traced_argument(monkeypatch):
 
 def test_vendor_expand_sorts_tokens_by_adapter_when_vllm_gives_no_order():
     pytest.importorskip("triton")
-    from epirl.kernels.w8a8_multi_lora.triton import expand_order
+    from epirl.kernels.w8a8_multi.triton import expand_order
 
     for n in (24, 256):  # K2's expand tile: 16 tokens up to 32 tokens, 128 beyond
         ids = torch.tensor([3, 0, 2, 0, 1, 3, -1, 2] * 32)[:n]
@@ -100,7 +100,7 @@ def test_vendor_expand_sorts_tokens_by_adapter_when_vllm_gives_no_order():
 
 
 def test_timed_dispatch_times_a_shape_once_and_never_during_capture(monkeypatch):
-    from epirl.kernels.w8a8_multi_lora import dispatch
+    from epirl.kernels.w8a8_multi import dispatch
 
     timed, capturing = [], [True]
 
@@ -214,7 +214,7 @@ def test_serving_kernels_never_specialize_on_the_token_count():
     per M (a constexpr or a specialized integer M would recompile, seconds each, mid-serving)."""
     pytest.importorskip("triton")
     from epirl.kernels.fp8_quant import triton as quant
-    from epirl.kernels.w8a8_multi_lora import triton as k
+    from epirl.kernels.w8a8_multi import triton as k
 
     for kernel in (k._multi_lora_gemm_kernel, k._quant_shrink_kernel):
         params = {p.name: p for p in kernel.params}

@@ -21,7 +21,7 @@ method is epirl's W8A16 one, the wrapper calls the custom op `epirl::w8a16_lora_
 `w8a16_lora(x, codes_i, s_w, A_i, B_i, σ)` once per logical slice (q, k, v / gate, up) — exactly the
 per-HF-module call the trainer makes — and vLLM's punica path is not run. A qkv_proj layer (ONE_CALL_LAYERS; unless
 `kernels.fused_slices: false`) is instead one `w8a16_lora` call over the whole
-layer, its slices' adapters held as one block-diagonal A_cat / B_bd (kernels/w8a16_lora/slices.py), the call the
+layer, its slices' adapters held as one block-diagonal A_cat / B_bd (kernels/w8a16/slices.py), the call the
 trainer's SliceGroup makes (kernels/lora_linear/sliced.py). It is patched at class level
 in `register()`, before vLLM builds the model, so that torch.compile and CUDA-graph capture see it;
 the op is a torch custom op so the compiler treats the kernel as one opaque call.
@@ -49,7 +49,7 @@ import torch
 from epirl.engine import serving_lora, spec as engine_spec
 from epirl.engine.naming import NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
-from epirl.kernels.w8a16_lora.slices import block_views
+from epirl.kernels.w8a16.slices import block_views
 from epirl.engine.vllm_compat import lora_layers, model_access, punica, quantization
 from epirl.engine.vllm_compat.detect import on_cuda
 
@@ -166,7 +166,7 @@ def _linear_method_class() -> type:
 
 def _one_call(layer, fused_slices: bool) -> bool:
     """Whether this fused layer's LoRA runs as one block-diagonal call (`kernels.fused_slices`, on by default,
-    `kernels/w8a16_lora/slices.py`): the layers of ONE_CALL_LAYERS (qkv_proj) whose logical slices are one Hugging
+    `kernels/w8a16/slices.py`): the layers of ONE_CALL_LAYERS (qkv_proj) whose logical slices are one Hugging
     Face module each, which the trainer groups the same way (`epirl.model.loading.group_fused_layer`)."""
     from epirl.model.loading import PACKED_MODULES, runs_as_one_call
 

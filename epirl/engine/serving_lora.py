@@ -115,7 +115,7 @@ def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1, mode: str = 
     the layer's vLLM-path threshold, whose buckets are not timed)."""
     if mode != "timed" or device.type != "cuda":
         return "fused"
-    from epirl.kernels.w8a8_multi_lora import dispatch
+    from epirl.kernels.w8a8_multi import dispatch
 
     shape = dispatch.Shape(f"{K}x{N}", K, N, r, adapters=max(1, slots))
     table = _TABLES.get(shape)
@@ -134,9 +134,9 @@ def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1, mode: str = 
 
 
 def _time_shape(shape, vllm_from: int | None = None):
-    from epirl.kernels.w8a8_multi_lora import dispatch
+    from epirl.kernels.w8a8_multi import dispatch
     from epirl.kernels.gpu_timing import graph_us, release
-    from epirl.kernels.w8a8_multi_lora.timing import candidate_names, gpu_candidates
+    from epirl.kernels.w8a8_multi.timing import candidate_names, gpu_candidates
 
     try:
         import vllm
@@ -156,7 +156,7 @@ def _time_shape(shape, vllm_from: int | None = None):
 def vllm_candidate(x, codes, scale, a, b, ids, sigma) -> dict:
     """The dispatch's "vllm" candidate: vendor FP8 GEMM + vLLM's own LoRA kernels (what vLLM runs for this layer),
     {} where vLLM's kernels cannot be imported."""
-    from epirl.kernels.w8a8_multi_lora.timing import vendor_base
+    from epirl.kernels.w8a8_multi.timing import vendor_base
 
     try:
         add = punica.punica_lora_adder(x, [a], [b], ids, sigma)
@@ -192,7 +192,7 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
                                            None if bias is None else bias[rows], backend="reference")
             start += width
         return out.reshape(*x.shape[:-1], codes.shape[0])
-    from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora_slices as fused
+    from epirl.kernels.w8a8_multi.triton import w8a8_multi_lora_slices as fused
 
     if choice is None:
         choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device, lora_a[0].shape[0], mode,
@@ -200,14 +200,14 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
     if choice == "vendor+epirl":
         out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
     elif choice.startswith("vendor+seg"):  # one adapter per tile: batches spread over many adapters
-        from epirl.kernels.w8a8_multi_lora.segmented import SEG_VARIANTS, expand_segments, segments
+        from epirl.kernels.w8a8_multi.segmented import SEG_VARIANTS, expand_segments, segments
 
         segs = segs if segs is not None else segments(ids, lora_a[0].shape[0])
         config = SEG_VARIANTS[choice[len("vendor+seg["):-1]] if choice.endswith("]") else None
         out = expand_segments(_vendor_base(x2, codes, scale, bias), x2, lora_a, lora_b, segs, 1.0, widths=widths,
                               config=config)
     elif choice.startswith("fused["):  # the prefill path with another K2 token tile (timed faster)
-        from epirl.kernels.w8a8_multi_lora.triton import PREFILL_VARIANTS
+        from epirl.kernels.w8a8_multi.triton import PREFILL_VARIANTS
 
         out = fused(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, path="prefill",
                     config=PREFILL_VARIANTS[choice[len("fused["):-1]], order=order)
@@ -368,7 +368,7 @@ def _vendor_base(x2, codes, scale, bias):
 
 
 def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
-    from epirl.kernels.w8a8_multi_lora.triton import expand_into, expand_order
+    from epirl.kernels.w8a8_multi.triton import expand_into, expand_order
 
     if order is None:  # tokens in adapter order, as the fused path sorts them: without it, a K2 tile of a batch
         order = expand_order(ids)  # spread over many adapters loops its epilogue over each of them

@@ -83,7 +83,7 @@ CHECK_BLOCK = 1 << 24  # codes checked at once: the check's temporaries stay at 
 
 def check_weight_codes(codes: torch.Tensor) -> None:
     """The frozen FP8 base of a trainer layer: a 2-D e4m3fn tensor without NaN codes (which the W8A16 kernels'
-    widening, `gemm/widen.py`, would read as ±480); else one line naming it. FP8 quantization (epirl's and vLLM's)
+    widening, `w8a16/widen.py`, would read as ±480); else one line naming it. FP8 quantization (epirl's and vLLM's)
     saturates at ±448 and never writes one, so this guards codes from elsewhere (a corrupt checkpoint, a hand-built
     tensor). One read of the codes, in blocks."""
     if codes.dtype != FP8_DTYPE or codes.dim() != 2:

@@ -15,13 +15,12 @@ from torch import nn
 
 from .. import _dispatch
 from ..fp8_quant.reference import check_weight_codes
+from ..w8a16 import w8a16_lora
 
 
 def _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend):
     """(y, xa): the public dispatcher's call (identical math to a direct engine-side call) and the LoRA intermediate
     it used, which the backward's dB needs."""
-    from .. import w8a16_lora
-
     return w8a16_lora(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend=backend, return_xa=True)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..w8a16_lora.reference import exact_dot_fp32, lora_down
+from ..w8a16.reference import exact_dot_fp32, lora_down
 
 
 def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx=True, xa=None):

@@ -1,4 +1,4 @@
-"""The trainer's side of one call per fused layer (`w8a16_lora/slices.py`): Hugging Face runs q, k, v (gate, up)
+"""The trainer's side of one call per fused layer (`w8a16/slices.py`): Hugging Face runs q, k, v (gate, up)
 as separate modules on the same input; `SliceGroup` computes all of a group's outputs with one
 `Fp8SlicedLoRAFunction` call — the matched engine's call for the fused layer — and hands each member its slice.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..w8a16_lora.slices import sliced_lora_operands
+from ..w8a16.slices import sliced_lora_operands
 from .module import _forward, lora_linear_backward
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gemm.weight_stationary import lora_down, weight_stationary_gemm
+from ..w8a16.weight_stationary import lora_down, weight_stationary_gemm
 
 
 def _scaled_weight_grad(mm: torch.Tensor, lora_scale: float, dtype: torch.dtype) -> torch.Tensor:

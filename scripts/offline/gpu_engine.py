@@ -106,7 +106,7 @@ def _layer_bitwise(engine, adapter):
 
     from epirl.engine import plugin
     from epirl.engine.lora_publish import modules_of
-    from epirl.kernels.w8a16_lora.slices import fused_layer_call
+    from epirl.kernels.w8a16.slices import fused_layer_call
     from epirl.model.loading import runs_as_one_call
 
     engine.publish(adapter, step=100)

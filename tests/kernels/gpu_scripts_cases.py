@@ -71,7 +71,7 @@ def case_tune_writes_a_bitwise_checked_table(tmp):
                 "--start", str(tmp / "start.json")]
     # the table in effect gives the shape's many-token entry a Gluon forward; --gluon cannot time it here (no GPU), so
     # it stays
-    from epirl.kernels.gemm import configs
+    from epirl.kernels.w8a16 import configs
     start = json.loads(configs.TMA_TABLE_PATH.read_text())
     gluon = {"BM": 256, "BK": 64, "num_stages": 4}
     start["fwd"]["96x512"] = {str(tune.BIG): dict(small[0], gluon=gluon)}
@@ -108,7 +108,7 @@ def case_tune_gluon_only_keeps_the_tables_tiles(tmp):
     tune.FWD_BUCKETS = {256: ([20], small), tune.BIG: ([40], small)}
     tune.DX_BUCKETS = {tune.BIG: ([40], small)}
     tune.SHAPES, tune.EXTRA_SHAPES = [("tiny", 512, 96)], []
-    from epirl.kernels.gemm import configs
+    from epirl.kernels.w8a16 import configs
     start = json.loads(configs.TMA_TABLE_PATH.read_text())
     gluon = {"BM": 256, "BK": 64, "num_stages": 3, "LORA_RING": True}
     start["fwd"]["96x512"] = {"256": small[0], str(tune.BIG): dict(small[1], gluon=gluon)}
@@ -177,11 +177,9 @@ def case_tenants_bench_rows_and_table(tmp):
     # reference, and the table prints with one row per (tenants, tokens)
     import bench_serving_tenants as tenants
 
-    import importlib
-
+    from epirl.kernels.fp8_quant import triton as quant_triton
     from epirl.kernels.fp8_quant.reference import quantize_per_token
-    quant_triton = importlib.import_module("epirl.kernels.fp8_quant.triton")
-    multi = importlib.import_module("epirl.kernels.w8a8_multi_lora.triton")  # the package name is also a function
+    from epirl.kernels.w8a8_multi import triton as multi
     # the interpreter rounds some fp32 -> e4m3 casts wrongly (interpreter_cases.py): quantize with the reference
     quant_triton.quantize_per_token = multi.quantize_per_token = quantize_per_token
     tenants.DEV, tenants.RANK = "cpu", 8

@@ -21,16 +21,16 @@ import torch  # noqa: E402
 from epirl.kernels import quantize_activation_fp8, quantize_weight_fp8, w8a8_lora, w8a16_lora  # noqa: E402
 from epirl.kernels.lora_linear.reference import lora_linear_backward as ref_backward  # noqa: E402
 from epirl.kernels.lora_linear.triton import lora_linear_backward as tri_backward  # noqa: E402
-from epirl.kernels.gemm.configs import k_chunking  # noqa: E402
-from epirl.kernels.gemm.scaled import lora_down_split, scaled_gemm_lora  # noqa: E402
-from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm  # noqa: E402
+from epirl.kernels.w8a16.configs import k_chunking  # noqa: E402
+from epirl.kernels.w8a8.scaled import lora_down_split, scaled_gemm_lora  # noqa: E402
+from epirl.kernels.w8a16.weight_stationary import lora_down, weight_stationary_gemm  # noqa: E402
 
 
 @contextlib.contextmanager
 def one_chunk_layers(**more):
     """k_chunking gives one chunk wherever K allows (TARGET_PROGRAMS and MIN_CHUNKS patched to 1: the one-chunk
     code paths, which the committed constants keep for K <= 256 only), plus any other configs constants given."""
-    from epirl.kernels.gemm import configs
+    from epirl.kernels.w8a16 import configs
     patch = dict(TARGET_PROGRAMS=1, MIN_CHUNKS=1, **more)
     saved = {name: getattr(configs, name) for name in patch}
     for name, value in patch.items():
@@ -104,8 +104,8 @@ def case_one_launch_split_k_equals_single_pass():
     # same bits as the single pass, for the base GEMM (ragged: 3 chunks, the last short; 21 tokens over two token
     # tiles; with and without LoRA / bias) and for lora_down (against its one pass per token tile); counters left at
     # zero
-    from epirl.kernels.gemm import weight_stationary as ws, ws_splitk
-    from epirl.kernels.gemm.configs import xa_chunking
+    from epirl.kernels.w8a16 import weight_stationary as ws, ws_splitk
+    from epirl.kernels.w8a16.configs import xa_chunking
     x, codes, scale, a, b, bias = problem(21, 600, 90, 8, seed=12)
     assert k_chunking(90, 600)[1] == 3
     cfg = dict(BN=64, BM=16, BK=128, num_warps=4, num_stages=2, split=True)
@@ -172,7 +172,7 @@ def case_rank_tiled_down_projection():
     # r = 192 (> 128: one call per qkv layer, rank 3 x 64) is taken in 64-row tiles of A by every down-projection path:
     # lora_down in one launch (ws_splitk) and the down partials fused into the split-K launch; each rank tile equals
     # that slice of A computed alone, and the split path the single pass, bitwise
-    from epirl.kernels.gemm.weight_stationary import _down_tile_rows
+    from epirl.kernels.w8a16.weight_stationary import _down_tile_rows
     x, codes, scale, a, b, bias = problem(13, 600, 90, 192, seed=14)
     assert _down_tile_rows(192) == 64 and _down_tile_rows(128) == 128 and k_chunking(90, 600)[1] == 3
     xa = lora_down(x, a, chunk_n=90)
@@ -204,7 +204,7 @@ def case_single_pass_lora_down_equals_split():
     # loads, `_sum_parts`); on random inputs and on cancelling ones, where a different order of the sub-chunk adds
     # shows in the bits
     from epirl.kernels import plan as kplan
-    from epirl.kernels.gemm import weight_stationary as ws
+    from epirl.kernels.w8a16 import weight_stationary as ws
     saved = kplan.DOWN_SINGLE_MIN_PROGRAMS
     try:
         for M, r, min_programs, tile, K in ((70, 8, 1, 64, 600), (70, 8, 3, 32, 600), (45, 192, 1, 64, 600),
@@ -234,9 +234,9 @@ def case_grouped_down_programs_equal_one_part_each():
     # decode `lora_down` with several sub-chunks per program (ws_splitk GROUPED: each partial stored on its own, the
     # last program adds all in order) gives the one-part-per-program bits: K = 2600 (11 sub-chunks, the last ragged),
     # 1-11 parts a program (11 = one program), on random and on cancelling inputs, rank 8 and 192 (three row tiles)
-    from epirl.kernels.gemm import weight_stationary as ws
-    from epirl.kernels.gemm.configs import k_chunking, xa_chunking, ws_config
-    from epirl.kernels.gemm.ws_splitk import launch_ticket
+    from epirl.kernels.w8a16 import weight_stationary as ws
+    from epirl.kernels.w8a16.configs import k_chunking, xa_chunking, ws_config
+    from epirl.kernels.w8a16.ws_splitk import launch_ticket
     for M, r in ((5, 8), (3, 192)):
         x, _, _, a, _, _ = problem(M, 2600, 90, r, seed=21)
         for xi, ai in ((x, a), cancelling_down_problem(M, r, seed=22, K=2600)):
@@ -282,7 +282,7 @@ def case_one_chunk_layer_fuses_down_in_sub_chunks():
 def case_tma_single_pass_equals_pointer_kernel():
     # descriptor loads (zero-filled edges: M, N and K ragged against the tiles) give the pointer kernel's bits,
     # forward (codes [N, K]) and dX (codes read [K, N], transposed blocks), with and without LoRA
-    from epirl.kernels.gemm.ws_tma import tma_ok
+    from epirl.kernels.w8a16.ws_tma import tma_ok
     x, codes, scale, a, b, bias = problem(21, 592, 88, 8, seed=9)  # K = 592: 3 chunks of 256, last ragged
     xa = lora_down(x, a, chunk_n=88)
     cfg = dict(BN=64, BM=16, BK=64, num_warps=4, num_stages=2, split=False)
@@ -306,7 +306,7 @@ def case_tma_single_pass_equals_pointer_kernel():
         tma = weight_stationary_gemm(x, codes, torch.bfloat16, config=dict(cfg, tma=True), allow_split=False, **args)
         assert torch.equal(tma, ptr)
     # a table selecting TMA: the call is checked against the pointer kernel on its first call, then kept
-    from epirl.kernels.gemm import ws_tma
+    from epirl.kernels.w8a16 import ws_tma
     table = json.loads(json.dumps(configs.load_table()))
     big = dict(BN=128, BM=256, BK=64, num_warps=8, num_stages=3, split=False)
     table["fwd"]["default"]["1000000000"] = dict(big, tma=True)
@@ -335,7 +335,7 @@ def case_unmasked_loops_equal_masked():
     # must give the bits of the masked loops, run here on the same problem padded into ragged shapes: K = 500 inside
     # the same two 256-deep chunks (zero columns 500..511), and N = 128 -> 130 (two more weight rows). Forward split-K
     # (5 tokens) and single pass (70), with LoRA, and dX, whose weight rows are the contiguous dimension.
-    from epirl.kernels.gemm.weight_stationary import even_k
+    from epirl.kernels.w8a16.weight_stationary import even_k
     x, codes, scale, a, b, bias = problem(70, 512, 130, 8, seed=12)
     x[:, 500:] = 0
     a[:, 500:] = 0
@@ -442,7 +442,7 @@ def case_fused_slices_group_equals_one_call():
     # independent of M; its gradients close to each slice's own backward (the reference)
     from epirl.kernels import Fp8LoRALinear, split_fused
     from epirl.kernels.lora_linear.sliced import attach_slice_group
-    from epirl.kernels.w8a16_lora.slices import sliced_lora_operands
+    from epirl.kernels.w8a16.slices import sliced_lora_operands
 
     widths, K, r = [64, 32, 32], 160, 8
     g = torch.Generator().manual_seed(21)

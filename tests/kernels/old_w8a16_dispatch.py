@@ -1,4 +1,4 @@
-"""A frozen copy of the W8A16 dispatch as `gemm/weight_stationary.py` decided it before `kernels/plan.py` existed (its
+"""A frozen copy of the W8A16 dispatch as `w8a16/weight_stationary.py` decided it before `kernels/plan.py` existed (its
 branches read from `weight_stationary_gemm`, `lora_down`, `_gluon_gemm`, `ws_gluon.fitting_config` / `gluon_ok` /
 `runs_persistent` and `configs.ws_config`, with every switch at its default: PDL, one-launch split-K, Gluon, the TMA
 table, `lora_down` grouping by device). `tests/kernels/test_plan.py` checks that `plan()` chooses the same. Tensor facts
@@ -11,7 +11,7 @@ import bisect
 import json
 from pathlib import Path
 
-TMA_TABLE = Path(__file__).resolve().parents[2] / "kernels" / "gemm" / "ws_configs_tma.json"
+TMA_TABLE = Path(__file__).resolve().parents[2] / "kernels" / "w8a16" / "ws_configs_tma.json"
 SMEM_LIMIT = 232448
 GLUON_BN = 128
 

@@ -1,4 +1,4 @@
-"""One call per fused layer (kernels/w8a16_lora/slices.py, kernels/lora_linear/sliced.py), on the CPU reference:
+"""One call per fused layer (kernels/w8a16/slices.py, kernels/lora_linear/sliced.py), on the CPU reference:
 the trainer's module group gives the engine's fused call bitwise, and the gradients of every slice's adapter."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused, w8a16_lora
 from epirl.kernels.lora_linear.sliced import attach_slice_group
-from epirl.kernels.w8a16_lora.slices import block_views, sliced_lora_operands
+from epirl.kernels.w8a16.slices import block_views, sliced_lora_operands
 from epirl.model.fp8 import Fp8Linear
 
 K, R, SIGMA = 48, 4, 2.0

@@ -1,4 +1,4 @@
-"""GPU tests (H200) of one call per fused layer (kernels/w8a16_lora/slices.py; the default for qkv_proj, and gate_up
+"""GPU tests (H200) of one call per fused layer (kernels/w8a16/slices.py; the default for qkv_proj, and gate_up
 here too, which the kernels support though the model does not group it): the trainer's SliceGroup gives the one
 block-diagonal call the matched engine makes, bitwise, at every dispatch bucket; rows do not depend on M; the
 gradients match each slice's own backward; the rank-192 down-projection runs on every path."""
@@ -8,7 +8,7 @@ import torch
 
 from epirl.kernels import Fp8LoRALinear, lora_linear_backward_reference, quantize_weight_fp8, split_fused, w8a16_lora
 from epirl.kernels.lora_linear.sliced import attach_slice_group
-from epirl.kernels.w8a16_lora.slices import sliced_lora_operands
+from epirl.kernels.w8a16.slices import sliced_lora_operands
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -71,7 +71,7 @@ def test_rank_192_down_projection_without_pdl():
     more shared memory than an H200 has) and the default path's bits."""
     from dataclasses import replace
 
-    from epirl.kernels.gemm.weight_stationary import weight_stationary_gemm
+    from epirl.kernels.w8a16.weight_stationary import weight_stationary_gemm
     from epirl.kernels.plan import describe
     codes, scale, members, a_cat, b_bd = fused_layer(LAYERS["qkv"], seed=2)
     x = torch.randn(257, K, device=DEV).bfloat16()

@@ -3,8 +3,8 @@
 import pytest
 
 import epirl.kernels as kernels
-from epirl.kernels.gemm.configs import CHUNK_ALIGN, CONFIG_KEYS, k_chunking, load_table, ws_config
-from epirl.kernels.gemm.weight_stationary import whole_k
+from epirl.kernels.w8a16.configs import CHUNK_ALIGN, CONFIG_KEYS, k_chunking, load_table, ws_config
+from epirl.kernels.w8a16.weight_stationary import whole_k
 
 
 def test_every_table_entry_is_complete_and_divides_the_chunk():
@@ -35,26 +35,30 @@ def test_config_lookup_picks_the_first_bucket_at_or_above_m():
         assert ws_config("fwd", 123, 456, M) == load_table()["fwd"]["default"][str(want)]
 
 
-def test_op_names_stay_functions_after_their_subpackages_load():
-    """`epirl.kernels.w8a16_lora` / `w8a8_lora` are both functions and subpackage names: the package imports
-    the subpackages before defining the functions, so later imports of them cannot rebind the names."""
+def test_no_public_function_shares_its_name_with_a_subpackage():
+    """Every op's function is what `epirl.kernels.<name>` is, whichever of the op folders' modules load, and no
+    subpackage of epirl.kernels is named like one of its public functions (a later import would rebind the name)."""
     import importlib
+    import pkgutil
 
-    for name in ("w8a16_lora", "w8a8_lora"):
+    subpackages = {m.name for m in pkgutil.iter_modules(kernels.__path__)}
+    assert not subpackages & set(kernels.__all__), subpackages & set(kernels.__all__)
+    for folder in ("w8a16", "w8a8", "w8a8_multi"):
         for sub in ("reference", "triton"):
             try:
-                importlib.import_module(f"epirl.kernels.{name}.{sub}")
+                importlib.import_module(f"epirl.kernels.{folder}.{sub}")
             except ImportError:  # triton missing: only the reference exists
                 pass
+    for name in ("w8a16_lora", "w8a8_lora", "w8a8_multi_lora"):
         assert callable(getattr(kernels, name)), name
 
 
 def test_table_tma_values_are_checked_when_the_table_loads(tmp_path):
-    """An entry's "tma" is true (x and the codes through descriptors, kernels/gemm/ws_tma.py) or false: anything else
+    """An entry's "tma" is true (x and the codes through descriptors, kernels/w8a16/ws_tma.py) or false: anything else
     is one line naming the entry; the committed table selects TMA somewhere."""
     import json
 
-    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+    from epirl.kernels.w8a16.configs import TMA_TABLE_PATH
 
     table = json.loads(TMA_TABLE_PATH.read_text())
     assert any(c.get("tma") for row in table["fwd"].values() for c in row.values())
@@ -77,7 +81,7 @@ def test_table_tma_calls_are_checked_against_the_pointer_kernel_per_key(monkeypa
     first time it differs."""
     import torch
 
-    from epirl.kernels.gemm import ws_tma
+    from epirl.kernels.w8a16 import ws_tma
 
     monkeypatch.setattr(ws_tma, "_CHECKED", {})
     monkeypatch.setattr(ws_tma, "_CALLS", {})
@@ -159,11 +163,11 @@ def test_host_integer_helpers_match_triton():
     ("fwd", {"BM": 128, "BK": 64, "num_stages": 4, "A_SMEM": True}, False),  # the removed shared-memory widening
 ])
 def test_table_gluon_entries_are_checked_when_the_table_loads(tmp_path, op, gluon, ok):
-    """A table entry's "gluon" (the warp-specialized forward or dX, kernels/gemm/ws_gluon.py) is validated with the
+    """A table entry's "gluon" (the warp-specialized forward or dX, kernels/w8a16/ws_gluon.py) is validated with the
     table: a bad one is one line naming the entry, before any kernel runs; the committed table's pass."""
     import json
 
-    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+    from epirl.kernels.w8a16.configs import TMA_TABLE_PATH
 
     table = json.loads(TMA_TABLE_PATH.read_text())
     assert any("gluon" in c for row in table["fwd"].values() for c in row.values())

@@ -1,11 +1,11 @@
-"""GPU tests of the warp-specialized Gluon training GEMM (kernels/gemm/ws_gluon.py): every form of it - the table's
+"""GPU tests of the warp-specialized Gluon training GEMM (kernels/w8a16/ws_gluon.py): every form of it - the table's
 configs, the LoRA ring, the persistent kernel, the codes widened in shared memory, dX - gives the pointer kernel's
 bits."""
 
 import pytest
 import torch
 
-from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm
+from epirl.kernels.w8a16.weight_stationary import lora_down, weight_stationary_gemm
 
 from gpu_problem import DEV, problem
 
@@ -15,13 +15,13 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (4096, 12288)])
 def test_gluon_forward_gives_the_pointer_kernels_bits(K, N):
-    """The warp-specialized Gluon forward (kernels/gemm/ws_gluon.py, a table entry's "gluon") gives the pointer
+    """The warp-specialized Gluon forward (kernels/w8a16/ws_gluon.py, a table entry's "gluon") gives the pointer
     kernel's bits: rank 64 with bias, rank 16 without, no LoRA, at token counts that fill its 256-token tiles and
     that leave the last one ragged (257, 4113), into a NaN-filled output; through the table (checked against the
     pointer kernel per key) and with the entry as an explicit config (the kernel as it is), each called twice (its
     first version raced: wrong values that changed from run to run)."""
-    from epirl.kernels.gemm import weight_stationary as ws
-    from epirl.kernels.gemm.configs import k_chunking, ws_config
+    from epirl.kernels.w8a16 import weight_stationary as ws
+    from epirl.kernels.w8a16.configs import k_chunking, ws_config
     x, codes, scale, a, b, bias = problem(4113, K, N, 64, seed=K + 2 * N)
     table_cfg = dict(ws_config("fwd", N, K, 4096))
     assert "gluon" in table_cfg, (K, N)
@@ -51,8 +51,8 @@ def test_gluon_lora_ring_gives_the_pointer_kernels_bits(op, persistent):
     tiles path runs instead, same bits. With "PERSISTENT" (`runs_persistent`: a program per SM over many tiles, one
     ring through them) the same bits, also without a LoRA; at rank 16 it runs the one-tile kernel. Ragged last token
     tile, NaN-filled output, each call twice."""
-    from epirl.kernels.gemm import weight_stationary as ws
-    from epirl.kernels.gemm.configs import k_chunking, ws_config
+    from epirl.kernels.w8a16 import weight_stationary as ws
+    from epirl.kernels.w8a16.configs import k_chunking, ws_config
     K, N, M = 4096, 6144, 4113
     x, codes, scale, a, b, bias = problem(M, K, N, 192, seed=13)
     gy = torch.randn(M, N, device=DEV).bfloat16()
@@ -89,8 +89,8 @@ def test_gluon_forward_narrows_its_tile_for_the_fused_qkv_rank():
     With LORA_RING the ranks stream through the k-step ring and the 256-token tile fits as it is (forward and dX).
     The table's own entry (whichever of these it holds) gives the same bits, twice. Explicit configs: the test
     must not depend on what the tuner last picked."""
-    from epirl.kernels.gemm import weight_stationary as ws
-    from epirl.kernels.gemm.configs import k_chunking, ws_config
+    from epirl.kernels.w8a16 import weight_stationary as ws
+    from epirl.kernels.w8a16.configs import k_chunking, ws_config
     K, N, M = 4096, 4096, 4113
     x, codes, scale, a, b, bias = problem(M, K, N, 192, seed=11)
     table_cfg = dict(ws_config("fwd", N, K, 4096))
@@ -138,8 +138,8 @@ A_SMEM_CONFIGS = [{"BM": 128, "BK": 64, "num_stages": 4, "GROUP_N": 16, "A_SMEM"
 def test_gluon_forward_with_codes_widened_in_shared_memory_gives_the_pointer_kernels_bits(K, N, gluon_cfg):
     """A_SMEM (the codes widened into shared memory, both wgmma operands read from there): the pointer kernel's bits,
     rank 64 with bias and no LoRA, 257 and 4113 tokens, NaN-filled outputs, twice each."""
-    from epirl.kernels.gemm import weight_stationary as ws
-    from epirl.kernels.gemm.configs import k_chunking, ws_config
+    from epirl.kernels.w8a16 import weight_stationary as ws
+    from epirl.kernels.w8a16.configs import k_chunking, ws_config
     x, codes, scale, a, b, bias = problem(4113, K, N, 64, seed=K + 5 * N)
     table_cfg = dict(ws_config("fwd", N, K, 4096))
     pointer = {k: v for k, v in table_cfg.items() if k not in ("gluon", "tma")}
@@ -165,8 +165,8 @@ def test_gluon_dx_gives_the_pointer_kernels_bits(K, N, gluon_cfg):
     registers, or into shared memory with A_SMEM) gives the Triton dX pointer kernel's bits: rank 64 and 16 and no
     LoRA, at 257 and 4113 tokens, into NaN-filled outputs, each config twice; as an explicit config (the kernel as it
     is) and through the table (whatever its entry says)."""
-    from epirl.kernels.gemm import weight_stationary as ws
-    from epirl.kernels.gemm.configs import ws_config
+    from epirl.kernels.w8a16 import weight_stationary as ws
+    from epirl.kernels.w8a16.configs import ws_config
     _, codes, scale, a, b, _ = problem(8, K, N, 64, seed=K + 3 * N)
     gy = torch.randn(4113, N, device=DEV).bfloat16()
     dx_cfg = dict(ws_config("dx", K, N, 4096))

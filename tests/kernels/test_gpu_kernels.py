@@ -8,9 +8,9 @@ import torch
 from epirl.kernels import (Fp8LoRALinear, lora_linear_backward_reference, quantize_activation_fp8,
                            quantize_weight_fp8, w8a8_lora, w8a16_lora)
 from epirl.kernels.lora_linear.triton import lora_linear_backward as triton_backward
-from epirl.kernels.gemm.configs import load_table
-from epirl.kernels.gemm.scaled import scaled_gemm_lora
-from epirl.kernels.gemm.weight_stationary import lora_down, weight_stationary_gemm
+from epirl.kernels.w8a16.configs import load_table
+from epirl.kernels.w8a8.scaled import scaled_gemm_lora
+from epirl.kernels.w8a16.weight_stationary import lora_down, weight_stationary_gemm
 
 from gpu_problem import DEV, problem  # (tests/kernels: the Gluon GPU tests use them too)
 
@@ -217,7 +217,7 @@ def test_one_launch_split_k_same_bits_and_graph_replays(K, N, monkeypatch):
     from dataclasses import replace
 
     from epirl.kernels import plan as kplan
-    from epirl.kernels.gemm import ws_splitk
+    from epirl.kernels.w8a16 import ws_splitk
     x, codes, scale, a, b, bias = problem(64, K, N, 64, seed=31)
     calls = [dict(w_scale=scale), dict(w_scale=scale, lora_a=a, lora_b=b, lora_scale=2.0, bias=bias)]
     here = kplan.describe(x.device)
@@ -260,8 +260,8 @@ def test_unmasked_k_loops_give_the_masked_loops_bits(K, N):
     the same bits - K - 6 columns (zeros in the even one) inside the same chunks, N + 8 weight rows - forward at
     decode / 64 / 257 / 4096 tokens with LoRA and bias, dX, and the row-major scaled GEMM (W8A8's, and a
     transposed-view w)."""
-    from epirl.kernels.gemm.configs import k_chunking
-    from epirl.kernels.gemm.weight_stationary import whole_k
+    from epirl.kernels.w8a16.configs import k_chunking
+    from epirl.kernels.w8a16.weight_stationary import whole_k
     x, codes, scale, a, b, bias = problem(4096, K, N + 8, 64, seed=21)
     x[:, K - 6:] = 0
     a[:, K - 6:] = 0
@@ -301,10 +301,10 @@ def test_split_k_decode_path_equals_single_pass_bitwise(K, N):
 
 @pytest.mark.parametrize("K,N", [(4096, 4096), (12288, 4096), (4096, 6144)])
 def test_tma_twins_of_the_training_tiles_give_the_pointer_kernels_bits(K, N):
-    """The TMA-load kernel (kernels/gemm/ws_tma.py, experimental: the table refuses it) at the 128x256 training
+    """The TMA-load kernel (kernels/w8a16/ws_tma.py, experimental: the table refuses it) at the 128x256 training
     tiles gives the pointer kernel's bits: forward with LoRA + bias at 4096 and 257 tokens, and dX. (Other tiles
     of it are miscompiled by triton 3.6 / 3.7.1.)"""
-    from epirl.kernels.gemm.ws_tma import tma_ok
+    from epirl.kernels.w8a16.ws_tma import tma_ok
     for M in (4096, 257):
         x, codes, scale, a, b, bias = problem(M, K, N, 64, seed=M + K)
         gy = torch.randn(M, N, device=DEV).bfloat16()
@@ -409,7 +409,7 @@ FORCED_TMA_SHAPES = [(4096, 6144), (4096, 24576)]
 
 @pytest.mark.parametrize("K,N", TMA_TABLE_SHAPES)
 def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
-    """The committed table (kernels/gemm/ws_tma.py, ws_gluon.py where it says) gives the bits of the same table with
+    """The committed table (kernels/w8a16/ws_tma.py, ws_gluon.py where it says) gives the bits of the same table with
     its TMA and Gluon entries taken out (the pointer kernels), forward with LoRA + bias and dX at 4096 tokens, on every
     shape with TMA entries. Also (q3_qkv,
     gate_up) with a table that forces the 128x256/64 TMA tile onto the shape: on the gate_up forward (one 4096-deep
@@ -418,8 +418,8 @@ def test_tma_table_gives_the_pointer_tables_bits(K, N, monkeypatch, tmp_path):
     import json
     import warnings
 
-    from epirl.kernels.gemm import ws_tma
-    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+    from epirl.kernels.w8a16 import ws_tma
+    from epirl.kernels.w8a16.configs import TMA_TABLE_PATH
     from epirl.kernels.plan import KernelSettings
 
     x, codes, scale, a, b, bias = problem(4096, K, N, 64, seed=N)

@@ -70,7 +70,7 @@ def test_plan_is_pure_and_frozen():
 def test_memo_follows_the_chunking_constants_and_the_table(monkeypatch, tmp_path):
     """`plan` is memoized, keyed also on what it reads besides its arguments: a patched chunking constant or a reloaded
     table gives a new plan."""
-    from epirl.kernels.gemm import configs
+    from epirl.kernels.w8a16 import configs
 
     before = plan("w8a16", (4096, 4096), 16, H200, rank=64)
     assert plan("w8a16", (4096, 4096), 16, H200, rank=64) is before
@@ -110,7 +110,7 @@ def test_without_pdl_the_down_projection_rides_in_the_split_launch():
 def test_another_table_changes_the_tiles_only(tmp_path):
     import json
 
-    from epirl.kernels.gemm.configs import load_table
+    from epirl.kernels.w8a16.configs import load_table
 
     table = json.loads(json.dumps(load_table()))
     table["fwd"]["default"]["1000000000"] = dict(BN=128, BM=128, BK=64, num_warps=8, num_stages=4, split=False)

@@ -56,7 +56,7 @@ def test_tma_kernel_flattens_its_chunk_loop_nest(variant):
 
 @pytest.mark.parametrize("dx", [False, True])
 def test_fused_slices_epilogue_fits_the_training_tile(dx):
-    """One call per fused layer (kernels/w8a16_lora/slices.py) gives a rank-64 qkv a block-diagonal LoRA of rank 192,
+    """One call per fused layer (kernels/w8a16/slices.py) gives a rank-64 qkv a block-diagonal LoRA of rank 192,
     padded to 256 in the epilogue: the training TMA tile (128 x 256 x 64, 3 stages) still compiles for sm_90a within
     the 227 KiB of shared memory a block may have, without spills in its K loop."""
     import sass_report
@@ -81,7 +81,7 @@ def test_split_k_decode_kernels_compile_for_sm90(pdl):
     """The decode path's two kernels as the GPU builds them (base tiles + fused LoRA down sub-chunks; the ordered
     reduce with the down partials), with and without the PDL launch pair: compile errors show here, not on the
     device. (A single-pass compile is the test above; griddepcontrol is PDL's instruction.)"""
-    from epirl.kernels.gemm.weight_stationary import _ws_partial_kernel, _ws_reduce_kernel
+    from epirl.kernels.w8a16.weight_stationary import _ws_partial_kernel, _ws_reduce_kernel
     fp32 = {"part_ptr": "*fp32", "xa_part_ptr": "*fp32", "w_scale_ptr": "*fp32"}
     partial = _ptx(_ws_partial_kernel, dict(HAS_BASE=True, HAS_DOWN=True, DOT_F32=False, BN=64, BM=16,
                                                     BK=128, BRT=64, GROUP_N=8, LAUNCH_DEPENDENTS=pdl,
@@ -97,7 +97,7 @@ def test_split_k_decode_kernels_compile_for_sm90(pdl):
 def test_down_first_decode_chain_compiles_for_sm90():
     """The decode path with PDL when the down-projection is to compute: a single pass (the base GEMM as lora_down's
     dependent) waits for xa only after its K loop. (The one-launch split-K's wait: the ticket test below.)"""
-    from epirl.kernels.gemm.weight_stationary import _ws_single_kernel
+    from epirl.kernels.w8a16.weight_stationary import _ws_single_kernel
     fp32 = {"part_ptr": "*fp32", "xa_part_ptr": "*fp32", "w_scale_ptr": "*fp32"}
     single = _ptx(_ws_single_kernel, dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BN=64,
                                           BM=16, BK=128, BR=64, GROUP_N=8, WAIT_PDL=True),
@@ -112,7 +112,7 @@ def test_one_launch_split_k_compiles_for_sm90(down, one_part):
     before the epilogue) and the down-projection that lets it launch; one acq_rel ticket atomic at GPU scope, the
     partials summed through L2 (ld.global.cg) after B's rows are fetched, wgmma in the K loop and in the base
     epilogue's LoRA dot. A one-chunk layer (gate_up) compiles without partials and ticket."""
-    from epirl.kernels.gemm.ws_splitk import _ws_ticket_kernel
+    from epirl.kernels.w8a16.ws_splitk import _ws_ticket_kernel
     types = {"part_ptr": "*fp32", "w_scale_ptr": "*fp32", "cnt_ptr": "*i32"}
     if not down:
         types["w_ptr"] = "*fp8e4nv"
@@ -181,7 +181,7 @@ def test_wgmma_kernels_keep_their_wgmmas_in_flight(name):
 
 def _gluon_configs() -> list[str]:
     """op:BM/BK/STAGES[/s][/r][/p] of every "gluon" config the table gives, and the dX form at its two tile widths."""
-    from epirl.kernels.gemm.configs import TMA_TABLE_PATH
+    from epirl.kernels.w8a16.configs import TMA_TABLE_PATH
     import json
     table = json.loads(TMA_TABLE_PATH.read_text())
 
@@ -237,7 +237,7 @@ def test_gluon_shared_memory_estimate_covers_the_compiled_kernel(cfg):
     pytest.importorskip("triton.experimental.gluon")
     if not _have_tools():
         pytest.skip("this triton ships no ptxas/cuobjdump")
-    from epirl.kernels.gemm import ws_gluon
+    from epirl.kernels.w8a16 import ws_gluon
     fields = cfg.split(":")[1].split("/")
     bm, bk, stages = map(int, fields[:3])
     ring = "r" in fields
@@ -254,7 +254,7 @@ def test_gluon_kernel_never_specializes_its_chunk_count():
     and dX would run 5x slower on the H200; the chunk loop compiled for a runtime count is the one the SASS tests
     above check."""
     pytest.importorskip("triton.experimental.gluon")
-    from epirl.kernels.gemm import ws_gluon
+    from epirl.kernels.w8a16 import ws_gluon
     flags = {p.name: p.do_not_specialize for p in ws_gluon._ws_gluon_kernel.params}
     assert flags["N_CHUNKS"], flags
 

@@ -1,10 +1,10 @@
-"""The TMA descriptor cache (kernels/gemm/tma_desc_cache.py): a hit only where a fresh encode would give the same
+"""The TMA descriptor cache (kernels/w8a16/tma_desc_cache.py): a hit only where a fresh encode would give the same
 CUtensorMap (same address, shape, strides, flags and the same kernel metadata object)."""
 
 import pytest
 import torch
 
-from epirl.kernels.gemm import tma_desc_cache
+from epirl.kernels.w8a16 import tma_desc_cache
 
 TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a8_multi_lora
-from epirl.kernels.w8a8_multi_lora import dispatch
+from epirl.kernels.w8a8_multi import dispatch
 
 IDS = [0, 1, -1, 2, 3, 0, -1, 3, 1, 2, 2, 0, 3, -1, 1, 0, 2]
 
@@ -196,7 +196,7 @@ def test_serving_op_on_vllm_shaped_slot_buffers_equals_per_slice_reference():
 
 def test_slices_reject_buffers_the_kernels_cannot_read():
     pytest.importorskip("triton")
-    from epirl.kernels.w8a8_multi_lora.triton import Slices
+    from epirl.kernels.w8a8_multi.triton import Slices
 
     a = [torch.zeros(2, 8, 64, dtype=torch.bfloat16) for _ in range(2)]
     b = [torch.zeros(2, 32, 8, dtype=torch.bfloat16), torch.zeros(2, 16, 8, dtype=torch.bfloat16)]
@@ -216,7 +216,7 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
     others reach serve_slices with the dispatch's choice."""
     from epirl.engine import serving_lora
     from epirl.engine.vllm_compat import punica
-    from epirl.kernels.w8a8_multi_lora.timing import spread_adapters
+    from epirl.kernels.w8a8_multi.timing import spread_adapters
 
     assert dispatch.Shape("q", 64, 96, 8).tag() == "q:64x96r8"
     assert dispatch.Shape("q", 64, 96, 8, adapters=32).tag() == "q:64x96r8a32"
@@ -267,11 +267,9 @@ def test_timed_dispatch_spreads_tokens_over_the_slots_and_routes_vllm_choices(mo
 
 def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
     """A "fused[<tag>]" choice runs the prefill path with PREFILL_VARIANTS[tag] (CUDA inputs only; faked here)."""
-    import importlib
-
     from epirl.engine import serving_lora
-
-    multi = importlib.import_module("epirl.kernels.w8a8_multi_lora.triton")
+    from epirl.kernels.w8a8_multi import segmented
+    from epirl.kernels.w8a8_multi import triton as multi
     seen = {}
     monkeypatch.setattr(multi, "w8a8_multi_lora_slices", lambda *a, **kw: seen.update(kw) or a[0].new_zeros(5, 96))
 
@@ -284,7 +282,6 @@ def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
     assert seen["path"] == "prefill" and seen["config"] == multi.PREFILL_VARIANTS["bt32"]
     # "vendor+seg[<tag>]": the vendor GEMM, then the segment-tiled kernels with SEG_VARIANTS[tag]'s expand tile, on
     # the given segments (vLLM's metadata) or, without them, on segments built from the token map
-    segmented = importlib.import_module("epirl.kernels.w8a8_multi_lora.segmented")
     monkeypatch.setattr(serving_lora, "_vendor_base", lambda x2, *a: x2.new_zeros(5, 96))
     monkeypatch.setattr(segmented, "expand_segments", lambda y, x2, a, b, segs, sigma, **kw: seen.update(
         kw, segs=segs) or y)

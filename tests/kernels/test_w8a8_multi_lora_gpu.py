@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from epirl.kernels import quantize_activation_fp8, quantize_weight_fp8, w8a8_multi_lora
-from epirl.kernels.w8a8_multi_lora.triton import DECODE_MAX_TOKENS, expand_into, pdl_supported, quant_shrink
+from epirl.kernels.w8a8_multi.triton import DECODE_MAX_TOKENS, expand_into, pdl_supported, quant_shrink
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -123,7 +123,7 @@ def test_under_cuda_graph_replay():
 def test_fused_qkv_slices_equal_per_slice_calls_bitwise(M):
     """One K1 + K2 over q/k/v slices (each with its own slot buffers, vLLM's [L, 1, rows, r] layout) == the
     single-slice op on each slice's rows, bitwise, on every path; and close to the reference."""
-    from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora_slices
+    from epirl.kernels.w8a8_multi.triton import w8a8_multi_lora_slices
 
     widths = [2048, 512, 512]
     x, codes, scale, _, _, ids = problem(M, K=2048, N=sum(widths), seed=13)
@@ -149,7 +149,7 @@ def test_grouped_shrink_vs_per_token_and_groups_alone_bitwise(M, L):
     rounding of K1's per-token partials, a 32-tenant batch's partials == each adapter group's alone, bitwise
     (tiles in adapter order, groups of every size), K2 on the chunk-summed partials == on the raw ones, bitwise,
     and expand_into of such a batch vs the reference."""
-    from epirl.kernels.w8a8_multi_lora.triton import Slices, adapter_order, grouped_shrink
+    from epirl.kernels.w8a8_multi.triton import Slices, adapter_order, grouped_shrink
 
     K, N = 4096, 1024
     g = torch.Generator(device=DEV).manual_seed(M)
@@ -168,7 +168,7 @@ def test_grouped_shrink_vs_per_token_and_groups_alone_bitwise(M, L):
         alone = grouped_shrink(x[mine].clone(), slices, ids[mine].clone())
         assert torch.equal(alone, part[:, :, mine]), adapter
     codes, scale = quantize_weight_fp8(torch.randn(N, K, generator=g, device=DEV) * 0.02, backend="reference")
-    from epirl.kernels.w8a8_multi_lora.triton import multi_lora_gemm, sum_chunks
+    from epirl.kernels.w8a8_multi.triton import multi_lora_gemm, sum_chunks
 
     q, s = quantize_activation_fp8(x)
 
@@ -212,8 +212,8 @@ def test_dispatch_candidates_agree_on_batches_spread_over_the_slots(M):
     adapter kernels and (with vLLM) vendor + vLLM's own LoRA kernels, on a batch spread over 8 adapters."""
     import importlib.util
 
-    from epirl.kernels.w8a8_multi_lora.dispatch import Shape
-    from epirl.kernels.w8a8_multi_lora.timing import gpu_candidates
+    from epirl.kernels.w8a8_multi.dispatch import Shape
+    from epirl.kernels.w8a8_multi.timing import gpu_candidates
 
     has_vllm = importlib.util.find_spec("vllm") is not None
     extra = None

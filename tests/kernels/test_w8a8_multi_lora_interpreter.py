@@ -123,7 +123,7 @@ def sorted_gemm(x, codes, scale, a, b, ids, sigma, bias=None):
     import torch
 
     from epirl.kernels import quantize_activation_fp8
-    from epirl.kernels.w8a8_multi_lora.triton import Slices, adapter_order, multi_lora_gemm, quant_shrink
+    from epirl.kernels.w8a8_multi.triton import Slices, adapter_order, multi_lora_gemm, quant_shrink
 
     q, s = quantize_activation_fp8(x, backend="reference")
     slices = Slices([a], [b], [codes.shape[0]])
@@ -151,7 +151,7 @@ def case_sorted_tiles_equal_groups_bitwise():
 def case_expand_into_vendor_output():
     import torch
 
-    from epirl.kernels.w8a8_multi_lora.triton import expand_into
+    from epirl.kernels.w8a8_multi.triton import expand_into
 
     x, codes, scale, a, b, ids = problem(20, 100, 72, seed=4, exact=False)
     base = reference(x, codes, scale, a, b, torch.full_like(ids, -1), 1.0)
@@ -179,7 +179,7 @@ def case_several_k1_chunks():
     import torch
 
     from epirl.kernels import quantize_activation_fp8, w8a8_multi_lora
-    from epirl.kernels.w8a8_multi_lora.triton import Slices, quant_shrink, shrink_chunking
+    from epirl.kernels.w8a8_multi.triton import Slices, quant_shrink, shrink_chunking
 
     assert shrink_chunking(1100)[1] == 3
     x, codes, scale, a, b, ids = problem(6, 1100, 40, seed=6)
@@ -199,7 +199,7 @@ def case_fused_slices_one_launch_pair():
     vs the Triton single-slice call on the same tile rows and close to the reference."""
     import torch
 
-    from epirl.kernels.w8a8_multi_lora.triton import w8a8_multi_lora, w8a8_multi_lora_slices
+    from epirl.kernels.w8a8_multi.triton import w8a8_multi_lora, w8a8_multi_lora_slices
 
     widths = [48, 16, 16]
     x, codes, scale, _, _, ids = problem(20, 100, sum(widths), seed=8)
@@ -227,7 +227,7 @@ def case_grouped_shrink_vs_exact_and_groups_bitwise():
     import torch
 
     from epirl.kernels import w8a8_multi_lora
-    from epirl.kernels.w8a8_multi_lora.triton import (DECODE_MAX_TOKENS, Slices, adapter_order, expand_into,
+    from epirl.kernels.w8a8_multi.triton import (DECODE_MAX_TOKENS, Slices, adapter_order, expand_into,
                                                       grouped_shrink, shrink_chunking)
 
     tiles = dict(BT=16, BK=64, num_warps=4, num_stages=2)
@@ -244,7 +244,7 @@ def case_grouped_shrink_vs_exact_and_groups_bitwise():
         assert torch.equal(alone[..., :5], part[:, :, mine, :5]), adapter
     # K2 on the partials summed once (sum_chunks, what the prefill path does) == K2 summing them itself, bitwise
     from epirl.kernels import quantize_activation_fp8
-    from epirl.kernels.w8a8_multi_lora.triton import multi_lora_gemm, sum_chunks
+    from epirl.kernels.w8a8_multi.triton import multi_lora_gemm, sum_chunks
 
     q, s = quantize_activation_fp8(x, backend="reference")
 
@@ -268,7 +268,7 @@ def vllm_meta(ids):
     unused (-1, 0 tokens) slots, stale entries past the batch in the sorted tokens."""
     import torch
 
-    from epirl.kernels.w8a8_multi_lora.segmented import Segments
+    from epirl.kernels.w8a8_multi.segmented import Segments
 
     present, counts = torch.unique(ids, sorted=True, return_counts=True)
     slots = 6
@@ -287,8 +287,8 @@ def case_segmented_expand_equals_grouped_bitwise():
     reference; a mixed batch equals each group alone."""
     import torch
 
-    from epirl.kernels.w8a8_multi_lora.segmented import expand_segments, segments
-    from epirl.kernels.w8a8_multi_lora.triton import adapter_order, expand_into
+    from epirl.kernels.w8a8_multi.segmented import expand_segments, segments
+    from epirl.kernels.w8a8_multi.triton import adapter_order, expand_into
 
     x, codes, scale, a, b, ids = problem(45, 1100, 40, r=5, seed=11, exact=False)
     base = reference(x, codes, scale, a, b, torch.full_like(ids, -1), 1.0)

@@ -1,4 +1,4 @@
-"""GPU tests (H200) of the segment-tiled LoRA shrink + expand (kernels/w8a8_multi_lora/segmented.py): bitwise equal to
+"""GPU tests (H200) of the segment-tiled LoRA shrink + expand (kernels/w8a8_multi/segmented.py): bitwise equal to
 expand_into on the same tokens (both chunk-sum modes, q/k/v-like slices, 4-32 adapters), with vLLM's own
 LoRAKernelMeta as the segments (also for a padded batch: rows past vLLM's token map untouched), and under CUDA-graph
 replay with the segment buffers refilled between replays, as vLLM refills its metadata every step."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from epirl.kernels import quantize_weight_fp8
-from epirl.kernels.w8a8_multi_lora.segmented import Segments, expand_segments, segments
-from epirl.kernels.w8a8_multi_lora.timing import vendor_base
-from epirl.kernels.w8a8_multi_lora.triton import adapter_order, expand_into
+from epirl.kernels.w8a8_multi.segmented import Segments, expand_segments, segments
+from epirl.kernels.w8a8_multi.timing import vendor_base
+from epirl.kernels.w8a8_multi.triton import adapter_order, expand_into
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

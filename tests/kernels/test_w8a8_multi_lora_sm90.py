@@ -21,7 +21,7 @@ K2_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "y_ptr": 
 
 
 def test_k1_quant_shrink_lowers_with_pdl_trigger():
-    from epirl.kernels.w8a8_multi_lora import triton as kernels
+    from epirl.kernels.w8a8_multi import triton as kernels
 
     consts = dict(QUANT=True, HAS_LORA=True, LAUNCH_DEPENDENTS=True, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BR=64,
                   BK=kernels.SHRINK_BK, QBK=kernels.QUANT_BK)
@@ -30,7 +30,7 @@ def test_k1_quant_shrink_lowers_with_pdl_trigger():
 
 
 def test_k2_decode_lowers_to_fp8_wgmma_and_waits_for_k1():
-    from epirl.kernels.w8a8_multi_lora import triton as kernels
+    from epirl.kernels.w8a8_multi import triton as kernels
 
     cfg = kernels.DECODE_CONFIG
     consts = dict(HAS_BASE=True, HAS_ORDER=False, HAS_LORA=True, SIGMA_PER_ADAPTER=True, HAS_BIAS=False,
@@ -48,7 +48,7 @@ GROUPED_SIG = {"x_ptr": "*bf16", "a_tab": "*i64", "ids_ptr": "*i64", "order_ptr"
 
 def test_grouped_shrink_lowers_to_bf16_wgmma():
     """The prefill shrink runs on tensor cores (bf16 wgmma with fp32 accumulation), not CUDA-core FMAs."""
-    from epirl.kernels.w8a8_multi_lora import triton as kernels
+    from epirl.kernels.w8a8_multi import triton as kernels
 
     cfg = kernels.GROUPED_SHRINK_CONFIG
     consts = dict(HAS_ORDER=True, DOT_F32=False, BT=cfg["BT"], BR=64, BK=cfg["BK"])
@@ -58,7 +58,7 @@ def test_grouped_shrink_lowers_to_bf16_wgmma():
 
 
 def test_chunk_sum_lowers():
-    from epirl.kernels.w8a8_multi_lora import triton as kernels
+    from epirl.kernels.w8a8_multi import triton as kernels
 
     ptx = ptx_for(kernels._sum_chunks_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N_CHUNKS": "i32"},
                   dict(BR=64, BLOCK=1024), num_warps=4)
@@ -78,7 +78,7 @@ SEG_EXPAND_SIG = {"y_ptr": "*bf16", **SEG_META, "part_ptr": "*fp32", "b_tab": "*
 def test_segmented_shrink_lowers_to_bf16_wgmma(sum_chunks):
     """The segment-tiled shrink (one adapter per tile; the chunks summed in the program or split over programs)
     runs on tensor cores, and its chunk sum is plain adds (no FMA contraction into the dot)."""
-    from epirl.kernels.w8a8_multi_lora import segmented
+    from epirl.kernels.w8a8_multi import segmented
 
     cfg = segmented.SEG_SHRINK_CONFIG
     consts = dict(SUM_CHUNKS=sum_chunks, DOT_F32=False, BT=cfg["BT"], BR=64, BK=cfg["BK"], BS=64)
@@ -88,7 +88,7 @@ def test_segmented_shrink_lowers_to_bf16_wgmma(sum_chunks):
 
 
 def test_segmented_expand_lowers_to_bf16_wgmma_with_explicit_fma():
-    from epirl.kernels.w8a8_multi_lora import segmented
+    from epirl.kernels.w8a8_multi import segmented
 
     cfg = segmented.SEG_EXPAND_CONFIG
     consts = dict(SIGMA_PER_ADAPTER=False, DOT_F32=False, BN=cfg["BN"], BT=cfg["BT"], BR=64, BS=64,

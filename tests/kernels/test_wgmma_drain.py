@@ -1,4 +1,4 @@
-"""The wgmma drain (kernels/gemm/wgmma_drain.py): the PTX pass, when it runs, and that it reaches Triton's cache key.
+"""The wgmma drain (kernels/w8a16/wgmma_drain.py): the PTX pass, when it runs, and that it reaches Triton's cache key.
 
 CI's Triton (3.9) does not need the pass; the tests that compile force it on in a subprocess (the setting is read at
 import) and check the real kernels' PTX and SASS, which is what Triton 3.6 gets by default."""
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from epirl.kernels.gemm import wgmma_drain
+from epirl.kernels.w8a16 import wgmma_drain
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -76,7 +76,7 @@ def _in_subprocess(code: str, drain: str) -> dict:
 def test_drain_setting_enters_the_w8a16_kernels_cache_keys():
     code = """
         import json
-        from epirl.kernels.gemm import wgmma_drain, weight_stationary as ws, ws_tma, ws_splitk
+        from epirl.kernels.w8a16 import wgmma_drain, weight_stationary as ws, ws_tma, ws_splitk
         kernels = [ws._ws_single_kernel, ws._ws_partial_kernel, ws_tma._ws_tma_kernel, ws_splitk._ws_ticket_kernel]
         print(json.dumps(dict(drain=bool(wgmma_drain.DRAIN), keys=[k.cache_key for k in kernels],
                               names=[k.__name__ for k in kernels])))
@@ -96,7 +96,7 @@ def test_forced_drain_leaves_no_write_to_an_in_flight_operand():
         import json, re
         import triton
         import sass_report
-        from epirl.kernels.gemm import wgmma_drain
+        from epirl.kernels.w8a16 import wgmma_drain
         name, build = next((n, b) for n, b in sass_report.wgmma_cases() if n.startswith("w8a16 fwd default M<=1000"))
         ptx = build()
         tma = sass_report.compile_tma("128/256/64/8/4", True)

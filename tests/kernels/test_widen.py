@@ -1,11 +1,11 @@
-"""The e4m3 → bf16 widening of the W8A16 kernels (kernels/gemm/widen.py): the bit recipe on CPU, the PTX on the GPU,
+"""The e4m3 → bf16 widening of the W8A16 kernels (kernels/w8a16/widen.py): the bit recipe on CPU, the PTX on the GPU,
 and whole GEMMs with it against the same GEMMs with Triton's conversion instructions, bitwise."""
 
 
 import pytest
 import torch
 
-from epirl.kernels.gemm.widen import widen_e4m3_reference
+from epirl.kernels.w8a16.widen import widen_e4m3_reference
 
 ALL_CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
 NAN_CODES = (0x7F, 0xFF)
@@ -61,7 +61,7 @@ def test_ptx_widening_is_the_conversion_bitwise_on_the_gpu(shape):
     import triton
     import triton.language as tl
 
-    from epirl.kernels.gemm.widen import widen_e4m3
+    from epirl.kernels.w8a16.widen import widen_e4m3
 
     @triton.jit
     def widen_kernel(c_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):

@@ -110,12 +110,12 @@ def token_segments(layer):
     """The current batch's tokens grouped by slot, as vLLM's `LoRAKernelMeta` holds them (sorted token indices,
     each segment's slot (-1: none or unused) and token count; `prepare_tensors` refills these
     fixed device buffers before every step, so CUDA graphs replay with the step's own metadata, as vLLM's LoRA
-    kernels do), as an `epirl.kernels.w8a8_multi_lora.segmented.Segments`; None where the wrapper keeps none."""
+    kernels do), as an `epirl.kernels.w8a8_multi.segmented.Segments`; None where the wrapper keeps none."""
     meta = getattr(layer.punica_wrapper, "token_mapping_meta", None)
     fields = [getattr(meta, name, None) for name in META_SEGMENT_FIELDS]
     if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in fields):
         return None
-    from epirl.kernels.w8a8_multi_lora.segmented import Segments
+    from epirl.kernels.w8a8_multi.segmented import Segments
 
     return Segments(*fields)
 

@@ -10,7 +10,8 @@ Triton's default lets it run across the whole K loop (relative error ~4e-3 at K=
 from __future__ import annotations
 
 from ..fp8_quant.triton import quantize_per_token
-from ..gemm.scaled import lora_down_split, prepare_operands, scaled_gemm_lora
+from .._host import prepare_operands
+from .scaled import lora_down_split, scaled_gemm_lora
 
 W8A8_CONFIG = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
 

@@ -31,10 +31,9 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .._dispatch import check_reduction, interpreting, pdl_supported  # noqa: F401  (pdl_supported: re-export)
+from .._tiles import _grouped_tile_ids, _load_tile, _sum_parts
 from ..fp8_quant.reference import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from ..fp8_quant.triton import _abs_nan_to_zero, _saturating_e4m3, quantize_per_token
-from ..gemm.scaled import _grouped_tile_ids, _load_tile
-from ..gemm.ws_epilogue import _sum_parts
 from .reference import check_args
 
 DECODE_MAX_TOKENS = 32
@@ -255,7 +254,7 @@ def _multi_lora_gemm_kernel(
         acc = tl.zeros((BN, BT), dtype=tl.float32)
         tl.assume(K > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        # no load predicates where the shape allows (`gemm.weight_stationary._ws_chunk`): EVEN_T / EVEN_N / EVEN_K,
+        # no load predicates where the shape allows (`w8a16.weight_stationary._ws_chunk`): EVEN_T / EVEN_N / EVEN_K,
         # no token column / weight row / K column past the edge
         x_ptrs = x_ptr + tok[None, :] * stride_xm + rk[:, None]
         for k0 in range(0, K, BK):

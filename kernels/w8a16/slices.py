@@ -5,7 +5,7 @@ vLLM fuses q, k, v (and gate, up) into one layer; the trainer holds them as sepa
 views of the same codes and scale. One GEMM over the fused layer costs less than one per slice at both ends (H200,
 Qwen3-8B, BENCHMARKS.md fourteenth session: q + k + v at one token 41 µs with LoRA against 14.8 for the fused qkv; k / v
 at 8192 training tokens 1.23x bf16 against the fused shape's 0.97x), but the K chunking, hence the bits, depends on
-the layer's N (kernels/gemm/configs.py `k_chunking`), so the engine and the trainer must make the same call. It is
+the layer's N (kernels/w8a16/configs.py `k_chunking`), so the engine and the trainer must make the same call. It is
 `w8a16_lora(x, codes, scale, A_cat, B_bd, σ, bias)` with
 
     A_cat = [A_1; …; A_S]            `[S·r, K]`
@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from . import w8a16_lora
 
 
 def sliced_lora_shapes(lora_a: Sequence, lora_b: Sequence, widths: Sequence[int]) -> tuple[int, int] | None:
@@ -87,8 +89,6 @@ def fused_layer_call(x: torch.Tensor, codes: Sequence[torch.Tensor], scale: torc
     """A fused layer's output from its slices' codes `[N_i, K]` and adapters as the matched engine computes it:
     one call with the block operands when `one_call` (the engine's rule: `epirl.model.loading.runs_as_one_call`),
     else one `w8a16_lora` per slice, concatenated. For checks (engine == kernel); the codes are copied."""
-    from epirl.kernels import w8a16_lora
-
     if not one_call:
         return torch.cat([w8a16_lora(x, c, scale, a, b, lora_scale) for c, a, b in zip(codes, lora_a, lora_b)], -1)
     widths = [c.shape[0] for c in codes]

@@ -7,13 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled import _grouped_tile_ids_of, _load_tile
+from .._tiles import _grouped_tile_ids_of, _load_tile, _sum_parts
 from .widen import widen_e4m3
-
-# Partials (split-K chunks, LoRA-down sub-chunks) loaded at once when summed: the sum is a chain of dependent adds,
-# but the loads need not be; with one load per add, every partial paid a full L2 round trip in turn (decode).
-PART_UNROLL = tl.constexpr(4)
-
 
 @triton.jit
 def _ws_tile(N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr):
@@ -28,23 +23,6 @@ def _ws_tile_of(pid, N, M, BN: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.const
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
     return rn, rm, rn < N, rm < M
-
-
-@triton.jit
-def _sum_parts(ptr, part_stride, offs, mask, n_parts, BA: tl.constexpr, BB: tl.constexpr, CG: tl.constexpr):
-    """fp32 [BA, BB]: partials ptr[c * part_stride + offs] for c < n_parts added in c order from +0.0, PART_UNROLL
-    loads in flight. A partial past the last adds +0.0, which leaves every sum unchanged (a sum started at +0.0 is
-    never -0.0): the same bits as one add per partial. CG: load with .cg (L2 only)."""
-    total = tl.zeros((BA, BB), dtype=tl.float32)
-    for c0 in range(0, n_parts, PART_UNROLL):
-        for j in tl.static_range(PART_UNROLL):
-            in_parts = (offs * 0 + c0 + j) < n_parts  # a tensor (the interpreter masks by tensors)
-            if CG:  # through L2 only (partials other programs of the same launch wrote)
-                total += tl.load(ptr + offs + (c0 + j) * part_stride, mask=mask & in_parts, other=0.0,
-                                 cache_modifier=".cg")
-            else:
-                total += tl.load(ptr + offs + (c0 + j) * part_stride, mask=mask & in_parts, other=0.0)
-    return total
 
 
 @triton.jit

@@ -1,14 +1,14 @@
 """Triton W8A16 GEMM with the LoRA epilogue (Hopper): the matched engine's and the trainer's forward.
 
-The GEMM itself is the weight-stationary kernel of `kernels/gemm/weight_stationary.py` (see its docstring for the
+The GEMM itself is the weight-stationary kernel of `kernels/w8a16/weight_stationary.py` (see its docstring for the
 batch-invariance argument); which of its kernels runs for a call is `kernels/plan.py`'s choice, its tile configs come
-from the committed table `kernels/gemm/ws_configs_tma.json`.
+from the committed table `kernels/w8a16/ws_configs_tma.json`.
 """
 
 from __future__ import annotations
 
-from ..gemm.scaled import prepare_operands
-from ..gemm.weight_stationary import weight_stationary_gemm
+from .._host import prepare_operands
+from .weight_stationary import weight_stationary_gemm
 
 
 def w8a16_lora(x, codes, scale, lora_a=None, lora_b=None, lora_scale=1.0, bias=None, return_xa=False, out=None,

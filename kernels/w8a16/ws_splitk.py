@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
-from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile_of
+from .._tiles import _sum_parts
+from .ws_epilogue import _load_xa, _lora_b_tile, _ws_chunk, _ws_epilogue, _ws_tile_of
 
 COUNTER_SLOTS = 1 << 16  # tiles per launch the workspace holds before it grows (decode: <= 1536 base tiles)
 _COUNTERS: dict[tuple, torch.Tensor] = {}

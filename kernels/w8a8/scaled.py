@@ -16,47 +16,13 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .._dispatch import check_reduction, interpreting
-from ..w8a16_lora.reference import check_lora_args
-from .widen import widen_e4m3
+from .._tiles import _grouped_tile_ids, _load_tile
+from ..w8a16.widen import widen_e4m3
 
 # Pinned config of `scaled_gemm_lora` (W8A8 batch invariance): BM 64 keeps Hopper on wgmma for every M;
 # BN 64 gives >= 64 programs for the 4096-wide Qwen projections at 1 token, BK 128 halves loop trips.
 FWD_CONFIG = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
 LORA_SPLITS = 16  # K chunks of the LoRA down-projection (fixed per K: batch invariant)
-
-
-@triton.jit
-def _grouped_tile_ids(num_outer, num_inner, GROUP: tl.constexpr):
-    """(outer, inner) tile of this program in grouped order: GROUP outer tiles are swept over every inner
-    tile while they sit in L2 (the same order for the row-major and the weight-transposed kernels)."""
-    return _grouped_tile_ids_of(tl.program_id(0), num_outer, num_inner, GROUP)
-
-
-@triton.jit
-def _grouped_tile_ids_of(pid, num_outer, num_inner, GROUP: tl.constexpr):
-    """`_grouped_tile_ids` for tile number pid (kernels whose first programs do other work)."""
-    group = pid // (GROUP * num_inner)
-    first = group * GROUP
-    size = tl.minimum(num_outer - first, GROUP)
-    outer = first + (pid % (GROUP * num_inner)) % size
-    inner = (pid % (GROUP * num_inner)) // size
-    return outer, inner
-
-
-@triton.jit
-def _load_tile(ptrs, mask_rows, mask_cols, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
-    """A K-loop tile `[rows, cols]`, zeros outside mask_rows[:, None] & mask_cols[None, :]; a dimension whose EVEN
-    flag says it lies inside the tensor loads without its mask (no predicates: every GEMM loop of epirl.kernels
-    takes its loads through here). Same values either way."""
-    if EVEN_ROWS and EVEN_COLS:
-        tile = tl.load(ptrs)
-    elif EVEN_ROWS:
-        tile = tl.load(ptrs, mask=mask_cols[None, :], other=0.0)
-    elif EVEN_COLS:
-        tile = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
-    else:
-        tile = tl.load(ptrs, mask=mask_rows[:, None] & mask_cols[None, :], other=0.0)
-    return tile
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -216,16 +182,3 @@ def lora_down_split(x, lora_a, splits: int = LORA_SPLITS):
     _sum_splits_kernel[(cdiv(M, 32),)](part, out, M, R, SPLITS=n_split, BR=BR, BM=32, num_warps=4)
     return out
 
-
-def prepare_operands(x, codes, lora_a, lora_b, bias):
-    """Flatten x, cast LoRA/bias operands to x.dtype (the documented rounding), validate shapes."""
-    N, K = codes.shape
-    check_lora_args(K, N, lora_a, lora_b)
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"Triton kernels take bf16 activations, got {x.dtype}")
-    x2 = x.reshape(-1, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    a = None if lora_a is None else lora_a.to(x.dtype).contiguous()
-    b = None if lora_b is None else lora_b.to(x.dtype)
-    return x2, a, b, None if bias is None else bias.to(x.dtype)

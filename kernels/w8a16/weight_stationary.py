@@ -32,12 +32,13 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
+from .._tiles import _sum_parts
 from .._dispatch import interpreting
 from ..plan import DEFAULT_SETTINGS, Device, KernelPlan, KernelSettings, describe, down_tile_rows, epilogue_rows, \
     plan, plan_lora_down
 from . import wgmma_drain
 from .configs import tile_of, whole_k, xa_chunking  # noqa: F401  (whole_k: the name dX callers import from here)
-from .ws_epilogue import _load_xa, _lora_b_tile, _sum_parts, _ws_chunk, _ws_epilogue, _ws_tile, _ws_tile_of
+from .ws_epilogue import _load_xa, _lora_b_tile, _ws_chunk, _ws_epilogue, _ws_tile, _ws_tile_of
 from .ws_splitk import launch_ticket
 from .ws_tma import checked_tma_single, launch_tma_single, tma_ok
 

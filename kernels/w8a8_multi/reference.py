@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..fp8_quant.reference import quantize_per_token
-from ..w8a16_lora.reference import exact_dot_fp32
+from ..w8a16.reference import exact_dot_fp32
 
 
 def check_args(x, codes, scale, lora_a, lora_b, token_lora, lora_scale):

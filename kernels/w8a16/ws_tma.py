@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
-from .scaled import _grouped_tile_ids, _load_tile
+from .._tiles import _grouped_tile_ids, _load_tile
 from .tma_desc_cache import install as install_descriptor_cache
 from .widen import widen_e4m3
 from .ws_epilogue import _load_xa, _lora_b_tile, _ws_epilogue

@@ -1,1 +1,0 @@
-"""See reference.py (the numerics) and triton.py (the CUDA kernel)."""
