@@ -10,10 +10,10 @@ innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.
 widening (F2FP, F2F: Triton's own conversions; PRMT, LOP3, HMUL2: `kernels/w8a16/widen.py`'s) and
 LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
 
-    python scripts/sass_report.py --tma full|x [--flatten] [--dx] [--tiles ...]
+    python scripts/sass_report.py --tma [--dx] [--tiles ...]
 
-the TMA-load kernel's loops (instructions, HGMMA, spill instructions per body, innermost first): what the flattened
-chunk loop (FLATTEN) does to it.
+the TMA-load kernel's loops (instructions, HGMMA, spill instructions per body, innermost first), as the table's
+`"tma": true` entries compile it.
 
     python scripts/sass_report.py --gluon [256/64/4 ...]
 
@@ -61,25 +61,21 @@ def compile_cubin(tile: str, one_chunk: bool, dx: bool, even: bool = True) -> by
     return _compile(fn, const, ptr_types, warps, stages, DIVISIBLE).asm["cubin"]
 
 
-def compile_tma_cubin(tile: str, variant=True, flatten: bool = False, dx: bool = False) -> bytes:
-    """`ws_tma._ws_tma_kernel` for sm_90a with LoRA, chunked, unmasked: variant True (x and the codes through
-    descriptors) or "x" (x alone, the codes by pointers); flatten: the one-loop chunk nest (FLATTEN)."""
-    return compile_tma(tile, variant, flatten, dx).asm["cubin"]
+def compile_tma_cubin(tile: str, dx: bool = False) -> bytes:
+    """`ws_tma._ws_tma_kernel` for sm_90a with LoRA, chunked (x and the codes through descriptors)."""
+    return compile_tma(tile, dx).asm["cubin"]
 
 
-def compile_tma(tile: str, variant=True, flatten: bool = False, dx: bool = False, br: int = 64):
+def compile_tma(tile: str, dx: bool = False, br: int = 64):
     """`compile_tma_cubin`'s compiled kernel (its `metadata.shared` is the shared memory a launch needs); br: the
     epilogue's padded LoRA rank (64 for rank 64; 256 for a fused qkv's block-diagonal rank 192)."""
     from epirl.kernels.w8a16.ws_tma import _ws_tma_kernel as fn
     BN, BM, BK, warps, stages = map(int, tile.split("/"))
     const = dict(W_TRANSPOSED=dx, HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, DOT_F32=False, BN=BN, BM=BM, BK=BK,
-                 BR=br, GROUP_N=8, W_TMA=variant is True, SYNC_K=False, EVEN_K=True, EVEN_N=True, FLATTEN=flatten,
-                 stride_yn=1)
-    const.update({"stride_wn": 1} if dx else {"stride_wk": 1})
+                 BR=br, GROUP_N=8, stride_yn=1)
     x_block = f"tensordesc<bf16[{BM}, {BK}]>"
     w_block = f"tensordesc<fp8e4nv[{BK}, {BN}]>" if dx else f"tensordesc<fp8e4nv[{BN}, {BK}]>"
-    types = {"x_desc": x_block, "w_desc": w_block if variant is True else x_block,  # (unused without W_TMA)
-             "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"}
+    types = {"x_desc": x_block, "w_desc": w_block, "w_scale_ptr": "*fp32"}
     return _compile(fn, const, types, warps, stages, DIVISIBLE)
 
 
@@ -246,11 +242,10 @@ def wgmma_cases() -> list[tuple[str, callable]]:
     return cases
 
 
-def compile_gluon(cfg: dict, br: int = 64, dx: bool = False, a_smem: bool = False, lora_ring: bool = False,
-                  persistent: bool = False):
-    """`ws_gluon._ws_gluon_kernel` (the warp-specialized forward; dx: its dX form, codes and B read transposed; a_smem:
-    the codes widened into shared memory, both wgmma operands from there; lora_ring: the LoRA ranks streamed through
-    the k-step ring 64 at a time, `_lora_ring`; persistent: a program per SM over many tiles, with lora_ring) for
+def compile_gluon(cfg: dict, br: int = 64, dx: bool = False, lora_ring: bool = False, persistent: bool = False):
+    """`ws_gluon._ws_gluon_kernel` (the warp-specialized forward; dx: its dX form, codes and B read transposed;
+    lora_ring: the LoRA ranks streamed through the k-step ring 64 at a time, `_lora_ring`; persistent: a program per
+    SM over many tiles, with lora_ring) for
     sm_90a with LoRA, in a table "gluon" config (BM / BK / num_stages):
     the compiled kernel (`.asm["ptx"]`, `["cubin"]`)."""
     from triton.experimental.gluon import language as gl
@@ -270,7 +265,7 @@ def compile_gluon(cfg: dict, br: int = 64, dx: bool = False, a_smem: bool = Fals
                y_ptr="*bf16", w_scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K_CHUNK="i32",
                N_CHUNKS="i32", lora_scale="fp32", stride_ym="i32")
     const = dict(HAS_W_SCALE=True, HAS_LORA=True, HAS_BIAS=False, BM=BM, BK=BK, BR=br, STAGES=cfg["num_stages"],
-                 GROUP_N=8, W_T=dx, A_SMEM=a_smem, LORA_STEPS=br // 64 if lora_ring else 0,
+                 GROUP_N=8, W_T=dx, LORA_STEPS=br // 64 if lora_ring else 0,
                  PERSISTENT=persistent)
     sig.update({k: "constexpr" for k in const})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "N", "K_CHUNK", "stride_ym")}
@@ -345,8 +340,7 @@ def main():
     ap.add_argument("--dx", action="store_true", help="dX operand strides (codes read transposed)")
     ap.add_argument("--masked", action="store_true", help="the K loop with its load masks (ragged shapes)")
     ap.add_argument("--wgmma", action="store_true", help="every wgmma kernel: serialized by ptxas (C7515)?")
-    ap.add_argument("--tma", choices=["full", "x"], help="the TMA-load kernel (ws_tma.py), chunked: its loops")
-    ap.add_argument("--flatten", action="store_true", help="with --tma: the flattened chunk loop (FLATTEN)")
+    ap.add_argument("--tma", action="store_true", help="the TMA-load kernel (ws_tma.py), chunked: its loops")
     ap.add_argument("--gluon", nargs="*", metavar="BM/BK/STAGES",
                     help="the warp-specialized Gluon forward (ws_gluon.py): loops, serialization, A-register races")
     args = ap.parse_args()
@@ -363,11 +357,11 @@ def main():
                   f"{len(wgmma_register_hazards(k.asm['cubin']))} |", flush=True)
         return
     if args.tma:
-        print(f"triton {triton.__version__}, sm_90a, TMA kernel ({args.tma}), {'dX' if args.dx else 'forward'}, "
-              f"{'flattened' if args.flatten else 'nested'} chunk loop\n\n| BN/BM/BK/warps/stages | regs | stack B | "
+        print(f"triton {triton.__version__}, sm_90a, TMA kernel, {'dX' if args.dx else 'forward'}"
+              f"\n\n| BN/BM/BK/warps/stages | regs | stack B | "
               f"loops, innermost first: instructions / HGMMA / LDL+STL |\n|---|---|---|---|")
         for tile in args.tiles:
-            cubin = compile_tma_cubin(tile, True if args.tma == "full" else "x", args.flatten, args.dx)
+            cubin = compile_tma_cubin(tile, args.dx)
             r = report(cubin)
             loops = ", ".join(f"{d['instructions']} / {d['HGMMA']} / {d['spill']}" for d in loop_report(cubin))
             print(f"| {tile} | {r['regs']} | {r['stack']} | {loops} |", flush=True)

@@ -75,10 +75,10 @@ FWD_BUCKETS = {
 }
 DX_BUCKETS = {256: FWD_BUCKETS[256], BIG: FWD_BUCKETS[BIG]}
 # `--gluon`: the warp-specialized Gluon kernel's configs timed beside the many-token bucket's best Triton config
-# (kernels/w8a16/ws_gluon.py; A_SMEM: the codes widened in shared memory; LORA_RING: the LoRA ranks through the k-step
+# (kernels/w8a16/ws_gluon.py; LORA_RING: the LoRA ranks through the k-step
 # ring, which lets the fused qkv's rank 192 keep 256-token tiles - timed here at rank 64, one ring step)
-# PERSISTENT: a program per SM over many tiles, the LoRA through the ring. The A_SMEM configs lost to the register
-# form by 1-8 % on every entry (twenty-first session) and are no longer timed here (probe_gluon_fwd.py .../s still does)
+# PERSISTENT: a program per SM over many tiles, the LoRA through the ring (codes widened in shared memory lost to the
+# register form by 1-8 %: kernels/README.md, What we tried)
 GLUON_CANDIDATES = [dict(BM=256, BK=64, num_stages=4, GROUP_N=16), dict(BM=128, BK=64, num_stages=4, GROUP_N=16),
                     dict(BM=256, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True),
                     dict(BM=256, BK=64, num_stages=4, GROUP_N=16, LORA_RING=True, PERSISTENT=True),

@@ -182,5 +182,4 @@ def shared_bytes(cfg: dict, br: int, ring: bool) -> int:
     it)."""
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
     lora = stages * GLUON_BN * 64 * 2 if ring else (BM + GLUON_BN) * br * 2
-    widened = 4 * 64 * BK * 2 if cfg.get("A_SMEM") else 0  # the widened codes' buffers (`ws_gluon._step_smem_a`)
-    return stages * (GLUON_BN * BK + BM * BK * 2) + lora + widened + 1024
+    return stages * (GLUON_BN * BK + BM * BK * 2) + lora + 1024

@@ -376,7 +376,7 @@ def _run_base(p: KernelPlan, x, w, y, w_scale, xa, lora_a, lora_b, lora_scale, b
         return out
 
     def tma(out):
-        return launch_tma_single(x, w, out, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale,
+        return launch_tma_single(x, w, out, ws, xa, b_, bias_, M, N, R, k_chunk, n_chunks, lora_scale,
                                  lora_strides, cfg, flags)
 
     op = "fwd" if p.op == "w8a16" else "dx"

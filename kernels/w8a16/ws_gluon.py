@@ -38,14 +38,6 @@ K chunk (`whole_k`), and N_CHUNKS is therefore never specialized (the kernel com
 slower, see the decorator): at BM 256 it is then the fastest dX on every Qwen shape but k/v (2026-12-04, Triton 3.6,
 8192 tokens: 0.86-0.97x the Triton TMA dX; `tune_w8a16.py --gluon-only`).
 
-A_SMEM (a config's "A_SMEM": true; forward and dX): each warpgroup widens its codes with 16-byte shared loads into one
-of two bf16 buffers of its own and issues a wgmma that reads both operands from shared memory (`_step_smem_a`: a proxy
-fence and the partition's named barrier between the stores and the wgmma); no register of an in-flight wgmma exists to
-be overwritten, and dX loses its byte loads. Bitwise the pointer kernel's and 0 wrong calls in 2 x 300 per shape on
-the H200 (`race_count.py --gluon`), but 1-8 % slower than the register form at BM 256 (3 stages fit, not 4), and far
-slower at BM 128, so no table may select it (`configs.load_table` refuses it); the kernel keeps the parameter for the
-SASS reports of scripts/sass_report.py and scripts/probe_gluon_fwd.py.
-
 LORA_RING (a config's "LORA_RING": true; forward and dX, BK = 64): the LoRA ranks come through the k-step ring after
 the last k-step, 64 a step (xa's columns into the x buffer, B's into a B ring), into one accumulator from zero - the
 16-deep k-steps of the tiles' single wgmma in the same order, so the same bits - instead of xa and B tiles of their
@@ -69,8 +61,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._host import cdiv
@@ -80,9 +71,8 @@ from .widen import _WIDEN_ASM
 from .ws_tma import _aligned  # row-major, 16-byte aligned base and rows: TMA's rules
 
 # Gluon is experimental and renames things between Triton releases: the TMA load is `async_copy_global_to_shared`
-# in 3.6 (the H200 image) and `async_load` in 3.9 (CI's), the CTA barrier `thread_barrier` and `barrier`
+# in 3.6 (the H200 image) and `async_load` in 3.9 (CI's)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # 3.9 / 3.6 (in a partition: its warps only)
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M: each consumer warpgroup owns 64 weight rows of the tile
 CONSUMERS = 2
@@ -180,49 +170,24 @@ def _hold(a):
 
 
 @gluon.jit
-def _step_smem_a(w_smem, x_smem, a_smem, acc, i, s, WG: gl.constexpr, BK: gl.constexpr, W_T: gl.constexpr):
-    """k-step i with the widened codes in shared memory (A_SMEM): this warpgroup widens its codes with 16-byte loads
-    into its bf16 buffer i % 2 and issues a wgmma that reads both operands from shared memory, so no register of an
-    in-flight wgmma is ever written. Buffer i % 2 was last read by step i - 2's wgmma, done once step i - 1's
-    `warpgroup_mma_wait(1)` returned. dX (W_T): the buffer is `[BK, 64]` as the codes lie, an MN-major A operand."""
-    cvt: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
-                                         order=[1, 0])
-    buf = a_smem.index(2 * WG + i % 2)
-    if W_T:
-        buf.store(_widen(w_smem.index(2 * s + WG).load(cvt)))
-    else:
-        buf.store(_widen(w_smem.index(s).slice(WG * 64, 64).load(cvt)))
-    fence_async_shared()  # the generic-proxy stores, visible to the wgmma's async-proxy reads
-    _partition_barrier()  # ... from every warp of this warpgroup (the partition's own named barrier)
-    a_op = buf.permute((1, 0)) if W_T else buf
-    acc = warpgroup_mma(a_op, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-    return warpgroup_mma_wait(1, deps=(acc,))
-
-
-@gluon.jit
-def _step(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_ring, ready, free, acc, a_prev, i, n_steps,
+def _step(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_ring, ready, free, acc, a_prev, i, n_steps,
           off_n, off_m, nxt, release, a_layout: gl.constexpr, WG: gl.constexpr, BK: gl.constexpr,
-          STAGES: gl.constexpr, W_T: gl.constexpr, A_SMEM: gl.constexpr, LR: gl.constexpr,
-          PERSISTENT: gl.constexpr):
+          STAGES: gl.constexpr, W_T: gl.constexpr, LR: gl.constexpr, PERSISTENT: gl.constexpr):
     """k-step i into acc: (acc, A registers of its wgmma, still in flight). Waits for step i - 1's wgmma, holds that
     step's A registers a_prev until then, and warpgroup 0 loads step i + STAGES - 1 into step i - 1's buffer,
     warpgroup 1 frees that buffer (if `release`)."""
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    if A_SMEM:
-        acc = _step_smem_a(w_smem, x_smem, a_smem, acc, i, s, WG, BK, W_T)
-        a = a_prev  # (no A registers)
+    if W_T:  # this warpgroup's `[BK, 64]` box, read transposed (byte loads: the k pairs lie in different rows)
+        codes = w_smem.index(2 * s + WG).permute((1, 0)).load(a_layout)
     else:
-        if W_T:  # this warpgroup's `[BK, 64]` box, read transposed (byte loads: the k pairs lie in different rows)
-            codes = w_smem.index(2 * s + WG).permute((1, 0)).load(a_layout)
-        else:
-            codes = w_smem.index(s).slice(WG * 64, 64).load(a_layout)
-        a = _widen(codes)
-        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-        # at most this step's wgmma in flight: the previous step's is done, its buffer free for this warpgroup (its
-        # codes were read into registers before its wgmma was issued, by every warp of the warpgroup)
-        acc, a = warpgroup_mma_wait(1, deps=(acc, a))
-        _hold(a_prev)
+        codes = w_smem.index(s).slice(WG * 64, 64).load(a_layout)
+    a = _widen(codes)
+    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+    # at most this step's wgmma in flight: the previous step's is done, its buffer free for this warpgroup (its
+    # codes were read into registers before its wgmma was issued, by every warp of the warpgroup)
+    acc, a = warpgroup_mma_wait(1, deps=(acc, a))
+    _hold(a_prev)
     _load_or_release(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_ring, ready, free, off_n, off_m, i,
                      n_steps, nxt, release, WG, BK, STAGES, W_T, LR, PERSISTENT)
     return acc, a
@@ -267,9 +232,9 @@ def _lora_ring(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_ring, ready, f
 
 
 @gluon.jit
-def _mainloop(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_ring, ready, free, n_chunks, steps, off_n,
+def _mainloop(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_ring, ready, free, n_chunks, steps, off_n,
               off_m, g0, nxt, acc_layout: gl.constexpr, a_layout: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr,
-              BK: gl.constexpr, STAGES: gl.constexpr, W_T: gl.constexpr, A_SMEM: gl.constexpr, LR: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr, W_T: gl.constexpr, LR: gl.constexpr,
               PERSISTENT: gl.constexpr):
     """Σ over the K chunks in order (+0.0 first) of each chunk's k-steps from zero: the running total [64, BM].
     Steps go in pairs (`steps` is even) with A registers of their own, so that the in-flight wgmma's operand and the
@@ -281,11 +246,11 @@ def _mainloop(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_ring, r
         acc = gl.zeros([64, BM], gl.float32, acc_layout)
         for j in range(0, steps, 2):
             i = g0 + c * steps + j
-            acc, a_even = _step(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_ring, ready, free, acc,
-                                a_odd, i, n_steps, off_n, off_m, nxt, i > 0, a_layout, WG, BK, STAGES, W_T, A_SMEM,
+            acc, a_even = _step(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_ring, ready, free, acc,
+                                a_odd, i, n_steps, off_n, off_m, nxt, i > 0, a_layout, WG, BK, STAGES, W_T,
                                 LR, PERSISTENT)
-            acc, a_odd = _step(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_ring, ready, free, acc,
-                               a_even, i + 1, n_steps, off_n, off_m, nxt, True, a_layout, WG, BK, STAGES, W_T, A_SMEM,
+            acc, a_odd = _step(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_ring, ready, free, acc,
+                               a_even, i + 1, n_steps, off_n, off_m, nxt, True, a_layout, WG, BK, STAGES, W_T,
                                LR, PERSISTENT)
         acc, a_odd = warpgroup_mma_wait(0, deps=(acc, a_odd))
         total = total + acc
@@ -293,11 +258,11 @@ def _mainloop(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_ring, r
 
 
 @gluon.jit
-def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
+def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
               w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, n_chunks, steps,
               WG: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr,
               HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, W_T: gl.constexpr,
-              A_SMEM: gl.constexpr, LR: gl.constexpr):
+              LR: gl.constexpr):
     """Warpgroup WG: weight rows off_n + 64·WG ... + 63 of the tile, every chunk, then the epilogue. Warpgroup 0
     issues the TMA loads (the LoRA tiles - xa's and B's rows - and the first STAGES - 1 k-steps first). LR > 0: the
     LoRA term's ranks come through the ring after the k-steps instead (`_lora_ring`; b_smem is then that B ring)."""
@@ -318,19 +283,19 @@ def _consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, xa_smem, 
         for t in gl.static_range(STAGES - 1):
             _load_step(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_smem, ready, free, off_n, off_m, t, n_steps,
                        0, BK, STAGES, W_T, LR, False)
-    total = _mainloop(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_smem, ready, free, n_chunks, steps,
-                      off_n, off_m, 0, 0, acc_layout, a_layout, WG, BM, BK, STAGES, W_T, A_SMEM, LR, False)
+    total = _mainloop(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_smem, ready, free, n_chunks, steps,
+                      off_n, off_m, 0, 0, acc_layout, a_layout, WG, BM, BK, STAGES, W_T, LR, False)
     _epilogue(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
               w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, n_steps, 0, 0, total, acc_layout, WG,
               BM, BK, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, LR, False)
 
 
 @gluon.jit
-def _persistent_consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_smem, ready, free, y_ptr,
+def _persistent_consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_smem, ready, free, y_ptr,
                          w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, n_chunks, steps, WG: gl.constexpr,
                          BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_N: gl.constexpr,
                          HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         W_T: gl.constexpr, A_SMEM: gl.constexpr, LR: gl.constexpr):
+                         W_T: gl.constexpr, LR: gl.constexpr):
     """`_consumer` over tiles pid, pid + programs, ... (PERSISTENT; the LoRA, if any, through the ring): one ring of
     steps runs through all of them, so warpgroup 0's loads of a tile's first STAGES - 1 steps are issued during the
     last steps of the tile before, and land while both warpgroups run that tile's epilogue."""
@@ -349,9 +314,8 @@ def _persistent_consumer(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem
     g0 = pid * 0  # the tile's first step in the ring
     for tile in range(pid, tiles, programs):
         nxt = (g0, tile + programs, M, N, BM, GROUP_N)
-        total = _mainloop(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_smem, ready, free, n_chunks,
-                          steps, off_n, off_m, g0, nxt, acc_layout, a_layout, WG, BM, BK, STAGES, W_T, A_SMEM, LR,
-                          True)
+        total = _mainloop(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_smem, ready, free, n_chunks,
+                          steps, off_n, off_m, g0, nxt, acc_layout, a_layout, WG, BM, BK, STAGES, W_T, LR, True)
         _epilogue(x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, None, b_smem, ready, free, None, y_ptr,
                   w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, n_steps, g0, nxt, total,
                   acc_layout, WG, BM, BK, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, LR, True)
@@ -416,7 +380,7 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
                      lora_scale, stride_ym, HAS_W_SCALE: gl.constexpr, HAS_LORA: gl.constexpr,
                      HAS_BIAS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, BR: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_N: gl.constexpr, W_T: gl.constexpr = False,
-                     A_SMEM: gl.constexpr = False, LORA_STEPS: gl.constexpr = 0, PERSISTENT: gl.constexpr = False):
+                     LORA_STEPS: gl.constexpr = 0, PERSISTENT: gl.constexpr = False):
     """One program per output tile [128 weight rows, BM tokens] (grouped order, `_tile_offsets`), or PERSISTENT: a
     program per SM, tiles pid, pid + programs, ... (`_persistent_consumer`). LORA_STEPS > 0: the LoRA ranks streamed
     through the ring that many 64 at a time (`_lora_ring`; BK = 64)."""
@@ -443,16 +407,6 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
         xa_smem = x_smem  # (unused)
     else:
         xa_smem = gl.allocate_shared_memory(xa_desc.dtype, xa_desc.block_type.shape, xa_desc.layout)
-    # A_SMEM: two bf16 buffers of widened codes per warpgroup (`_step_smem_a`), laid out as the codes lie (else the
-    # partitions get the codes ring in its place, unused: no shared memory is spent on it)
-    if not A_SMEM:
-        a_smem = w_smem
-    elif W_T:
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [4, BK, 64],
-                                           gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
-    else:
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [4, 64, BK],
-                                           gl.NVMMASharedLayout.get_default_for([64, BK], gl.bfloat16))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     xa_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -463,22 +417,22 @@ def _ws_gluon_kernel(x_desc, w_desc, xa_desc, b_desc, y_ptr, w_scale_ptr, bias_p
     steps = K_CHUNK // BK
     if PERSISTENT:
         gl.warp_specialize([
-            (_persistent_consumer, (x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, b_smem, ready, free,
+            (_persistent_consumer, (x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, b_smem, ready, free,
                                     y_ptr, w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, N_CHUNKS, steps, 0, BM,
-                                    BK, STAGES, GROUP_N, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, A_SMEM, LORA_STEPS)),
-            (_persistent_consumer, (None, None, None, None, w_smem, x_smem, a_smem, b_smem, ready, free, y_ptr,
+                                    BK, STAGES, GROUP_N, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, LORA_STEPS)),
+            (_persistent_consumer, (None, None, None, None, w_smem, x_smem, b_smem, ready, free, y_ptr,
                                     w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, N_CHUNKS, steps, 1, BM, BK,
-                                    STAGES, GROUP_N, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, A_SMEM, LORA_STEPS)),
+                                    STAGES, GROUP_N, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, LORA_STEPS)),
         ], [4], [CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, a_smem, xa_smem, b_smem, ready, free, xa_bar,
+            (_consumer, (x_desc, w_desc, xa_desc, b_desc, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar,
                          y_ptr, w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, N_CHUNKS, steps, 0, BM,
-                         BK, BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, A_SMEM, LORA_STEPS)),
+                         BK, BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, LORA_STEPS)),
             # (warpgroup 1 issues no load: no descriptor is passed to its partition)
-            (_consumer, (None, None, None, None, w_smem, x_smem, a_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
+            (_consumer, (None, None, None, None, w_smem, x_smem, xa_smem, b_smem, ready, free, xa_bar, y_ptr,
                          w_scale_ptr, bias_ptr, lora_scale, M, N, stride_ym, off_n, off_m, N_CHUNKS, steps, 1, BM, BK,
-                         BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, A_SMEM, LORA_STEPS)),
+                         BR, STAGES, HAS_W_SCALE, HAS_LORA, HAS_BIAS, W_T, LORA_STEPS)),
         ], [4], [CONSUMER_REGS])
 
 
@@ -556,9 +510,8 @@ def fitting_config(x, w, y, xa, lora_b, k_chunk: int, n_chunks: int, cfg: dict, 
 def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_chunks, cfg, br):
     """y `[M, N]` = the W8A16 GEMM of x `[M, K]` and codes w `[N, K]` (the forward; dX: w = `codes.t()`, B = the LoRA
     Aᵀ, both transposed views) with xa (bf16 `[M, r]`, given) and B `[N, r]` (`gluon_ok` must hold); cfg: BM (tokens
-    per tile: 128 or 256), BK, num_stages, GROUP_N (default 8), A_SMEM (default false: the codes widened in
-    registers; true: in shared memory, `_step_smem_a`), LORA_RING (`lora_through_ring`); br: r padded as the Triton
-    kernels' epilogue pads it. The bits of `weight_stationary_gemm`'s other kernels."""
+    per tile: 128 or 256), BK, num_stages, GROUP_N (default 8), LORA_RING (`lora_through_ring`); br: r padded as the
+    Triton kernels' epilogue pads it. The bits of `weight_stationary_gemm`'s other kernels."""
     M, K = x.shape
     N = w.shape[0]
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
@@ -589,6 +542,6 @@ def launch_gluon_fwd(x, w, y, w_scale, xa, lora_b, lora_scale, bias, k_chunk, n_
         M, N, k_chunk, n_chunks, float(lora_scale), y.stride(0),
         HAS_W_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None, BM=BM, BK=BK,
         BR=br if has_lora else 16, STAGES=stages, GROUP_N=cfg.get("GROUP_N", 8), W_T=w_t,
-        A_SMEM=bool(cfg.get("A_SMEM", False)), LORA_STEPS=br // 64 if ring else 0, PERSISTENT=persistent,
+        LORA_STEPS=br // 64 if ring else 0, PERSISTENT=persistent,
         num_warps=4)
     return y

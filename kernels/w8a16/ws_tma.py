@@ -15,20 +15,18 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
-Two variants: x and the codes through descriptors (the table's `"tma": true`); x alone (W_TMA=False, the codes by
-pointers as the pointer kernel loads them), which no table may select (wrong on some dX and bias compiles, below) and
-which remains here, with SYNC_K and FLATTEN, only for the probes of scripts/sass_report.py and scripts/tma_chunk_probe.py.
-
 Status (H200, triton 3.6, BENCHMARKS.md § Kernels): 1.03-1.42x faster than the pointer kernel at 4096 tokens (it
 holds no per-element address or mask tensors; q3_qkv forward 590 -> 409 µs at 128x256 tiles; Qwen3-8B trainer step
-1.12-1.14x a bf16 trainer's instead of 1.31x), but Triton 3.6 miscompiles both variants for some compiles, and no
-rule found so far says which (scripts/tma_chunk_probe.py):
-- True: wrong on one-chunk forwards (gate_up's 4096-deep chunk; q3_qkv forced to one chunk) at 128x256x64, on every
+1.12-1.14x a bf16 trainer's instead of 1.31x), but Triton 3.6 miscompiles it for some compiles, and no rule found
+so far says which:
+- wrong on one-chunk forwards (gate_up's 4096-deep chunk; q3_qkv forced to one chunk) at 128x256x64, on every
   one-chunk 64x128 call; flaky at 4 stages (a q35 forward wrong in one tuner run, exact in the next). A CTA barrier
-  every k-step (SYNC_K) removes every wrong value, which points to a race on the codes' stage buffers (a lagging
-  warp still copying a stage into registers when the next TMA load overwrites it), but it costs 1.1-10x the time.
-- "x": exact on every forward of the probe, those above included, yet wrong on dX at 128x256x64 (every run) and on
-  the gate_up forward at 128x256x64 / 4 stages once compiled with a bias (84 % of the outputs).
+  every k-step (a diagnostic, since removed) removed every wrong value, which points to a race on the codes' stage
+  buffers (a lagging warp still copying a stage into registers when the next TMA load overwrites it), at 1.1-10x the
+  time.
+- a variant with x alone through its descriptor (since removed) was exact on every forward probed, those above
+  included, yet wrong on dX at 128x256x64 (every run) and on the gate_up forward at 128x256x64 / 4 stages once
+  compiled with a bias (84 % of the outputs).
 So the kernel runs where the tuner found it exact (`ws_configs_tma.json`), and every table TMA call is verified at run
 time on the user's own Triton and GPU: bitwise against the pointer kernel on its first call per (op, shape, tile, LoRA,
 bias, M's power of two), and again every RECHECK_EVERY calls (`checked_tma_single`); a difference warns and moves that key to the
@@ -45,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
-from .._tiles import _grouped_tile_ids, _load_tile
+from .._tiles import _grouped_tile_ids
 from .tma_desc_cache import install as install_descriptor_cache
 from .widen import widen_e4m3
 from .ws_epilogue import _load_xa, _lora_b_tile, _ws_epilogue
@@ -91,42 +89,29 @@ def _tile_dot(w, x, acc, DOT_F32: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _ws_tma_kernel(
-    x_desc, w_desc, w_ptr, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, K, R, K_CHUNK, N_CHUNKS, lora_scale,
-    stride_wn, stride_wk, stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
+    x_desc, w_desc, y_ptr, w_scale_ptr, xa_ptr, b_ptr, bias_ptr, M, N, R, K_CHUNK, N_CHUNKS, lora_scale,
+    stride_ym, stride_yn, stride_xam, stride_xar, stride_bn, stride_br,
     W_TRANSPOSED: tl.constexpr,
     HAS_W_SCALE: tl.constexpr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_N: tl.constexpr,
-    W_TMA: tl.constexpr = True, SYNC_K: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-    EVEN_N: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     """One program per output tile [BN weight rows, BM tokens]: every chunk from zero, added in chunk order.
-    W_TMA=False: only x through its descriptor; the codes by pointers (cp.async, `_load_tile`, as the pointer kernel
-    loads them; EVEN_K / EVEN_N: without masks). SYNC_K: a CTA barrier every k-step, so that no warp runs more than
-    one k-step ahead of another (a diagnostic: scripts/tma_chunk_probe.py --variants sync). FLATTEN: one pipelined
-    loop over every chunk's k-steps (`_ws_single_kernel`'s FLATTEN). (Triton 3.6's Hopper warp specialization of the
-    k loop, `tl.range(..., warp_specialize=True)`, was measured on 2026-12-03: the same times within ±2 % nested, up to
-    25 % slower flattened, and the same wrong tiles: scripts/tma_chunk_probe.py, BENCHMARKS.md.)"""
+    (Triton 3.6's Hopper warp specialization of the k loop, `tl.range(..., warp_specialize=True)`, gave the same
+    times within ±2 % and the same wrong tiles: BENCHMARKS.md.)"""
     pid_n, pid_m = _grouped_tile_ids(tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     off_n = pid_n * BN
     off_m = pid_m * BM
     rn = off_n + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
     in_n = rn < N
     total = tl.zeros((BN, BM), dtype=tl.float32)
     tl.assume(K_CHUNK > 0)  # (a non-empty loop: see `_ws_chunk`; without it ptxas serializes every wgmma, C7515)
     tl.assume(N_CHUNKS > 0)
-    for c in tl.range(0, N_CHUNKS, flatten=FLATTEN):
+    for c in tl.range(0, N_CHUNKS):
         acc = tl.zeros_like(total)
         k_lo = c * K_CHUNK
         k_hi = k_lo + K_CHUNK
-        if FLATTEN:  # what lets Triton flatten the loop nest: no chunk's loop is empty
-            tl.assume(k_hi > k_lo)
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :].to(tl.int64) * stride_wk
         for k0 in range(k_lo, k_hi, BK):
-            if not W_TMA:
-                w = _load_tile(w_ptrs, in_n, (k0 + rk) < K, EVEN_N, EVEN_K)
-                w_ptrs += BK * stride_wk
-            elif W_TRANSPOSED:
+            if W_TRANSPOSED:
                 # codes stored [N_red, K_out]: block [BK, BN] -> [BN, BK], widened before the transpose (exact):
                 # a tl.trans of an 8-bit tile is miscompiled by Triton 3.7.1 / the bundled ptxas 12.9 (public
                 # reports: corrupted fp8 transposes on Hopper), the likely cause of this kernel's wrong dX tiles
@@ -134,8 +119,6 @@ def _ws_tma_kernel(
             else:
                 w = w_desc.load([off_n, k0])
             x = x_desc.load([off_m, k0])
-            if SYNC_K:
-                tl.debug_barrier()
             acc = _tile_dot(w, x, acc, DOT_F32)
         total += acc
     rm = off_m + tl.arange(0, BM)
@@ -198,7 +181,7 @@ def checked_tma_single(key: tuple, y: torch.Tensor, run_tma, run_pointer,
     return y
 
 
-def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks, lora_scale, lora_strides,
+def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, R, k_chunk, n_chunks, lora_scale, lora_strides,
                       cfg, flags):
     """`_ws_single_kernel`'s launch with descriptors (`tma_ok(x, w)` must hold; same arguments otherwise)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -206,19 +189,13 @@ def launch_tma_single(x, w, y, ws, xa, b_, bias_, M, N, K, R, k_chunk, n_chunks,
     install_descriptor_cache()  # before the kernel's first launch builds its launcher (tma_desc_cache.py)
     BN, BM, BK = cfg["BN"], cfg["BM"], cfg["BK"]
     transposed = w.stride(1) != 1
-    w_tma = cfg.get("tma", True) is True  # "x": the codes by pointers
     x_desc = TensorDescriptor.from_tensor(x, [BM, BK])
-    w_desc = x_desc  # (unused without W_TMA)
-    if w_tma:
-        w_desc = (TensorDescriptor.from_tensor(w.t(), [BK, BN]) if transposed
-                  else TensorDescriptor.from_tensor(w, [BN, BK]))
+    w_desc = (TensorDescriptor.from_tensor(w.t(), [BK, BN]) if transposed
+              else TensorDescriptor.from_tensor(w, [BN, BK]))
     tiles = cdiv(M, BM) * cdiv(N, BN)
     has_lora = flags["HAS_LORA"]
     _ws_tma_kernel[(tiles,)](
-        x_desc, w_desc, w, y, ws, xa if has_lora else y, b_, bias_, M, N, K, R, k_chunk, n_chunks, float(lora_scale),
-        w.stride(0), w.stride(1), y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0,
-        xa.stride(1) if has_lora else 0, *lora_strides,
-        W_TRANSPOSED=transposed, BK=BK, W_TMA=w_tma, SYNC_K=bool(cfg.get("sync", False)),
-        EVEN_K=k_chunk * n_chunks == K, EVEN_N=N % BN == 0, FLATTEN=bool(cfg.get("flatten", False)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
+        x_desc, w_desc, y, ws, xa if has_lora else y, b_, bias_, M, N, R, k_chunk, n_chunks, float(lora_scale),
+        y.stride(0), y.stride(1), xa.stride(0) if has_lora else 0, xa.stride(1) if has_lora else 0, *lora_strides,
+        W_TRANSPOSED=transposed, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y

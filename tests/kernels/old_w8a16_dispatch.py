@@ -75,8 +75,7 @@ def lora_down(M, K, R, chunk_n, op, pdl, groups_down):
 def shared_bytes(cfg, br, ring):
     BM, BK, stages = cfg["BM"], cfg["BK"], cfg["num_stages"]
     lora = stages * GLUON_BN * 64 * 2 if ring else (BM + GLUON_BN) * br * 2
-    widened = 4 * 64 * BK * 2 if cfg.get("A_SMEM") else 0
-    return stages * (GLUON_BN * BK + BM * BK * 2) + lora + widened + 1024
+    return stages * (GLUON_BN * BK + BM * BK * 2) + lora + 1024
 
 
 def ring_of(cfg, has_xa, br):

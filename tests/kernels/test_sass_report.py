@@ -41,17 +41,15 @@ def test_k_loops_widen_without_conversion_instructions(tile, dx):
     assert r["HMUL2"] == pairs and r["PRMT"] >= pairs, r
 
 
-@pytest.mark.parametrize("variant", [True, "x"])
-def test_tma_kernel_flattens_its_chunk_loop_nest(variant):
-    """The TMA-load kernel compiles for sm_90a in both variants with wgmma in its loops, and FLATTEN fuses the chunk
-    loop with the K loop (one loop fewer, its body now holding the chunk's end), without spills at 128x128."""
+@pytest.mark.parametrize("dx", [False, True])
+def test_tma_kernel_keeps_wgmma_in_its_loops_without_spills(dx):
+    """The TMA-load kernel (the table's `"tma": true`) compiles for sm_90a, forward and dX, with wgmma in its loops
+    and no spill instruction in them at 128x128."""
     import sass_report
     if not _have_tools():
         pytest.skip("this triton ships no ptxas/cuobjdump")
-    nested, flat = (sass_report.loop_report(sass_report.compile_tma_cubin("128/128/64/8/4", variant, flatten=f))
-                    for f in (False, True))
-    assert nested and all(d["HGMMA"] >= 1 and d["spill"] == 0 for d in nested + flat), (nested, flat)
-    assert len(flat) == len(nested) - 1 and flat[0]["instructions"] > nested[0]["instructions"], (nested, flat)
+    loops = sass_report.loop_report(sass_report.compile_tma_cubin("128/128/64/8/4", dx=dx))
+    assert loops and all(d["HGMMA"] >= 1 and d["spill"] == 0 for d in loops), loops
 
 
 @pytest.mark.parametrize("dx", [False, True])
@@ -180,22 +178,20 @@ def test_wgmma_kernels_keep_their_wgmmas_in_flight(name):
 
 
 def _gluon_configs() -> list[str]:
-    """op:BM/BK/STAGES[/s][/r][/p] of every "gluon" config the table gives, and the dX form at its two tile widths."""
+    """op:BM/BK/STAGES[/r][/p] of every "gluon" config the table gives, and the dX form at its two tile widths."""
     from epirl.kernels.w8a16.configs import TMA_TABLE_PATH
     import json
     table = json.loads(TMA_TABLE_PATH.read_text())
 
     def label(op: str, g: dict) -> str:
-        flags = "".join(f"/{f}" for f, key in (("s", "A_SMEM"), ("r", "LORA_RING"), ("p", "PERSISTENT")) if g.get(key))
+        flags = "".join(f"/{f}" for f, key in (("r", "LORA_RING"), ("p", "PERSISTENT")) if g.get(key))
         return f"{op}:{g['BM']}/{g['BK']}/{g['num_stages']}{flags}"
     table_cfgs = {label(op, c["gluon"]) for op in ("fwd", "dx") for row in table[op].values() for c in row.values()
                   if "gluon" in c}
-    # the dX form, the codes widened into shared memory (A_SMEM: "/s") and the LoRA through the ring (LORA_RING:
-    # "/r", compiled at the fused qkv's padded rank 256) and the persistent kernel ("/p", with the ring), whether the
-    # table uses them or not
-    return sorted(table_cfgs | {"dx:256/64/4", "dx:128/64/4", "fwd:128/64/4/s", "fwd:256/64/3/s", "dx:128/64/4/s",
-                                "dx:256/64/3/s", "fwd:256/64/4/r", "dx:256/64/4/r", "dx:256/64/3/s/r", "fwd:256/64/4/r/p",
-                                "dx:256/64/4/r/p"})
+    # the dX form, the LoRA through the ring (LORA_RING: "/r", compiled at the fused qkv's padded rank 256) and the
+    # persistent kernel ("/p", with the ring), whether the table uses them or not
+    return sorted(table_cfgs | {"dx:256/64/4", "dx:128/64/4", "fwd:256/64/4/r", "dx:256/64/4/r", "dx:256/64/3/r",
+                                "fwd:256/64/4/r/p", "dx:256/64/4/r/p"})
 
 
 def _compile_gluon_config(cfg: str):
@@ -206,12 +202,12 @@ def _compile_gluon_config(cfg: str):
     bm, bk, stages = map(int, fields[:3])
     ring = "r" in fields
     return sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), br=256 if ring else 64, dx=op == "dx",
-                                     a_smem="s" in fields, lora_ring=ring, persistent="p" in fields)
+                                     lora_ring=ring, persistent="p" in fields)
 
 
 @pytest.mark.parametrize("cfg", _gluon_configs())
 def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operands(cfg):
-    """The warp-specialized Gluon kernel (forward and dX; codes widened in registers or, "/s", in shared memory) in each
+    """The warp-specialized Gluon kernel (forward and dX; codes widened in registers) in each
     config the table gives it and the variants: ptxas does not serialize its wgmmas, its k-step loop (two steps a
     trip) does not spill, and no instruction writes a register of an in-flight wgmma's A operand - the race that
     gave its first version wrong values on the H200 (one step a trip: the next step's codes were loaded into the
@@ -227,8 +223,7 @@ def test_gluon_forward_keeps_its_wgmmas_in_flight_without_touching_their_operand
     assert sass_report.wgmma_register_hazards(k.asm["cubin"]) == []
 
 
-@pytest.mark.parametrize("cfg", ["fwd:256/64/4", "fwd:256/64/4/r", "fwd:128/64/4", "dx:256/64/4/r", "dx:256/64/3/s/r",
-                                 "fwd:256/64/3/s"])
+@pytest.mark.parametrize("cfg", ["fwd:256/64/4", "fwd:256/64/4/r", "fwd:128/64/4", "dx:256/64/4/r", "dx:256/64/3/r"])
 def test_gluon_shared_memory_estimate_covers_the_compiled_kernel(cfg):
     """`ws_gluon.shared_bytes` (what `gluon_ok` checks against a CTA's limit before a launch) is at least the shared
     memory of the compiled kernel and within its 1 KiB margin of it - at rank 256, the LoRA tiles that overflow at 256
@@ -241,9 +236,9 @@ def test_gluon_shared_memory_estimate_covers_the_compiled_kernel(cfg):
     fields = cfg.split(":")[1].split("/")
     bm, bk, stages = map(int, fields[:3])
     ring = "r" in fields
-    estimate = ws_gluon.shared_bytes(dict(BM=bm, BK=bk, num_stages=stages, A_SMEM="s" in fields), 256, ring)
+    estimate = ws_gluon.shared_bytes(dict(BM=bm, BK=bk, num_stages=stages), 256, ring)
     k = sass_report.compile_gluon(dict(BM=bm, BK=bk, num_stages=stages), br=256, dx=cfg.startswith("dx"),
-                                  a_smem="s" in fields, lora_ring=ring)
+                                  lora_ring=ring)
     assert 0 <= estimate - k.metadata.shared <= 1024, (estimate, k.metadata.shared)
     assert (estimate <= ws_gluon.SMEM_LIMIT) == (ring or bm == 128), estimate
 

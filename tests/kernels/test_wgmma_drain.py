@@ -99,7 +99,7 @@ def test_forced_drain_leaves_no_write_to_an_in_flight_operand():
         from epirl.kernels.w8a16 import wgmma_drain
         name, build = next((n, b) for n, b in sass_report.wgmma_cases() if n.startswith("w8a16 fwd default M<=1000"))
         ptx = build()
-        tma = sass_report.compile_tma("128/256/64/8/4", True)
+        tma = sass_report.compile_tma("128/256/64/8/4")
         notes = sass_report.ptxas_notes(ptx)
         installed = triton.knobs.runtime.add_stages_inspection_hook is wgmma_drain._STATE.get("hook")
         print(json.dumps(dict(installed=installed, notes=notes,
