@@ -161,6 +161,7 @@ class StudyProgress:
     def _last_launch_of_its_run(self, launch) -> bool:
         """An evaluation ends its run; training does unless it finished and its held-out evaluation is still to
         come (the rule of StudyExecutor.run_one)."""
+        # deferred: epirl.compare.plan loads transformers, which `epirl compare --help` need not
         from epirl.compare.plan import eval_done, is_finished
 
         if launch.kind != "train" or self.plan.split is None:
@@ -177,6 +178,7 @@ class StudyProgress:
 def run_compare_command(args: argparse.Namespace, launcher=None) -> int:
     """Entry point of ``epirl compare``; returns the process exit code. `launcher`: how runs are started
     (default: a process each, epirl.compare.execute.ProcessLauncher)."""
+    # deferred: these load transformers and math_verify, which `epirl compare --help` need not
     from epirl.compare.execute import ProcessLauncher, gpu_ids, needs_work
     from epirl.compare.plan import plan_study
     from epirl.compare.study import run_study

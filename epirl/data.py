@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from epirl import hub
 from epirl.config import DataConfig, first_line
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ def read_records(source: str, split: str = "train") -> list[dict[str, Any]]:
 
     What is a path and what is a hub id: `epirl.hub` (a path-like source that does not exist is a missing
     file, never a hub lookup)."""
-    from epirl import hub
-
     path = hub.local_path(source)
     if path is not None:
         if not path.exists():

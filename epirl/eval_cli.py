@@ -25,11 +25,15 @@ from pathlib import Path
 from rich.markup import escape
 
 from epirl import hub
-from epirl.config import ENGINE_PRECISIONS, ConfigError, load_config
+from epirl.config import ENGINE_PRECISIONS, MODEL_ALIASES, ConfigError, EpirlConfig, load_config
 from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, error_line, plan_line,
                            quiet_library_environment, run_in_folder, verbose_requested)
 from epirl.data import DataError
-from epirl.eval.benchmarks import BENCHMARK_NAMES, TrainingTask, local_file_columns
+from epirl.eval.benchmarks import (BENCHMARK_NAMES, TrainingTask, load_benchmark, local_file_columns,
+                                   parse_benchmark_list)
+from epirl.eval.runner import EvalSettings, Variant, run_eval
+from epirl.plan import installed_vllm, model_row
+from epirl.rewards import RewardPool
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ def add_eval_args(subparsers) -> argparse.ArgumentParser:
 
 def _adapter_lora(adapter_dir: str) -> tuple[int, float]:
     """(r, lora_alpha) of a PEFT folder: the engine's adapter slot must hold it (w8a16 fixes σ = alpha/r too)."""
-    from epirl.config import ConfigError
+    # deferred: epirl.model loads transformers, which `epirl eval --help` and argument errors need not
     from epirl.model.adapter_io import AdapterConfigError, read_adapter_settings
     from epirl.model.dummy import refuse_random_weights
 
@@ -94,8 +98,6 @@ def _adapter_lora(adapter_dir: str) -> tuple[int, float]:
 
 
 def _check_model(model: str) -> None:
-    from epirl.config import MODEL_ALIASES
-
     looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1
     if model not in MODEL_ALIASES and looks_local and not Path(model).expanduser().is_dir():
         raise EvalUsageError(f"--model: '{model}' is not a folder, a hub id (org/name) or an alias {MODEL_ALIASES}")
@@ -139,9 +141,6 @@ def _variant_labels(adapters: list[str]) -> list[str]:
 
 def validate_args(args: argparse.Namespace):
     """Everything that can be checked before loading a model; raises EvalUsageError (one line)."""
-    from epirl.eval.benchmarks import load_benchmark, parse_benchmark_list
-    from epirl.eval.runner import EvalSettings, Variant
-
     if args.engine not in ENGINE_PRECISIONS:
         raise EvalUsageError(f"--engine must be one of {', '.join(ENGINE_PRECISIONS)}, got '{args.engine}'")
     for flag, value, minimum in (("--samples", args.samples, 1), ("--max-tokens", args.max_tokens, 1),
@@ -187,8 +186,6 @@ def validate_args(args: argparse.Namespace):
 def build_engine_config(args: argparse.Namespace, max_model_len: int, adapter_lora: tuple[int, float] | None):
     """The EpirlConfig the engine is built from (model, precision, context, adapter slot size)."""
     from pydantic import ValidationError
-
-    from epirl.config import EpirlConfig
 
     tree = {"seed": args.seed, "model": {"path": args.model, "max_model_len": max_model_len, "thinking": args.thinking},
             "engine": {"precision": args.engine}}
@@ -236,8 +233,6 @@ def _print_plan(out: RunOutput, cfg, settings, benchmarks, variants, out_dir: Pa
     """What will run, before the engine starts: output folder, model, engine, variants × benchmarks."""
     import torch
 
-    from epirl.plan import installed_vllm, model_row
-
     device = "cuda" if torch.cuda.is_available() else "cpu"  # vLLM's platform (model.dtype auto stays vLLM's)
 
     sampling = ("greedy" if settings.temperature == 0 else
@@ -254,9 +249,8 @@ def _print_plan(out: RunOutput, cfg, settings, benchmarks, variants, out_dir: Pa
 
 
 def _evaluate(args, cfg, settings, benchmarks, variants, out_dir: Path, out: RunOutput) -> None:
+    # deferred: epirl.engine loads transformers (and vLLM when it starts)
     from epirl.engine import RolloutEngine
-    from epirl.eval.runner import run_eval
-    from epirl.rewards import RewardPool
 
     _start_wandb(args.wandb, args)
     # The pool first: its fork server starts before vLLM creates threads in this process.

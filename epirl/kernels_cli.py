@@ -51,6 +51,7 @@ def add_kernels_args(subparsers) -> argparse.ArgumentParser:
 
 def load_model_config(model: str) -> dict:
     """The text model's config.json fields (a multimodal config's `text_config`)."""
+    # deferred: epirl.model loads torch and transformers, which `epirl kernels --help` need not
     from epirl.model.dummy import shipped_config_dir
 
     path = Path(model).expanduser()
@@ -97,6 +98,7 @@ def _describe(p) -> dict:
 
 def explain_rows(config: dict, tokens, device, rank: int = 64, fused_slices: bool = True) -> list[dict]:
     """The plan of every (projection, tokens, call) of `config` on `device` (a `plan.Device`), as table rows."""
+    # deferred: epirl.kernels loads torch, which `epirl kernels --help` need not
     from epirl.kernels.plan import plan
 
     rows = []
@@ -121,6 +123,7 @@ def render(rows: list[dict], title: str) -> Table:
 
 
 def run_kernels_command(args: argparse.Namespace) -> int:
+    # deferred: epirl.kernels loads torch, which `epirl kernels --help` need not
     from epirl.kernels.plan import NAMED
 
     try:

@@ -49,6 +49,7 @@ def model_row(cfg: EpirlConfig, adapter: str | None = None) -> tuple[str, str]:
 
 def memory_line(cfg: EpirlConfig, device: torch.device) -> str:
     """The pre-flight memory plan (epirl.model.memory.memory_plan, the one the run logs) and the engine's budget."""
+    # deferred: epirl.model loads transformers, which the plan's other lines need not
     from epirl.model.memory import GDN_KERNEL_CODES, memory_plan
 
     plan = memory_plan(cfg, device)

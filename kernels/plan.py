@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ._dispatch import interpreting, pdl_supported
 from ._host import cdiv, next_power_of_2
 from .w8a16 import configs as _configs
 from .w8a16.configs import k_chunking, shared_bytes, whole_k, ws_config, xa_chunking
@@ -284,8 +285,6 @@ def _plan(op, shape, tokens, device, rank, xa_given, return_xa, settings, config
 def _cuda_device(index: int) -> Device:
     import torch
 
-    from ._dispatch import pdl_supported
-
     props = torch.cuda.get_device_properties(index)
     name = props.name
     short = "h100" if "H100" in name else "h200" if "H200" in name else name.lower().replace(" ", "-")
@@ -308,8 +307,6 @@ _DESCRIBED: dict = {}
 
 def _describe(device) -> Device:
     import torch
-
-    from ._dispatch import interpreting
 
     device = torch.device(device)
     if device.type == "cuda":

@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 from epirl.compare.spec import EVAL_ENGINES
-from epirl.config import FP8_ENGINE_PRECISIONS, EpirlConfig, load_config
+from epirl.config import FP8_ENGINE_PRECISIONS, EpirlConfig, load_config, resolve_runtime
+from epirl.console import quiet_library_environment
+from epirl.cpu_threads import apply_thread_plan, plan_threads
 
 HELDOUT_BENCHMARK = "heldout"
 
@@ -38,6 +40,7 @@ def engine_config(run_config: EpirlConfig, precision: str) -> EpirlConfig:
 
 def heldout_benchmark(problems_file: Path, run_config: EpirlConfig):
     """The held-out problems as an eval benchmark: prompt text verbatim, graded by the run's reward style."""
+    # deferred: the graders' math_verify and scipy load only when a study evaluates
     from epirl.eval.benchmarks import Benchmark, EvalProblem
 
     rows = [json.loads(line) for line in problems_file.read_text().splitlines() if line.strip()]
@@ -48,8 +51,7 @@ def heldout_benchmark(problems_file: Path, run_config: EpirlConfig):
 
 def evaluate_run(run_dir: Path, problems_file: Path, precision: str, out_dir: Path) -> dict:
     """Start the engine, grade every held-out problem once (greedy), write the records; returns the report."""
-    from epirl.config import resolve_runtime
-    from epirl.cpu_threads import apply_thread_plan, plan_threads
+    # deferred: transformers (the engine) and math_verify (the graders), for the evaluation process only
     from epirl.engine import RolloutEngine
     from epirl.eval.runner import EvalSettings, Variant, run_eval
     from epirl.rewards import RewardPool
@@ -80,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for eval.json, records.jsonl, meta.json")
     parser.add_argument("--meta", default="{}", help="JSON written to meta.json once the records are complete")
     args = parser.parse_args(argv)
-    from epirl.console import quiet_library_environment
 
     quiet_library_environment()
     (args.out / "meta.json").unlink(missing_ok=True)  # records being rewritten are not valid until meta.json is back

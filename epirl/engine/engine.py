@@ -28,6 +28,7 @@ from epirl.engine.lora_publish import AdapterPublisher
 from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, kv_cache, logits_lora, model_access, prompt_logprobs,
                                       shutdown)
 from epirl.engine.vllm_compat.detect import on_cuda, vllm_version
+from epirl.model.dummy import uses_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,6 @@ def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str,
         # working with a small token budget.
         kwargs["max_num_batched_tokens"] = max(256, cfg.engine.max_num_seqs)
     if getattr(cfg.model, "load_format", "auto") == "dummy":  # random weights from the config (model.dummy)
-        from epirl.model.dummy import uses_tokenizer
-
         kwargs["load_format"] = "dummy"
         if cfg.model.tokenizer is not None:
             kwargs["tokenizer"] = resolve_model_path(cfg.model.tokenizer)

@@ -52,6 +52,7 @@ from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
 from epirl.kernels.w8a16.slices import block_views
 from epirl.engine.vllm_compat import lora_layers, model_access, punica, quantization
 from epirl.engine.vllm_compat.detect import on_cuda
+from epirl.model.loading import PACKED_MODULES, runs_as_one_call
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +169,6 @@ def _one_call(layer, fused_slices: bool) -> bool:
     """Whether this fused layer's LoRA runs as one block-diagonal call (`kernels.fused_slices`, on by default,
     `kernels/w8a16/slices.py`): the layers of ONE_CALL_LAYERS (qkv_proj) whose logical slices are one Hugging
     Face module each, which the trainer groups the same way (`epirl.model.loading.group_fused_layer`)."""
-    from epirl.model.loading import PACKED_MODULES, runs_as_one_call
-
     leaf = getattr(layer, "prefix", "").rpartition(".")[2]
     return runs_as_one_call(leaf, fused_slices) and len(PACKED_MODULES[leaf]) == len(layer.logical_widths)
 

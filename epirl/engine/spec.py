@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from epirl.engine.vllm_compat import engine_args
+
 KEY = "epirl"
 SERVING_MODES = ("off", "fused", "timed")
 
@@ -60,6 +62,4 @@ class EngineSpec:
 
 def current() -> EngineSpec | None:
     """The spec of the vLLM config in effect (while vLLM builds a model), else None."""
-    from epirl.engine.vllm_compat import engine_args
-
     return EngineSpec.from_additional_config(engine_args.current_additional_config())

@@ -30,7 +30,9 @@ from epirl.engine.engine import check_vllm_args
 from epirl.mismatch.measure import collect_rollouts, score_rollouts, summarize, token_table
 from epirl.mismatch.report import log_wandb, render_tables, write_chart, write_json
 from epirl.mismatch.variants import VARIANTS
+from epirl.model.adapter_io import AdapterConfigError, read_adapter_settings
 from epirl.model.loading import local_model_dir
+from epirl.plan import installed_vllm, model_row
 from epirl.progress import PhaseProgress
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,6 @@ def adapter_settings(adapter: str | None) -> dict:
     """rank / alpha / targets of a PEFT adapter folder (the engine slot and the policies must match it)."""
     if adapter is None:
         return {}
-    from epirl.model.adapter_io import AdapterConfigError, read_adapter_settings
 
     try:
         settings = read_adapter_settings(adapter)
@@ -221,8 +222,6 @@ def run_mismatch_command(args: argparse.Namespace) -> int:
 
 
 def _print_plan(out: RunOutput, args, cfg, device, n_prompts: int, engines: list[str], out_dir: Path) -> None:
-    from epirl.plan import installed_vllm, model_row
-
     variants = ", ".join(f"({name}) {text}" for name, text in VARIANTS.items())
     rows = [("run", f"{out_dir}  (log: {out_dir / 'mismatch.log'})"), model_row(cfg, args.adapter),
             ("engines", f"vLLM {installed_vllm()} {', '.join(engines)} on {device.type}, one at a time"),

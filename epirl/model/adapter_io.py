@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file, save_file
 
+from epirl.model.dummy import mark_random_weights
 from epirl.model.policy import Policy
 from epirl.model.weights import NESTED_TEXT_PREFIX
 
@@ -118,8 +119,6 @@ def save_adapter(policy: Policy, out_dir: str | os.PathLike, cfg=None) -> Path:
     os.replace(tmp_weights, out_dir / ADAPTER_WEIGHTS)
     os.replace(tmp_config, out_dir / ADAPTER_CONFIG)
     if getattr(policy, "random_weights", False):  # eval and resume refuse it (epirl.model.dummy)
-        from epirl.model.dummy import mark_random_weights
-
         mark_random_weights(out_dir)
     return out_dir
 

@@ -16,7 +16,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from epirl.config import first_line
+from epirl.config import ConfigError, first_line, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,6 @@ def dummy_model_dir(path: str) -> Path:
     Order: a folder with config.json; a config.json file (copied into a cache folder: vLLM wants a folder);
     a config shipped under recipes/configs/; the hub id's config (downloaded once, written to the cache).
     Raises ConfigError (one line) when none applies."""
-    from epirl.config import ConfigError, resolve_model_path
-
     resolved = resolve_model_path(path)
     local = Path(resolved).expanduser()
     if local.is_dir():
@@ -109,8 +107,6 @@ def uses_tokenizer(cfg) -> bool:
 
 def refuse_random_weights(folder: str | Path, what: str) -> None:
     """One-line error when `folder` (an adapter or checkpoint) was trained on random base weights."""
-    from epirl.config import ConfigError
-
     folder = Path(folder)
     if (folder / RANDOM_WEIGHTS_MARKER).exists() or (folder.parent / RANDOM_WEIGHTS_MARKER).exists():
         raise ConfigError(f"{what} {folder}: trained on random base weights (model.load_format=dummy); its results "

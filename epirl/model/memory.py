@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from epirl.config import resolve_model_path
+from epirl.model.logprobs import chunked_token_logprobs
 from epirl.model.lora import ALL_PROJECTIONS, is_lora_module
 from epirl.model.skeleton import build_skeleton
 
@@ -250,8 +251,6 @@ class ActivationEstimate:
 def entropy_keeps_graph() -> bool:
     """Whether the trainer's entropy metric (Policy.token_logprobs(with_entropy=True)) carries an autograd graph,
     which keeps every LM-head chunk's fp32 log-softmax and exp alive through backward: probed on a toy head."""
-    from epirl.model.logprobs import chunked_token_logprobs
-
     head = nn.Linear(2, 3, bias=False).requires_grad_(False)
     hidden = torch.zeros(2, 2, requires_grad=True)
     with torch.enable_grad():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from epirl.config import resolve_model_path
 from epirl.data import Problem, Prompt
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ def regular_token_limit(cfg) -> int:
     (Qwen's specials — EOS, image placeholders — sit after the regular tokens; a stray image token in a
     text-only prompt is not what a real prompt holds)."""
     from transformers import AutoConfig
-
-    from epirl.config import resolve_model_path
 
     config = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
     vocab = int(config.get_text_config().vocab_size)

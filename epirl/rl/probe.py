@@ -53,6 +53,7 @@ import math
 import torch
 
 from epirl.mismatch.variants import fake_quant_activations, fp8_projections
+from epirl.model.policy import peft_key
 from epirl.rl.trainer import build_batch
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,6 @@ def _rms(x_N: torch.Tensor) -> float:
 def lora_swapped(policy, tensors: dict[str, torch.Tensor]):
     """The policy's LoRA parameters temporarily *are* `tensors` (PEFT names, as `lora_state_dict` gives):
     storage swaps, no copy; restored on exit."""
-    from epirl.model.policy import peft_key
-
     saved = []
     try:
         for name, module in policy.lora_modules().items():

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from .. import _dispatch
+from ..fp8_quant import quantize_weight_fp8
 from ..fp8_quant.reference import check_weight_codes
 from ..w8a16 import w8a16_lora
+from . import reference
 
 
 def _forward(x, codes, scale, lora_a, lora_b, lora_scale, bias, backend):
@@ -30,10 +32,9 @@ def lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, ne
     forward's chunking: the same bits). dA / dB come in fp32 from the reference and, from the Triton path, in
     grad_dtypes (default: lora_a's and lora_b's dtypes), rounded there once; callers cast to the parameters' dtype."""
     if _dispatch.use_triton(x, backend):
-        from .triton import lora_linear_backward as impl
+        from .triton import lora_linear_backward as impl  # deferred: importing epirl.kernels needs no Triton
         return impl(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, xa=xa, grad_dtypes=grad_dtypes)
-    from .reference import lora_linear_backward as impl
-    return impl(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, xa=xa)
+    return reference.lora_linear_backward(grad_y, x, codes, scale, lora_a, lora_b, lora_scale, need_dx, xa=xa)
 
 
 class Fp8LoRAFunction(torch.autograd.Function):
@@ -111,8 +112,6 @@ class Fp8LoRALinear(nn.Module):
                     lora_dtype=torch.bfloat16, backend=None, codes_scale=None):
         """Quantize `linear.weight` with vLLM's online per-tensor scheme (or take `codes_scale`, e.g.
         slices of a fused module quantized once with `quantize_weight_fp8`) and attach a fresh adapter."""
-        from .. import quantize_weight_fp8
-
         if codes_scale is None:
             codes_scale = quantize_weight_fp8(linear.weight.detach(), backend=backend)
         codes, scale = codes_scale

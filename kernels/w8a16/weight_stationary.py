@@ -31,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import plan as kplan
+from .._dispatch import interpreting
 from .._host import cdiv
 from .._tiles import _sum_parts
-from .._dispatch import interpreting
 from ..plan import DEFAULT_SETTINGS, Device, KernelPlan, KernelSettings, describe, down_tile_rows, epilogue_rows, \
     plan, plan_lora_down
 from . import wgmma_drain
@@ -234,7 +235,7 @@ def _gluon():
         return None
     if "module" not in _GLUON:
         try:
-            from . import ws_gluon
+            from . import ws_gluon  # deferred: Gluon's experimental API may be missing from this Triton (below)
         except (ImportError, AttributeError) as err:
             _GLUON["broken"] = f"{type(err).__name__}: {err}"
             return None
@@ -292,8 +293,6 @@ def _down_single_pass(x, lora_a, out, xa_chunk, n_xa, rows):
     through memory, which made a training `lora_down` 2.6-2.9x its HBM floor (Qwen3-8B at 8192 tokens: 40 µs for
     K = 4096, 134 µs for down's K = 12288, against cuBLAS's ~50 µs for the latter; scripts/probe_k_chunking.py
     --kernels). A pass streams x once; 32-64-token tiles keep >= DOWN_SINGLE_MIN_PROGRAMS programs."""
-    from .. import plan as kplan
-
     M, K = x.shape
     R = lora_a.shape[0]
     BM = 64 if cdiv(M, 64) * cdiv(R, rows) >= kplan.DOWN_SINGLE_MIN_PROGRAMS else kplan.DOWN_SINGLE_BM

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import interpreting
 from .._host import cdiv
 from .._tiles import _grouped_tile_ids
 from .tma_desc_cache import install as install_descriptor_cache
@@ -51,7 +52,6 @@ from .ws_epilogue import _load_xa, _lora_b_tile, _ws_epilogue
 
 def tma_available() -> bool:
     """Host-side tensor descriptors (Triton >= 3.4) and a GPU of compute capability >= 9 (or the interpreter)."""
-    from .._dispatch import interpreting
     return _tma_available(interpreting())
 
 

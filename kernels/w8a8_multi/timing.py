@@ -19,13 +19,12 @@ from collections.abc import Callable
 
 import torch
 
+from ..fp8_quant import quantize_activation_fp8, quantize_weight_fp8
 from .dispatch import Shape
 
 
 def random_projection(shape: Shape, L: int = 1, seed: int = 0):
     """codes/scale of a random FP8 weight and L random rank-r adapters (bf16), on the GPU."""
-    from epirl.kernels import quantize_weight_fp8
-
     g = torch.Generator(device="cuda").manual_seed(seed)
     codes, scale = quantize_weight_fp8(torch.randn(shape.N, shape.K, device="cuda", generator=g) * 0.02)
     a = (torch.randn(L, shape.r, shape.K, device="cuda", generator=g) / shape.K ** 0.5).bfloat16()
@@ -35,8 +34,6 @@ def random_projection(shape: Shape, L: int = 1, seed: int = 0):
 
 def vendor_base(x, codes, scale_b):
     """vLLM's FP8 linear without adapter: per-token quantization + FP8 GEMM (torch._scaled_mm, rowwise)."""
-    from epirl.kernels import quantize_activation_fp8
-
     q, s = quantize_activation_fp8(x)
     return torch._scaled_mm(q, codes.t(), scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16)
 
@@ -51,6 +48,7 @@ def spread_adapters(M: int, adapters: int, seed: int = 0) -> torch.Tensor:
 def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict[str, Callable[[], object]]:
     """The dispatch candidates for `shape` at M tokens, spread over min(shape.adapters, M) adapters.
     extra(x, codes, scale, a, b, ids, sigma) -> {name: fn} adds caller-provided candidates."""
+    # deferred: the Triton kernels load on the first timing (tests read this module's helpers without them)
     from .segmented import SEG_VARIANTS, expand_segments, segments
     from .triton import DECODE_MAX_TOKENS, PREFILL_VARIANTS, expand_into, expand_order, w8a8_multi_lora
 
@@ -78,6 +76,7 @@ def gpu_candidates(shape: Shape, M: int, sigma: float = 2.0, extra=None) -> dict
 
 def candidate_names() -> list[str]:
     """Every name gpu_candidates (plus the engine's "vllm") can return: part of the dispatch cache key."""
+    # deferred: the Triton kernels, as in gpu_candidates
     from .segmented import SEG_VARIANTS
     from .triton import PREFILL_VARIANTS
 

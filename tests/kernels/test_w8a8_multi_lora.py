@@ -271,7 +271,7 @@ def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
     from epirl.kernels.w8a8_multi import segmented
     from epirl.kernels.w8a8_multi import triton as multi
     seen = {}
-    monkeypatch.setattr(multi, "w8a8_multi_lora_slices", lambda *a, **kw: seen.update(kw) or a[0].new_zeros(5, 96))
+    monkeypatch.setattr(serving_lora, "w8a8_multi_lora_slices", lambda *a, **kw: seen.update(kw) or a[0].new_zeros(5, 96))
 
     class CudaLike(torch.Tensor):  # serve_slices takes its CPU reference branch for CPU tensors
         is_cuda = True
@@ -283,7 +283,7 @@ def test_serve_slices_runs_the_chosen_k2_tile(monkeypatch):
     # "vendor+seg[<tag>]": the vendor GEMM, then the segment-tiled kernels with SEG_VARIANTS[tag]'s expand tile, on
     # the given segments (vLLM's metadata) or, without them, on segments built from the token map
     monkeypatch.setattr(serving_lora, "_vendor_base", lambda x2, *a: x2.new_zeros(5, 96))
-    monkeypatch.setattr(segmented, "expand_segments", lambda y, x2, a, b, segs, sigma, **kw: seen.update(
+    monkeypatch.setattr(serving_lora, "expand_segments", lambda y, x2, a, b, segs, sigma, **kw: seen.update(
         kw, segs=segs) or y)
     serving_lora.serve_slices(x, *parts, torch.zeros(5, dtype=torch.long), None, None, choice="vendor+seg[bn64]",
                               segs="vLLM's")

@@ -35,6 +35,7 @@ import inspect
 import torch
 
 from epirl.engine.vllm_compat.detect import absent
+from epirl.kernels.w8a8_multi.segmented import Segments
 
 
 def base_of(layer):
@@ -115,7 +116,6 @@ def token_segments(layer):
     fields = [getattr(meta, name, None) for name in META_SEGMENT_FIELDS]
     if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in fields):
         return None
-    from epirl.kernels.w8a8_multi.segmented import Segments
 
     return Segments(*fields)
 
