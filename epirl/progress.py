@@ -47,7 +47,7 @@ def step_line(step: int, total: int, metrics: dict) -> str:
 
 
 def read_rows(metrics_file: Path, up_to_step: int) -> list[dict]:
-    """Rows of an earlier session (steps ≤ up_to_step) of a resumed run; torn lines are skipped."""
+    """Rows of the earlier processes (steps ≤ up_to_step) of a resumed run; torn lines are skipped."""
     rows = []
     if metrics_file.is_file():
         for line in metrics_file.read_text().splitlines():
@@ -74,7 +74,7 @@ def _duration(seconds: float) -> str:
 
 
 class RunProgress:
-    """Observer of one training session (see module docstring)."""
+    """Observer of one training process (see module docstring)."""
 
     def __init__(self, console: Console, run_dir: Path, total_steps: int, start_step: int = 0,
                  samples_per_prompt: int = 1, plot: bool = True):
@@ -135,7 +135,7 @@ class RunProgress:
         self.console.print(escape(line), soft_wrap=True, highlight=False)
 
     def summary_lines(self) -> list[str]:
-        """First vs last accuracy and reward, throughput, time per phase (this session)."""
+        """First vs last accuracy and reward, throughput, time per phase (this process)."""
         lines = []
         if self.rows:
             first, last = self.rows[0], self.rows[-1]
