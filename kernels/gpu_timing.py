@@ -97,8 +97,7 @@ def graph_us_interleaved(fns: Sequence[Callable[[], object]], reps: int = 10, fl
     replayed in turn: each of REPLAYS rounds replays every fn's graph once (and the flush-only graph), and a fn's
     time is its median over the rounds of its replay less that round's flush. Clock and power drift over the seconds
     a tuner spends on one table entry then reaches every candidate alike instead of favouring the one that ran in a
-    fast stretch (on an H100 one config timed 1556 µs and 1349 µs a minute apart; BENCHMARKS.md, twenty-fourth
-    session). The graphs share one memory pool: they replay one at a time, in capture order, and keep no outputs."""
+    fast stretch (on an H100 one config timed 1556 µs and 1349 µs a minute apart). The graphs share one memory pool: they replay one at a time, in capture order, and keep no outputs."""
     bodies = list(fns)
     if flush:
         mode = flush_mode()

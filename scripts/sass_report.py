@@ -8,7 +8,7 @@ device specializes integer arguments the same way (`tt.divisibility` 16 on point
 Per tile (BN weight rows / BM tokens / BK / warps / stages): registers, stack bytes (spills), and per trip of the
 innermost loop: HGMMA (wgmma), LDS/STS (shared-memory loads/stores), LDGSTS (cp.async), BAR, the e4m3 → bf16
 widening (F2FP, F2F: Triton's own conversions; PRMT, LOP3, HMUL2: `kernels/w8a16/widen.py`'s) and
-LDL/STL (spill traffic). BENCHMARKS.md § Kernels (2026-12-01) reads them.
+LDL/STL (spill traffic). kernels/README.md reads them.
 
     python scripts/sass_report.py --tma [--dx] [--tiles ...]
 

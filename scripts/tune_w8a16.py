@@ -10,7 +10,7 @@ with split-K, diagnostic only). Every candidate's output is checked bitwise agai
 twin's on two calls).
 Each candidate is timed on the call the engine and the trainer make, with a rank-64 LoRA: the forward computes
 its down-projection (on the GPU at decode sizes a separate launch, with the base GEMM as its PDL dependent, split-K
-or single pass as `split` says - since 2026-12-03 also with LoRA; without PDL fused into split-K), dX gets
+or single pass as `split` says, also with LoRA; without PDL fused into split-K), dX gets
 gb = g·B as xa with Aᵀ as its B (`--no-lora`: the base GEMM alone).
 `--tma` adds TMA-load twins of the candidates (x and the codes through descriptors; buckets >= 256;
 `kernels/w8a16/ws_tma.py`; of the tiles `configs.TMA_TUNER_TILES`, of all with `--tma-all`; a twin that gives other
@@ -65,8 +65,8 @@ FWD_BUCKETS = {
                 cfg(64, 32, 128, 4, 4, True)]),
     256: ([256], [cfg(64, 64, 128, 4, 4, False), cfg(128, 64, 128, 4, 3, False), cfg(128, 128, 64, 8, 4, False),
                   cfg(64, 128, 128, 4, 3, False)]),
-    # (16-warp tiles, 256/128/64/16/3 and 128/256/64/16/3, never won on the H200 on 2026-12-01: capped at 128
-    # registers a thread, they spill 72-78; BENCHMARKS.md § Kernels, eighth session)
+    # (16-warp tiles, 256/128/64/16/3 and 128/256/64/16/3, never won on the H200: capped at 128
+    # registers a thread, they spill 72-78; BENCHMARKS.md § Kernels)
     BIG: ([4096], [cfg(128, 128, 64, 8, 4, False), cfg(128, 256, 64, 8, 3, False), cfg(128, 256, 64, 8, 4, False),
                    cfg(256, 128, 64, 8, 3, False), cfg(128, 128, 128, 8, 3, False), cfg(128, 256, 128, 8, 2, False),
                    # BK 32: a third less spilled (304 vs 472 B of stack at sm_90a, triton 3.9) for 27 % more loop

@@ -61,7 +61,7 @@ _CHECKED_CONFIGS: list = []  # engine configs whose compile key was checked (`ch
 _INSTALLED: list = []  # one entry once `install()` wrapped vLLM's classes
 # timed mode's default: no batch size is handed to vLLM's own LoRA path before the dispatch is asked; the dispatch
 # times vLLM's kernels ("vllm") beside epirl's on batches spread over the slots and keeps the faster per bucket. It
-# was 17 (batches above the 16-token bucket to vLLM) after the 32-tenant run of 2026-12-01 measured 0.55x vLLM's
+# was 17 (batches above the 16-token bucket to vLLM) after a 32-tenant run measured 0.55x vLLM's
 # throughput with epirl's paths at >= 32 tokens; with the segment-tiled shrink/expand ("vendor+seg") one Qwen3-8B
 # layer is 0.41-0.87x vLLM's LoRA path at 16-1024 tokens over 8 or 32 adapters and 0.94-0.95x at 256-8192 tokens
 # with one (H200, bench_serving_tenants.py, BENCHMARKS.md § Serving kernels; the end-to-end 32-tenant run with it is

@@ -5,7 +5,7 @@ weight-stationary GEMM, configs from the table's "dx" rows) and widens them to b
 dequantized weight ever exists; the LoRA term σ(gB)A rides in the same kernel's epilogue. The rank-r products go
 to cuBLAS (bf16 inputs, fp32 accumulation, bf16 result): gB = g·B, and the weight gradients dA = σ gBᵀx and
 dB = σ gᵀxa, which reduce over tokens, then σ in fp32 and one rounding to the parameters' dtype (one elementwise
-kernel each). (gB was a Triton GEMM until 2026-12-03: a cuBLAS call costs the host a third of a Triton launch's
+kernel each). (gB was a Triton GEMM; cuBLAS now: a cuBLAS call costs the host a third of a Triton launch's
 time, and the FP8 training step is host-bound in its backward, scripts/profile_step_gaps.py.) xa is the forward's
 (saved by `Fp8LoRAFunction`), else recomputed with the forward's chunking (same bits).
 Backward need not be batch invariant (cuBLAS may pick M-dependent algorithms there).

@@ -25,10 +25,10 @@ TABLE_PATH = TMA_TABLE_PATH  # (the one table)
 CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
 # Tiles whose TMA-load twins (x and the codes through descriptors: `ws_tma.py`) the tuner offers.
 # Triton 3.6 miscompiles the twin for some compiles: wrong values in 0.1-84 % of the outputs (BENCHMARKS.md
-# § Kernels, 2026-12-01/02; the cases are listed in ws_tma.py). The tuner keeps a twin only where it gave the pointer
+# § Kernels; the cases are listed in ws_tma.py). The tuner keeps a twin only where it gave the pointer
 # kernel's bits (twice), and every table TMA call is checked against the pointer kernel on its first call per key and
 # again every `ws_tma.RECHECK_EVERY` calls. The 4-stage 128x256x64 twin is no longer offered: it gave wrong tiles far
-# more often than the 3-stage one (2026-12-03 probe: 0.5-3.3 M wrong outputs on every one-chunk forward against
+# more often than the 3-stage one (a probe: 0.5-3.3 M wrong outputs on every one-chunk forward against
 # 0-4096, and a first-call fallback on the Qwen3-8B down forward in a training step), for 1-4 % of speed; its two
 # table rows now use 3 stages.
 TMA_TUNER_TILES = frozenset({(128, 256, 64, 8, 3), (128, 256, 32, 8, 4), (128, 128, 64, 8, 4)})
@@ -42,7 +42,7 @@ def tile_of(cfg: dict) -> tuple:
 # 64-row decode tiles), and at least MIN_CHUNKS. A function of (N, K) only; chunks are multiples of CHUNK_ALIGN so
 # every BK in the table divides them. Each chunk end costs a training tile a pipeline drain and refill and the round
 # trip of its spilled running total, and a chunk feeds one more program per weight tile at decode: at 264 programs
-# (until 2026-12-03, 8 chunks for the 4096-row layers) the trainer's o forward was 1.19x cuBLAS's and q3_o's
+# (before the current kernels, 8 chunks for the 4096-row layers) the trainer's o forward was 1.19x cuBLAS's and q3_o's
 # fwd + bwd 1.08x bf16; at 132, 1.05x and 1.01x, with q3_o faster at decode too (12.9 -> 11.8 µs at one token;
 # scripts/probe_k_chunking.py, BENCHMARKS.md). MIN_CHUNKS: one chunk is where Triton 3.6 miscompiles the TMA
 # training tile (a race; the first-call check then falls back to the pointer kernel: q3_gate 1.02 -> 1.14x bf16).

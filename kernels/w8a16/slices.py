@@ -3,7 +3,7 @@ block-diagonal B.
 
 vLLM fuses q, k, v (and gate, up) into one layer; the trainer holds them as separate Hugging Face modules over row
 views of the same codes and scale. One GEMM over the fused layer costs less than one per slice at both ends (H200,
-Qwen3-8B, BENCHMARKS.md fourteenth session: q + k + v at one token 41 µs with LoRA against 14.8 for the fused qkv; k / v
+Qwen3-8B, BENCHMARKS.md: q + k + v at one token 41 µs with LoRA against 14.8 for the fused qkv; k / v
 at 8192 training tokens 1.23x bf16 against the fused shape's 0.97x), but the K chunking, hence the bits, depends on
 the layer's N (kernels/w8a16/configs.py `k_chunking`), so the engine and the trainer must make the same call. It is
 `w8a16_lora(x, codes, scale, A_cat, B_bd, σ, bias)` with
@@ -17,7 +17,7 @@ S·r columns (padded to a power of two: 256 for a rank-64 qkv) instead of r, ~5 
 at K = 4096, and the backward's gB and dB run over the whole block matrix (~1 % each); against that, one launch
 instead of S and the fused layer's better-shaped GEMM.
 
-Measured on the H200 (BENCHMARKS.md, fifteenth session), for the layers of `epirl.model.loading.ONE_CALL_LAYERS`
+Measured on the H200 (BENCHMARKS.md), for the layers of `epirl.model.loading.ONE_CALL_LAYERS`
 (qkv_proj only: gate_up_proj as one call was slower): the qkv layer at one token 19.6 µs against 29.9 per slice; in
 training 0.92x bf16 against 1.15x; the matched engine's TPOT 4.80 / 5.95 ms at batch 1 / 32 against 5.24 / 6.82. So
 it is the default; `kernels.fused_slices: false` runs one call per slice. The engine gets the setting through its

@@ -3,7 +3,7 @@
 Triton (3.4-3.9) turns every host-side `TensorDescriptor` argument into a CUtensorMap on every launch:
 `triton.backends.nvidia.driver.make_tensordesc_arg` calls the driver's cuTensorMapEncodeTiled through Python. The W8A16
 TMA kernel has two descriptor arguments, and the profile of a training linear's host side put ~37 µs per TMA launch in
-that encoding (scripts/profile_host_launch.py, BENCHMARKS.md fourteenth session). In a training step the
+that encoding (scripts/profile_host_launch.py, BENCHMARKS.md). In a training step the
 host is on the critical path (the FP8 step's GPU is idle 6 % of it against bf16's 2 %), and the same descriptors
 recur: the codes never move, and the caching allocator hands the activations the same addresses step after step.
 
@@ -13,7 +13,7 @@ compiled kernel and argument, kept alive by it, compared by identity). So return
 gives the kernel the bytes a fresh encode would. `install()` wraps the driver's function once per process (guarded:
 an unknown Triton layout leaves it alone).
 
-Measured on the H200 (BENCHMARKS.md, fifteenth session): the TMA forward's host time per call 148.7 -> 93.6 µs;
+Measured on the H200 (BENCHMARKS.md): the TMA forward's host time per call 148.7 -> 93.6 µs;
 the Qwen3-8B training step 1.2 % shorter on average over four runs each way, within the noise of single runs.
 """
 

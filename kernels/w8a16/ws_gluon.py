@@ -2,7 +2,7 @@
 race by construction.
 
 Why: the Triton TMA kernel (`ws_tma.py`) is miscompiled by Triton 3.6 for some compiles: wrong tiles that change from
-run to run (on 2026-12-04 two of the table's own 128x256 tiles gave 2048 and 4096 wrong outputs of up to 1e29 in probe
+run to run (two of the table's own 128x256 tiles gave 2048 and 4096 wrong outputs of up to 1e29 in probe
 runs; likely triton-lang/triton#9433, the register-A hazard below, which Triton 3.6 builds into every W8A16 Triton
 kernel), so each table TMA entry is checked against the pointer kernel on its first call
 and every `ws_tma.RECHECK_EVERY` calls, and a race between checks goes unseen. Its k-loop also holds 6 CTA-wide
@@ -35,7 +35,7 @@ dX (W_T; w = `codes.t()`, B = the LoRA Aᵀ): the same kernel with the codes and
 boxes, one per warpgroup, loaded into wgmma's A layout with byte loads (the two codes of a bf16x2 register lie in
 different rows) and B as an MN-major shared operand. Bitwise the Triton dX kernels' (H200, GPU tests). dX runs in one
 K chunk (`whole_k`), and N_CHUNKS is therefore never specialized (the kernel compiled for the constant 1 ran 5x
-slower, see the decorator): at BM 256 it is then the fastest dX on every Qwen shape but k/v (2026-12-04, Triton 3.6,
+slower, see the decorator): at BM 256 it is then the fastest dX on every Qwen shape but k/v (Triton 3.6,
 8192 tokens: 0.86-0.97x the Triton TMA dX; `tune_w8a16.py --gluon-only`).
 
 LORA_RING (a config's "LORA_RING": true; forward and dX, BK = 64): the LoRA ranks come through the k-step ring after
@@ -164,7 +164,7 @@ def _load_lora_chunk(xa_desc, b_desc, x_smem, b_ring, ready, off_n, off_m, s, r0
 def _hold(a):
     """A use of registers a that the compiler must keep (an opaque copy). Placed after the wait that completes the
     wgmma reading them, it keeps them live until then, so that ptxas cannot hand them to the next step's codes while
-    that wgmma is in flight. (With the k-steps in pairs ptxas keeps them apart today without it - the same SASS,
+    that wgmma is in flight. (With the k-steps in pairs ptxas keeps them apart now without it - the same SASS,
     the copies vanish -; the hold makes that a requirement, not a register allocator's choice.)"""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=gl.bfloat16, is_pure=False, pack=2)
 

@@ -2,8 +2,8 @@
 
 The two-launch split-K of `weight_stationary.py` (a partial kernel, then a reduce kernel that adds the chunk partials
 in chunk order and runs the epilogue) pays a second kernel's launch and its wait for the first one's completion in
-the tail of every decode call: 2.5 µs of q3_o's 11.3 µs at one token on the H200 (`scripts/profile_decode_lora.py`,
-2026-12-03). Here each program (output tile t, chunk p) stores its fp32 partial as before and then takes a ticket, an
+the tail of every decode call: 2.5 µs of q3_o's 11.3 µs at one token on the H200 (a profile of
+the decode call). Here each program (output tile t, chunk p) stores its fp32 partial as before and then takes a ticket, an
 atomic increment of t's counter; the program that draws the last ticket resets the counter and does what the reduce
 kernel did: it adds the tile's partials **in chunk order** (whichever program arrives last, the sum is the same chain
 of adds, so the bits are the two-launch path's, the single pass's and the reference-order's; the atomic orders

@@ -2,7 +2,7 @@
 
 `scaled_gemm_lora` computes `y[m, n] = act( (Σ_k x[m,k] w[n,k]) * s_w [* s_x[m]] + σ Σ_j xa[m,j] b[n,j] + bias[n] )`
 for any strides of w: W8A8 on FP8 tensor cores (`max_num_imprecise_acc=32`), and bf16 operands (the FP8
-trainer's backward took its rank-r g·B from here until 2026-12-03; cuBLAS now). Batch invariance: one pinned
+trainer's backward took its rank-r g·B from here before the current kernels; cuBLAS now). Batch invariance: one pinned
 config for every M, compiled once for every M (`do_not_specialize`), an explicit FMA for σ·LoRA + y, and
 `lora_down_split` sums 16 K chunks fixed by K alone in a fixed order.
 Importing needs triton but no GPU; kernels compile on first launch.

@@ -3,14 +3,14 @@ multi-adapter layer added after a vendor FP8 GEMM (dispatch candidate "vendor+se
 
 Why: the grouped shrink and K2's epilogue take tiles of tokens in adapter order and loop over every adapter present
 in a tile (one full-tile dot each). With 32 tenants a 64-token tile holds ~32 adapters, so a tile does 32 serial
-dots and reloads its x columns 32 times (measured on the H200, 2026-12-01: 1.8-2.0x vLLM's own LoRA kernels at 64
+dots and reloads its x columns 32 times (measured on the H200: 1.8-2.0x vLLM's own LoRA kernels at 64
 tokens). Here every tile holds the tokens of ONE adapter: the batch's tokens sorted by adapter are cut into
 segments (one per adapter, vLLM's `LoRAKernelMeta` layout: sorted token indices, each segment's adapter, token
 count and first position), each segment into tiles of BT tokens, and the tiles of all segments are numbered in
 segment order; program p finds its tile from the segment counts (a cumsum over the slots, no host sync), so the
 launch grid depends only on M and the slot count (CUDA-graph safe) and a tile's work is one dot per K step. The
 expand takes a run of 128-row tiles of one slice per program: the tile's fixed costs (its segment, its tokens, h
-summed over the K chunks) are paid once per run (one tile per program was 2.7 ms at 8192 tokens, H200 2026-12-01).
+summed over the K chunks) are paid once per run (one tile per program was 2.7 ms at 8192 tokens on the H200).
 
 Numerics: identical, bit for bit, to `expand_into` on the same tokens (the shrink's chunk and dot are
 `_shrink_chunk`, the chunk sum `_sum_chunk_partials`, both shared with triton.py; the expand does K2's epilogue
@@ -172,7 +172,7 @@ def shrink_segments(x2, slices: Slices, segs: Segments, config=None, sum_in_shri
     """The shrink of every adapter token: fp32 `[slices, chunks, M, BR]` (K1's chunking, or chunks 1 when summed in
     the shrink); rows of no-adapter tokens are left unwritten (the expand never reads them). sum_in_shrink: one
     program per tile adds all K chunks in chunk order (the same bits as the expand adding them) - measured slower
-    on the H200 at 16-8192 tokens (2026-12-01: too few programs, long serial loops), kept for comparison."""
+    on the H200 at 16-8192 tokens (too few programs, long serial loops), kept for comparison."""
     M, K = x2.shape
     if x2.dtype != torch.bfloat16 or x2.stride(1) != 1:
         raise TypeError(f"segmented shrink needs bf16 x with unit K stride, got {x2.dtype} strides {x2.stride()}")

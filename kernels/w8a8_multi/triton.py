@@ -18,7 +18,7 @@ Prefill: fp8_quant.triton quantizes all tokens in one kernel, `grouped_shrink` c
   over tiles of tokens in adapter order (one dot per adapter in a tile, same K chunking as K1), `sum_chunks` adds
   its chunk partials once (in K2's order: same bits), K2 uses a 128-token tile. `expand_into` (after a vendor
   GEMM) shrinks the same way above DECODE_MAX_TOKENS tokens.
-(A variant that quantized x inside every K2 program was measured slower, 2026-11-30: every weight tile
+(A variant that quantized x inside every K2 program was measured slower: every weight tile
 re-quantizes the activations, and IEEE division of the zero-padded token columns takes a slow path.)
 Importing needs triton, no GPU.
 """
@@ -59,7 +59,7 @@ def _quant_shrink_kernel(x_ptr, q_ptr, s_ptr, a_tab, ids_ptr, part_ptr, M, K, R,
                          QBK: tl.constexpr):
     # program (token m, K chunk, slice): codes and (chunk 0) scale of the chunk (slice 0 only), and the shrink
     # partial of the chunk with the slice's A (a_tab holds each slice's A base address).
-    # Few trips per loop, each moving a lot: the LoRA cost measured on the H200 (2026-11-30) grew with the
+    # Few trips per loop, each moving a lot: the LoRA cost measured on the H200 grew with the
     # trips of this loop (~1.4 µs each: every trip waits for its loads), so chunks are 512 wide in 128-wide steps
     # (4 trips) and large K is spread over more programs instead of longer loops.
     if LAUNCH_DEPENDENTS:  # let K2 launch now: it reads nothing of ours before its gdc_wait
@@ -358,7 +358,7 @@ def grouped_shrink(x2, slices: Slices, token_lora, order=None, config=None):
     """The shrink partials `[slices, N_CHUNKS, M, BR]` fp32 (K1's layout and K chunking) on tensor cores: tiles of
     tokens in adapter order (`order`, or token order when None), one dot per adapter present in a tile. For
     batches above DECODE_MAX_TOKENS, where K1's per-token programs re-read their adapter's A for every token on
-    CUDA cores (measured 2.2x slower prefill with 32 tenants, 2026-12-01)."""
+    CUDA cores (measured 2.2x slower prefill with 32 tenants)."""
     M, K = x2.shape
     if x2.dtype != torch.bfloat16 or x2.stride(1) != 1:
         raise TypeError(f"grouped shrink needs bf16 x with unit K stride, got {x2.dtype} strides {x2.stride()}")
