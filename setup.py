@@ -13,4 +13,4 @@ for name, folder in PACKAGE_DIRS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=PACKAGE_DIRS, package_data={"epirl": ["py.typed"]})
+setup(packages=packages, package_dir=PACKAGE_DIRS, package_data={"epirl": ["py.typed"], "epirl.kernels.gemm": ["*.json"]})
