@@ -131,8 +131,8 @@ class StudyProgress:
     """A launcher (epirl.compare.execute) around another: a bar over the study's pending runs, with the processes
     running now beside it. Shown only on a terminal; the study prints a line per finished run anyway."""
 
-    def __init__(self, launcher, plan, pending: int, console: Console):
-        self.launcher, self.plan, self.live = launcher, plan, []
+    def __init__(self, launcher, pending: int, console: Console):
+        self.launcher, self.live = launcher, []
         self._lock = threading.Lock()  # launches come from the study's worker threads
         self.bar = Progress(TextColumn("[bold]runs"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                             TextColumn("{task.description}"), console=console, transient=True,
@@ -146,8 +146,6 @@ class StudyProgress:
             code = self.launcher(launch)
         finally:
             self._running(label, started=False)
-        if self._last_launch_of_its_run(launch):
-            self.bar.advance(self.task)
         return code
 
     def _running(self, label: str, started: bool) -> None:
@@ -158,16 +156,9 @@ class StudyProgress:
                 self.live.remove(label)
             self.bar.update(self.task, description=", ".join(self.live))
 
-    def _last_launch_of_its_run(self, launch) -> bool:
-        """An evaluation ends its run; training does unless it finished and its held-out evaluation is still to
-        come (the rule of StudyExecutor.run_one)."""
-        # deferred: epirl.compare.plan loads transformers, which `epirl compare --help` need not
-        from epirl.compare.plan import eval_done, is_finished
-
-        if launch.kind != "train" or self.plan.split is None:
-            return True
-        run = launch.run
-        return not (is_finished(run.run_dir, run.config.rl.steps) and not eval_done(self.plan, run))
+    def run_done(self, outcome) -> None:
+        """One run of the study trained and evaluated (or given up): the bar one further."""
+        self.bar.advance(self.task)
 
     def terminate(self) -> None:  # SIGTERM: the study ends the running processes through its launcher
         terminate = getattr(self.launcher, "terminate", None)
@@ -199,8 +190,8 @@ def run_compare_command(args: argparse.Namespace, launcher=None) -> int:
             return run_study(spec, checking.console)
 
     def study(out: RunOutput) -> int:
-        progress = StudyProgress(launcher or ProcessLauncher(), plan, pending, out.console)
+        progress = StudyProgress(launcher or ProcessLauncher(), pending, out.console)
         with progress.bar, contextlib.redirect_stdout(out.stdout):  # the table: standard output, not the log
-            return run_study(spec, out.console, progress)
+            return run_study(spec, out.console, progress, on_run_done=progress.run_done)
 
     return run_in_folder(plan.study_dir, "compare.log", verbose, log, study)

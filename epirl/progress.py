@@ -178,7 +178,6 @@ class PhaseProgress:
 
     def __init__(self, console: Console, label: str, total: int):
         self.console, self.total, self.done = console, total, 0
-        self.t0 = time.perf_counter()
         self.bar = Progress(TextColumn(f"[bold]{escape(label)}"), MofNCompleteColumn(), BarColumn(),
                             TimeElapsedColumn(), TextColumn("{task.description}"), console=console, transient=True,
                             redirect_stdout=False, redirect_stderr=False)
@@ -207,5 +206,3 @@ class PhaseProgress:
             self.bar.stop()
             self._live = False
 
-    def elapsed(self) -> str:
-        return _duration(time.perf_counter() - self.t0)

@@ -153,8 +153,8 @@ def test_compare_bar_counts_a_run_once_its_evaluation_is_done(tmp_path):
         launches.append((launch.kind, progress.bar.tasks[0].completed))
         return fake_launcher()(launch)
 
-    progress = StudyProgress(launcher, plan, 2, Console(file=io.StringIO(), force_terminal=True, width=200))
-    assert run_study(spec, Console(file=io.StringIO()), progress) == 0
+    progress = StudyProgress(launcher, 2, Console(file=io.StringIO(), force_terminal=True, width=200))
+    assert run_study(spec, Console(file=io.StringIO()), progress, on_run_done=progress.run_done) == 0
     # each run: training (bar unchanged), then its held-out evaluation (the run counts after it)
     assert launches == [("train", 0), ("eval", 0), ("train", 1), ("eval", 1)]
     assert progress.bar.tasks[0].completed == 2 and progress.live == []

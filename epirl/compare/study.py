@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
 
 from epirl.compare.collect import collect_study
-from epirl.compare.execute import (Launcher, ProcessLauncher, StudyExecutor, Terminated, gpu_ids, needs_work,
-                                   outcome_line)
+from epirl.compare.execute import (Launcher, ProcessLauncher, RunOutcome, StudyExecutor, Terminated, gpu_ids,
+                                   needs_work, outcome_line)
 from epirl.compare.plan import Action, StudyPlan, eval_done, is_finished, move_aside, plan_study, stopped_by_probe
 from epirl.compare.report import write_summary
 from epirl.compare.spec import CompareInputError, CompareSpec
@@ -77,8 +78,10 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
-def run_study(spec: CompareSpec, console: Console | None = None, launcher: Launcher | None = None) -> int:
-    """Entry point behind `epirl compare`; returns the exit code."""
+def run_study(spec: CompareSpec, console: Console | None = None, launcher: Launcher | None = None,
+              on_run_done: Callable[[RunOutcome], None] | None = None) -> int:
+    """Entry point behind `epirl compare`; returns the exit code. `on_run_done(outcome)`: after each run's line
+    (the command's progress bar)."""
     console = console or Console(stderr=True)
     launcher = launcher or ProcessLauncher()
     try:
@@ -98,6 +101,8 @@ def run_study(spec: CompareSpec, console: Console | None = None, launcher: Launc
 
     def progress(outcome, count: int, total: int) -> None:
         console.print(f"[{count}/{total}] {escape(outcome_line(outcome, executor))}", soft_wrap=True, highlight=False)
+        if on_run_done is not None:
+            on_run_done(outcome)
         write_summary(plan, *collect_study(plan))  # after every run: a study cut short still has its table so far
 
     executor.on_done = progress

@@ -27,7 +27,7 @@ from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, er
                            quiet_library_environment, run_in_folder, verbose_requested)
 from epirl.data import DataError, load_problems, render_prompt
 from epirl.engine.engine import check_vllm_args
-from epirl.mismatch.measure import collect_rollouts, score_rollouts, summarize, token_table
+from epirl.mismatch.measure import measure_engines
 from epirl.mismatch.report import log_wandb, render_tables, write_chart, write_json
 from epirl.mismatch.variants import VARIANTS
 from epirl.model.adapter_io import AdapterConfigError, read_adapter_settings
@@ -234,22 +234,9 @@ def _print_plan(out: RunOutput, args, cfg, device, n_prompts: int, engines: list
 
 
 def _measure(cfg, prompt_ids: list[list[int]], engines: list[str], args, device, console: Console) -> dict:
-    """`measure.measure_engines`, phase by phase for the progress bar: each engine (started, sampled, closed),
-    then the trainer variants' scoring and the bootstrap."""
+    """`measure.measure_engines` with a progress bar: one phase per engine (started, sampled, closed), then the
+    trainer variants' scoring and the bootstrap."""
     with PhaseProgress(console, "mismatch", len(engines) + 1) as phases:
-        rollouts = {}
-        for spec in engines:
-            phases.start(f"{spec} engine: start, sample")
-            rollouts.update(collect_rollouts(cfg, [spec], prompt_ids, args.samples, args.max_tokens,
-                                             args.temperature, args.topk, args.seed, args.adapter))
-            phases.finished(f"{spec} engine: {rollouts[spec].num_tokens} tokens sampled in "
-                            f"{rollouts[spec].sample_s:.1f} s")
-        phases.start("trainer variants: score")
-        scores, checks = score_rollouts(cfg, rollouts, device, args.temperature, args.adapter)
-        tables = {spec: token_table(rollouts[spec], scores[spec]) for spec in engines}
-        summary = summarize(tables, len(prompt_ids), args.bootstrap, args.seed)
-        phases.finished(f"trainer variants scored, {args.bootstrap} bootstrap replicates ({phases.elapsed()} in all)")
-    summary["checks"] = checks
-    summary["sample_s"] = {spec: r.sample_s for spec, r in rollouts.items()}
-    summary["variants"] = dict(VARIANTS)
+        summary, _ = measure_engines(cfg, prompt_ids, engines, args.samples, args.max_tokens, args.temperature,
+                                     args.topk, args.seed, device, args.adapter, args.bootstrap, phases=phases)
     return summary

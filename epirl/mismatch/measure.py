@@ -343,15 +343,34 @@ def verify_fake_quant(policy, tokens: int = 8, seed: int = 0) -> dict[str, float
             "rel_change_vs_b": float((y_c - y_b).norm() / norm)}
 
 
+class _NoPhases:
+    """The phase observer of a measurement nobody watches."""
+
+    def start(self, description: str) -> None:
+        pass
+
+    def finished(self, line: str) -> None:
+        pass
+
+
 def measure_engines(cfg, prompt_ids_P: list[list[int]], precisions: list[str], samples: int, max_tokens: int,
                     temperature: float, topk: int, seed: int, device: torch.device,
-                    adapter_dir: str | None = None, replicates: int = 1000) -> tuple[dict, dict[str, TokenTable]]:
-    """The whole measurement: engines → trainer variants → per-token tables → summary dict."""
-    rollouts = collect_rollouts(cfg, precisions, prompt_ids_P, samples, max_tokens, temperature, topk, seed,
-                                adapter_dir)
+                    adapter_dir: str | None = None, replicates: int = 1000,
+                    phases=None) -> tuple[dict, dict[str, TokenTable]]:
+    """The whole measurement: engines → trainer variants → per-token tables → summary dict. `phases`
+    (`start(text)`, `finished(line)`; e.g. epirl.progress.PhaseProgress) hears of each engine and of the scoring."""
+    phases = phases or _NoPhases()
+    rollouts = {}
+    for spec in precisions:
+        phases.start(f"{spec} engine: start, sample")
+        rollouts.update(collect_rollouts(cfg, [spec], prompt_ids_P, samples, max_tokens, temperature, topk, seed,
+                                         adapter_dir))
+        phases.finished(f"{spec} engine: {rollouts[spec].num_tokens} tokens sampled in {rollouts[spec].sample_s:.1f} s")
+    phases.start("trainer variants: score")
     scores, checks = score_rollouts(cfg, rollouts, device, temperature, adapter_dir)
     tables = {p: token_table(rollouts[p], scores[p]) for p in precisions}
     summary = summarize(tables, len(prompt_ids_P), replicates, seed)
+    phases.finished(f"trainer variants scored, {replicates} bootstrap replicates")
     summary["checks"] = checks
     summary["sample_s"] = {p: r.sample_s for p, r in rollouts.items()}
     summary["variants"] = dict(VARIANTS)
