@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAIRINGS = {
     "bf16": ["engine.precision=bf16", "trainer.base=bf16", "rl.correction=tis"],
     "w8a16": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none"],
-    "w8a16-noslices": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none", "trainer.fused_slices=false"],
+    "w8a16-noslices": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none", "kernels.fused_slices=false"],
     "w8a8": ["engine.precision=w8a8", "trainer.base=fp8", "rl.correction=tis", "engine.serving_kernels=auto"],
     "w8a8-off": ["engine.precision=w8a8", "trainer.base=fp8", "rl.correction=tis", "engine.serving_kernels=off"],
 }
