@@ -17,7 +17,8 @@ Each pairing runs `epirl train recipes/smollm2_arith_cpu.yaml` in its own proces
 (matched): from step 3 on every new request is served with the previous adapter's tensors, one step behind.
 
 Printed: per pairing the steps completed, whether the probe stopped it, KL(engine‖trainer) first / median / last
-and the median ratio to the bf16 pairing's, the probe's arrival fraction against the previous adapter (median, lowest
+and the median ratio to the bf16 pairing's, the median fraction of tokens whose engine and trainer log-probs are
+bitwise equal (`mismatch/bitwise_frac`), the probe's arrival fraction against the previous adapter (median, lowest
 resolved), and accuracy first -> last. Exit 1 when a healthy pairing stops or fails, when the matched pairing's median
 KL exceeds 1.2x the bf16 pairing's, or when a fault injection is not stopped by the probe.
 """
@@ -86,6 +87,8 @@ def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
     row["steps"] = len(steps)
     kl = [s["mismatch/k3_kl"] for s in steps if "mismatch/k3_kl" in s]
     row["kl"] = kl
+    bitwise = [s["mismatch/bitwise_frac"] for s in steps if "mismatch/bitwise_frac" in s]
+    row["bitwise"] = statistics.median(bitwise) if bitwise else None
     for alt in ("old", "base"):  # the probe's decided fits, and the plain fit on the same steps (not decided on)
         resolved = [s for s in steps if s.get(f"probe/separation_vs_{alt}", 0.0) >= args.probe_separation]
         row[f"resolved_{alt}"] = len(resolved)
@@ -135,9 +138,9 @@ def pair(values, spec="{:.2f}") -> str:
 
 
 def table(rows: list[dict], bf16_median: float | None) -> str:
-    lines = ["| pairing | steps | probe stop | KL(engine‖trainer) first / median / last | median KL ÷ bf16 | "
+    lines = ["| pairing | steps | probe stop | KL(engine‖trainer) first / median / last | median KL ÷ bf16 | bitwise | "
              "resolved vs old / base | β vs old: median (lowest) | plain fit vs old | reliability vs old | "
-             "β vs base | accuracy first → last | s |", "|---" * 12 + "|"]
+             "β vs base | accuracy first → last | s |", "|---" * 13 + "|"]
     for r in rows:
         kl = r["kl"]
         median = statistics.median(kl) if kl else None
@@ -146,7 +149,7 @@ def table(rows: list[dict], bf16_median: float | None) -> str:
         acc = f"{r['acc'][0]:.3f} → {r['acc'][1]:.3f}" if r["acc"] else "–"
         lines.append(f"| {name} | {r['steps']} | {'**yes**' if r['probe_stop'] else 'no'} | "
                      f"{fmt(kl[0] if kl else None)} / {fmt(median)} / {fmt(kl[-1] if kl else None)} | "
-                     f"{fmt(ratio, '{:.2f}')} | {r['resolved_old']} / {r['resolved_base']} | {pair(r['beta_old'])} | "
+                     f"{fmt(ratio, '{:.2f}')} | {fmt(r.get('bitwise'), '{:.3f}')} | {r['resolved_old']} / {r['resolved_base']} | {pair(r['beta_old'])} | "
                      f"{pair(r['plain_old'])} | {pair(r['reliability_old'])} | {pair(r['beta_base'])} | {acc} | "
                      f"{r['seconds']:.0f} |")
     return "\n".join(lines)

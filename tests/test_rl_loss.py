@@ -125,3 +125,16 @@ def test_dynamic_sampling_filters_on_accuracy_not_on_the_overlong_penalty():
     mixed = group([0, 1, 0, 0], [0, 0, 0, 0])
     all_right = group([1, 1, 1, 1], [0, 0, -0.5, 0])
     assert informative([all_wrong_one_long, mixed, all_right]) == [False, True, False]
+
+
+def test_bitwise_frac_counts_tokens_whose_log_probs_share_every_bit():
+    engine_B_T = torch.tensor([[-1.0, -0.5, -2.0, 0.0], [-0.25, -3.0, -1.0, -1.0]])
+    old_B_T = engine_B_T.clone()
+    old_B_T[0, 1] = torch.nextafter(torch.tensor(-0.5), torch.tensor(0.0))  # one ulp off: not bitwise
+    old_B_T[0, 3] = -0.0  # equal as numbers, not as bits
+    old_B_T[1, 3] = -7.0  # a padded position: ignored
+    mask_B_T = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    _, metrics = importance_weights(old_B_T, engine_B_T, mask_B_T, "none", 2.0)
+    assert metrics["mismatch/bitwise_frac"] == pytest.approx(5 / 7)
+    _, same = importance_weights(engine_B_T, engine_B_T, mask_B_T, "tis", 2.0)
+    assert same["mismatch/bitwise_frac"] == 1.0 and same["mismatch/k3_kl"] == 0.0

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 # Metric reduction rules (see reduce_metrics). Additive: each rank's value is already its share of the global
 # value (token shares over the global token count, or counts).
 SUMMED_KEYS = frozenset({"reward/graded", "reward/no_answer", "reward/timeouts", "reward/crashes",
-                         "mismatch/k3_kl", "mismatch/mean_ratio", "train/entropy", "train/processed_tokens"})
+                         "mismatch/k3_kl", "mismatch/mean_ratio", "mismatch/bitwise_frac", "train/entropy",
+                         "train/processed_tokens"})
 SUMMED_PREFIXES = ("loss/", "is/")
 MAX_KEYS = frozenset({"mismatch/max_abs_logratio"})
 MAX_PREFIXES = ("time/", "mem/", "engine/", "probe/", "dist/")

@@ -22,6 +22,12 @@ def masked_mean(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tenso
     return (values_B_T * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def bitwise_equal(a_B_T: torch.Tensor, b_B_T: torch.Tensor) -> torch.Tensor:
+    """Where two fp32 log-prob tensors hold the same bits (the engine and the trainer computed the same number, not a
+    close one: -0.0 differs from +0.0, a NaN equals only the same NaN)."""
+    return a_B_T.float().contiguous().view(torch.int32) == b_B_T.float().contiguous().view(torch.int32)
+
+
 def importance_weights(
     old_logprobs_B_T: torch.Tensor,
     engine_logprobs_B_T: torch.Tensor,
@@ -43,6 +49,7 @@ def importance_weights(
         "mismatch/k3_kl": masked_mean(ratio_B_T - 1 - log_ratio_B_T, mask).item(),  # KL(engine‖trainer) est.
         "mismatch/max_abs_logratio": log_ratio_B_T.abs().max().item() if mask.any() else 0.0,
         "mismatch/mean_ratio": masked_mean(ratio_B_T, mask).item(),
+        "mismatch/bitwise_frac": masked_mean(bitwise_equal(old_logprobs_B_T, engine_logprobs_B_T).float(), mask).item(),
     }
     if correction == "none":
         return torch.ones_like(ratio_B_T), metrics | {"is/clipped_frac": 0.0}
