@@ -172,16 +172,6 @@ def main() -> None:
         return metrics
 
     PublishProbe.__call__ = probe_call
-    original_decide = PublishProbe.decide
-
-    def decide(self, engine_N, scored, step, instrument=None):
-        # which side is not finite (the probe's own message says "engine or trainer")
-        counts = {"engine": engine_N, **{f"trainer_{k}": v for k, v in scored.items()}}
-        print(f"FINITE step {step}: " + json.dumps({k: f"{int((~v.isfinite()).sum())} of {v.numel()} non-finite"
-                                                    for k, v in counts.items()}), flush=True)
-        return original_decide(self, engine_N, scored, step, instrument)
-
-    PublishProbe.decide = decide
     import shutil
 
     shutil.rmtree(f"/tmp/diag/diag_{args.pairing}", ignore_errors=True)

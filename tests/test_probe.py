@@ -105,8 +105,11 @@ def test_decide_fires_on_non_finite_and_on_a_broken_engine():
     probe = PublishProbe(_cfg(), [[1]], "cpu", 0)
     scored = {"new": torch.full((8,), -1.0), "base": torch.full((8,), -1.0)}
     probe.decide(scored["new"] + 0.01, scored, 0)
-    with pytest.raises(ProbeMismatch, match="non-finite"):
+    with pytest.raises(ProbeMismatch, match="non-finite log-probs after the publish at step 1: engine 8 of 8$"):
         probe.decide(torch.full((8,), float("nan")), scored, 1)
+    broken = dict(scored, new=torch.tensor([-1.0] * 6 + [float("-inf"), float("nan")]))
+    with pytest.raises(ProbeMismatch, match=r"step 1: trainer \(new adapter\) 2 of 8$"):
+        PublishProbe(_cfg(), [[1]], "cpu", 0).decide(torch.full((8,), -1.0), broken, 1)
     with pytest.raises(ProbeMismatch, match="serves none of the adapter published at step 2"):
         probe.decide(scored["new"] - 3.0, scored, 2)  # new = old = base, so only the noise floor can tell
 

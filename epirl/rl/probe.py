@@ -212,7 +212,10 @@ class PublishProbe:
                    "probe/max_abs_logp_diff": float(residual_N.abs().max()),
                    "probe/engine_rms_to_new": _rms(residual_N), "probe/tokens": float(engine_N.numel())}
         if not all(math.isfinite(v) for v in metrics.values()):
-            return self._fail(f"non-finite log-probs after the publish at step {step} (engine or trainer)", metrics)
+            sides = {"engine": engine_N, **{f"trainer ({name} adapter)": v for name, v in scored.items()}}
+            bad = ", ".join(f"{side} {int((~v.isfinite()).sum())} of {v.numel()}" for side, v in sides.items()
+                            if not bool(v.isfinite().all()))
+            return self._fail(f"non-finite log-probs after the publish at step {step}: {bad}", metrics)
         nearest = min(_rms(engine_N - h_N) for h_N in scored.values())
         noise = max(nearest, NOISE_FLOOR_MIN)
         metrics["probe/noise_rms"] = noise
