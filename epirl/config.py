@@ -82,6 +82,12 @@ class EngineConfig(Section):
     (`epirl.kernels.w8a8_multi_lora`; docs/SERVING.md) and vLLM's own, timed at the
     first engine start (~1-2 min) and cached on disk; `fused` = always epirl's; `off` = vLLM's; `env` = what the
     variable EPIRL_SERVING_KERNELS says (off when unset). `fused`/`timed` need precision w8a8."""
+    bitwise: bool = False
+    """Bitwise on-policy RL: the engine's and the trainer's log-probs of every sampled token equal bit for bit (KL = 0
+    exactly, `mismatch/bitwise_frac` = 1). Both sides run epirl's batch-invariant norms, rotary embedding, attention,
+    SiLU-and-multiply and LM head (`epirl.kernels.invariant`) around the matched projections. Needs `precision:
+    w8a16`, an FP8 trainer (`trainer.base: fp8` or `shared`) and `model.dtype: bfloat16`; Llama-style models
+    (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""
@@ -371,6 +377,12 @@ class EpirlConfig(Section):
             raise ValueError(f"engine.serving_kernels={self.engine.serving_kernels} serves W8A8 layers, but "
                              f"engine.precision={self.engine.precision}: use engine.precision=w8a8 or "
                              "engine.serving_kernels=env")
+        if self.engine.bitwise and (self.engine.precision != "w8a16" or self.trainer.base == "bf16"):
+            raise ValueError(f"engine.bitwise needs the matched pairing (engine.precision=w8a16 with trainer.base=fp8 or "
+                             f"shared), got engine.precision={self.engine.precision}, trainer.base={self.trainer.base}")
+        if self.engine.bitwise and self.model.dtype == "float32":
+            raise ValueError("engine.bitwise needs model.dtype=bfloat16 (in float32 the invariant ops' float64 "
+                             "reductions round differently in about one element of ten million)")
         if self.trainer.base == "shared" and self.engine.precision not in FP8_ENGINE_PRECISIONS:
             raise ValueError(f"trainer.base=shared maps the engine's FP8 weights, but engine.precision="
                              f"{self.engine.precision} has none: use engine.precision=w8a16 (or w8a8), or "
@@ -406,6 +418,9 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
         raise ConfigError("trainer.base=shared with trainer.device=cpu: the engine's weights live on the GPU; "
                           "use trainer.device=auto (or trainer.base=fp8)")
     cfg.model.dtype = concrete_dtype(cfg.model.dtype, device.type)
+    if cfg.engine.bitwise and cfg.model.dtype != "bfloat16":
+        raise ConfigError(f"engine.bitwise needs model.dtype=bfloat16 (model.dtype resolves to {cfg.model.dtype} on "
+                          f"{device.type}); set model.dtype=bfloat16")
     return device
 
 

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig
 
 from epirl.config import ENGINE_PRECISIONS, ConfigError, resolve_model_path
-from epirl.engine import plugin, serving_lora
+from epirl.engine import bitwise, plugin, serving_lora
 from epirl.engine.spec import EngineSpec
 from epirl.engine.lora_publish import AdapterPublisher
 from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, kv_cache, logits_lora, model_access, prompt_logprobs,
@@ -66,7 +66,8 @@ def engine_spec(cfg: Any, serving: str | None = None) -> EngineSpec:
     return EngineSpec(lora_rank=int(cfg.lora.rank), lora_alpha=float(cfg.lora.alpha),
                       fused_slices=True if kernels is None else bool(kernels.fused_slices),
                       serving_kernels=serving_mode(cfg, on_cuda()) if serving is None else serving,
-                      serving_vllm_from=None if kernels is None else kernels.serving_vllm_from)
+                      serving_vllm_from=None if kernels is None else kernels.serving_vllm_from,
+                      bitwise=bool(getattr(cfg.engine, "bitwise", False)))
 
 
 def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str, Any]:
@@ -179,6 +180,8 @@ class RolloutEngine:
             serving_lora.install()
         if not on_cuda():
             cpu_lora_ops.install()  # vLLM's CPU LoRA ops gather weights per token: ~2x slower generate
+        if getattr(cfg.engine, "bitwise", False):
+            bitwise.register_layers()  # before vLLM builds the model: its norms, rotary, activation and head
         import vllm  # only when an engine starts: importing vLLM takes seconds
 
         self.cfg = cfg
@@ -196,6 +199,9 @@ class RolloutEngine:
         logits_lora.bypass_logits_lora(self.llm)  # adapters never touch lm_head; see logits_lora for the CPU bug
         self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
         self._fused = plugin.attach(self.llm, self.precision)  # w8a16: the fused LoRA path's buffers; else None
+        if getattr(cfg.engine, "bitwise", False):
+            bitwise.install_attention(self.llm)
+            bitwise.check_model(self.llm)
         self._kv_released = False
         self._kv_released_bytes = 0
         self._weight_checksums = self._checksum_weights() if self.kv_release_mode != "none" else {}

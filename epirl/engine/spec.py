@@ -26,13 +26,16 @@ class EngineSpec:
     the fused op bakes into its graph; fused_slices: the fused q, k, v layer as one W8A16 call (`kernels.fused_slices`,
     the trainer groups its modules the same way); serving_kernels: "off" | "fused" | "timed", epirl's multi-adapter
     FP8 kernels in vLLM's LoRA layers (`engine.serving_kernels`); serving_vllm_from: batches of at least this many
-    tokens take vLLM's own LoRA path in those layers (`kernels.serving_vllm_from`; None: never)."""
+    tokens take vLLM's own LoRA path in those layers (`kernels.serving_vllm_from`; None: never); bitwise: the norms,
+    rotary embedding, activation, attention and LM head run epirl's batch-invariant ops (`engine.bitwise`,
+    epirl/engine/bitwise.py)."""
 
     lora_rank: int = 0
     lora_alpha: float = 0.0
     fused_slices: bool = True
     serving_kernels: str = "off"
     serving_vllm_from: int | None = None
+    bitwise: bool = False
 
     def __post_init__(self):
         if self.serving_kernels not in SERVING_MODES:

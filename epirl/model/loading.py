@@ -24,6 +24,7 @@ from epirl.config import check_lora_targets, concrete_dtype, resolve_model_path
 from epirl.kernels import Fp8LoRALinear, quantize_weight_fp8, split_fused
 from epirl.kernels.lora_linear.sliced import attach_slice_group
 from epirl.model.lora import ALL_PROJECTIONS, init_lora_weights, inject_lora, projection_modules, replace_module
+from epirl.model.bitwise import install_bitwise_forward
 from epirl.model.fp8 import Fp8Linear
 from epirl.model.linear_attention import select_gdn_kernel
 from epirl.model.policy import Policy
@@ -296,6 +297,9 @@ def load_policy(cfg, device, engine=None) -> Policy:
     policy.nests_text_model = (hasattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config") if dummy
                                else source.nests_text_model)
     policy.random_weights = dummy
+    if getattr(cfg.engine, "bitwise", False):
+        install_bitwise_forward(policy.model, load_text_config(model_dir))
+        policy.bitwise = True
     return policy
 
 

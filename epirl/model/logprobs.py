@@ -12,14 +12,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from epirl.kernels import invariant
+
 
 def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weight_V_H: torch.Tensor,
-                    head_bias_V: torch.Tensor | None, temperature: float, with_entropy: bool
+                    head_bias_V: torch.Tensor | None, temperature: float, with_entropy: bool, exact_head: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     # The head matmul stays in the model dtype (as vLLM's logits processor); then, as vLLM's sampler does
     # for processed_logprobs (contract 5): cast to fp32, divide (not multiply by 1/T: the last bit differs)
-    # by the temperature, log_softmax in fp32.
-    logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / temperature
+    # by the temperature, log_softmax in fp32. exact_head (`engine.bitwise`): the batch-invariant fp32 logits the
+    # bitwise engine's head computes (epirl.kernels.invariant.logits).
+    if exact_head:
+        logits_N_V = invariant.logits(hidden_N_H, head_weight_V_H) / temperature
+    else:
+        logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / temperature
     logprobs_N_V = torch.log_softmax(logits_N_V, dim=-1)
     token_logprobs_N = logprobs_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -33,9 +39,10 @@ def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weig
 
 
 def chunked_token_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, lm_head: nn.Linear,
-                           temperature: float, chunk_tokens: int, with_entropy: bool = False
+                           temperature: float, chunk_tokens: int, with_entropy: bool = False, exact_head: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target | hidden) in fp32 for N tokens, computing at most `chunk_tokens` rows of logits at once."""
+    """log p(target | hidden) in fp32 for N tokens, computing at most `chunk_tokens` rows of logits at once.
+    exact_head: the LM head as `engine.bitwise` computes it (no bias)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     if chunk_tokens <= 0:
@@ -45,7 +52,7 @@ def chunked_token_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, lm
     logprobs, entropies = [], []
     for start in range(0, hidden_N_H.shape[0], chunk_tokens):
         args = (hidden_N_H[start:start + chunk_tokens], targets_N[start:start + chunk_tokens],
-                lm_head.weight, lm_head.bias, float(temperature), with_entropy)
+                lm_head.weight, lm_head.bias, float(temperature), with_entropy, exact_head)
         logprobs_n, entropy_n = (checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute
                                  else _chunk_logprobs(*args))
         logprobs.append(logprobs_n)

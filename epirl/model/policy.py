@@ -42,6 +42,7 @@ class Policy:
         self.nests_text_model = False
         self.random_weights = False  # model.load_format=dummy: saved adapters are marked, never evaluated
         self.linear_attention_kernel = "none"  # Qwen3.5 gated DeltaNet: "fla" or "torch (...)"
+        self.bitwise = False  # engine.bitwise: the decoder and the LM head run the invariant ops (model.bitwise)
 
     @property
     def device(self) -> torch.device:
@@ -94,12 +95,15 @@ class Policy:
         Differentiable w.r.t. the LoRA parameters. With right padding no attention mask is needed
         (causal attention never looks right); pass one for left padding.
         """
+        if self.bitwise and attention_mask_B_T is not None:
+            raise ValueError("engine.bitwise: the trainer's bitwise attention takes right-padded sequences "
+                             "without an attention mask")
         hidden_B_T_H = self.hidden_states(input_ids_B_T, attention_mask_B_T)
         batch, seq = targets_B_T.shape
         hidden_N_H = hidden_B_T_H.reshape(batch * seq, -1)
         logprobs_N, entropy_N = chunked_token_logprobs(
             hidden_N_H, targets_B_T.reshape(-1), self.model.get_output_embeddings(), temperature,
-            chunk_tokens, with_entropy)
+            chunk_tokens, with_entropy, exact_head=self.bitwise)
         entropy_B_T = None if entropy_N is None else entropy_N.view(batch, seq)
         return logprobs_N.view(batch, seq), entropy_B_T
 

@@ -1,0 +1,194 @@
+"""The engine's half of the bitwise pairing (`engine.bitwise`): vLLM's layers around the projections compute with
+`epirl.kernels.invariant`, the ops the trainer runs (epirl/model/bitwise.py), so that a sampled token's log-prob is
+the trainer's bit for bit.
+
+- RMSNorm (with and without the fused residual add), the rotary embedding, SiLU-and-multiply and the LM head are
+  vLLM custom ops / pluggable layers; `register_layers()` registers out-of-tree subclasses under their names before
+  the engine builds its model (vLLM instantiates a registered subclass wherever the model asks for the class), and
+  each instance reads the engine's spec (`EngineSpec.bitwise`) once, at construction: off, it is vLLM's own layer.
+- Attention: `install_attention(llm)` replaces each decoder attention layer's backend forward after the engine
+  starts: each request's rows attend its keys at positions 0 .. seq_len - 1, gathered by its block table in position
+  order (`invariant.attention`, the trainer's op over the same values). Implemented for vLLM's CPU backend
+  (CPU_ATTN); another backend is refused with one line.
+- `check_model(llm)`: every norm, rotary embedding, activation and attention layer of the built model is one of the
+  above, or the engine refuses to start.
+The sampler's fp32 log-softmax (after the temperature division) is the same torch call in the trainer
+(`epirl.model.logprobs`), on the same fp32 logits.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from epirl.engine import spec as engine_spec
+from epirl.engine.vllm_compat.model_access import model as model_of
+from epirl.kernels import invariant
+
+_REGISTERED: dict[str, type] = {}
+
+
+class BitwiseUnsupported(RuntimeError):
+    """The engine's model has a layer without a bitwise kernel."""
+
+
+def _bitwise_now() -> bool:
+    spec = engine_spec.current()
+    return bool(spec is not None and spec.bitwise)
+
+
+def register_layers() -> None:
+    """Register the invariant subclasses of vLLM's RMSNorm, RotaryEmbedding, SiluAndMul and LogitsProcessor
+    (once per process; vLLM builds them wherever a model asks for the originals)."""
+    if _REGISTERED:
+        return
+    from vllm.model_executor.custom_op import CustomOp, PluggableLayer
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    class InvariantRMSNorm(RMSNorm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.epirl_bitwise = _bitwise_now()
+
+        def forward(self, x, residual=None):
+            if not self.epirl_bitwise:
+                return super().forward(x, residual)
+            if self.variance_size_override is not None:
+                raise BitwiseUnsupported("engine.bitwise: an RMSNorm over part of its input has no bitwise kernel")
+            if residual is None:
+                return torch.ops.epirl.invariant_rms_norm(x, self.weight, self.variance_epsilon)
+            return torch.ops.epirl.invariant_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+    class InvariantRotaryEmbedding(RotaryEmbedding):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.epirl_bitwise = _bitwise_now()
+            if self.epirl_bitwise:
+                if not self.is_neox_style:
+                    raise BitwiseUnsupported("engine.bitwise: GPT-J-style rotary embedding has no bitwise kernel")
+                self.epirl_table = invariant.rotary_table(self.rotary_dim, self.base, self.max_position_embeddings,
+                                                          "cpu")
+
+        def forward(self, positions, query, key=None):
+            if not self.epirl_bitwise:
+                return super().forward(positions, query, key)
+            if self.epirl_table.device != query.device:
+                self.epirl_table = self.epirl_table.to(query.device)
+            return torch.ops.epirl.invariant_rotary(positions.flatten(), query, key, self.epirl_table,
+                                                    self.head_size)
+
+    class InvariantSiluAndMul(SiluAndMul):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.epirl_bitwise = _bitwise_now()
+
+        def forward(self, x):
+            return torch.ops.epirl.invariant_silu_mul(x) if self.epirl_bitwise else super().forward(x)
+
+    class InvariantLogitsProcessor(LogitsProcessor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.epirl_bitwise = _bitwise_now()
+
+        def _apply_head(self, lm_head, hidden_states, embedding_bias):
+            if not self.epirl_bitwise:
+                return super()._apply_head(lm_head, hidden_states, embedding_bias)
+            if embedding_bias is not None:
+                raise BitwiseUnsupported("engine.bitwise: an LM head with a bias has no bitwise kernel")
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            return invariant.logits(flat, lm_head.weight).reshape(*hidden_states.shape[:-1], -1)
+
+    for name, cls, registry in (("RMSNorm", InvariantRMSNorm, CustomOp),
+                                ("RotaryEmbedding", InvariantRotaryEmbedding, CustomOp),
+                                ("SiluAndMul", InvariantSiluAndMul, CustomOp),
+                                ("LogitsProcessor", InvariantLogitsProcessor, PluggableLayer)):
+        registry.register_oot(cls, name=name)
+        _REGISTERED[name] = cls
+
+
+def _slot_store(impl, kv_cache: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This layer's keys and values by cache slot, `[slots, kv_heads, head_size]` each, and the block size. CPU_ATTN
+    writes its cache `[blocks, kv_heads, block_size, 2 · head_size]` in a layout of its ISA's kernels, not one to read
+    back by position, so the bitwise path keeps the same slots in plain form beside it (written from the same key and
+    value tensors, so prefix-cached blocks hold what vLLM's cache holds)."""
+    blocks, _, block_size, _ = kv_cache.shape
+    store = getattr(impl, "epirl_slots", None)
+    if store is None or store[0].shape[0] != blocks * block_size:
+        shape = (blocks * block_size, impl.num_kv_heads, impl.head_size)
+        store = (key.new_zeros(shape), key.new_zeros(shape))
+        impl.epirl_slots = store
+    return store[0], store[1], block_size
+
+
+def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                       output_block_scale=None):
+    """The backend's forward for decoder self-attention: this step's keys and values go to their cache slots, then
+    each request's query rows attend its keys at positions 0 .. seq_len - 1, gathered in position order."""
+    if attn_metadata is None:  # vLLM's warm-up pass
+        return output
+    keys, values, block_size = _slot_store(self, kv_cache, key)
+    n = attn_metadata.num_actual_tokens
+    slots = attn_metadata.slot_mapping[:n].long()
+    keys[slots] = key[:n].reshape(n, self.num_kv_heads, self.head_size)
+    values[slots] = value[:n].reshape(n, self.num_kv_heads, self.head_size)
+    starts = attn_metadata.query_start_loc.tolist()
+    for i, seq_len in enumerate(attn_metadata.seq_lens.tolist()):
+        first, last = starts[i], starts[i + 1]
+        if last == first:
+            continue
+        positions = torch.arange(seq_len, device=key.device)
+        seq_slots = attn_metadata.block_table[i].long()[positions // block_size] * block_size + positions % block_size
+        q = query[first:last].reshape(last - first, self.num_heads, self.head_size)
+        out = invariant.attention(q, keys[seq_slots], values[seq_slots], self.scale, q_start=seq_len - (last - first))
+        output[first:last] = out.reshape(output[first:last].shape)
+    return output
+
+
+def install_attention(llm) -> int:
+    """Give every decoder attention layer of the engine's model the invariant forward; returns how many."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    count = 0
+    for name, module in model_of(llm).named_modules():
+        impl = getattr(module, "impl", None)
+        if impl is None or not hasattr(impl, "kv_cache_dtype"):
+            continue
+        if not isinstance(impl, CPUAttentionBackendImpl):
+            raise BitwiseUnsupported(f"engine.bitwise: attention backend {type(impl).__name__} ({name}) has no "
+                                     "bitwise path (vLLM's CPU backend has)")
+        unsupported = [what for what, present in (
+            ("an FP8 KV cache", impl.kv_cache_dtype != "auto"), ("ALiBi", impl.alibi_slopes is not None),
+            ("a sliding window", impl.sliding_window != -1), ("a logit soft cap", bool(impl.logits_soft_cap)),
+            ("attention sinks", impl.sinks is not None), ("non-causal attention", impl.attn_type != "decoder"))
+            if present]
+        if unsupported:
+            raise BitwiseUnsupported(f"engine.bitwise: {name} uses {unsupported[0]}, which has no bitwise kernel")
+        impl.forward = types.MethodType(_attention_forward, impl)
+        count += 1
+    return count
+
+
+def check_model(llm) -> None:
+    """Refuse (one line) a model with a norm, rotary embedding, activation or logits layer that is not invariant."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+    from vllm.model_executor.custom_op import CustomOp
+
+    replaced: list[str] = []  # the invariant layers: their own sub-ops (vLLM's rotary helper) never run
+    for name, module in model_of(llm).named_modules():
+        kind = type(module).__name__
+        if any(name.startswith(prefix + ".") for prefix in replaced):
+            continue
+        if isinstance(module, (RMSNorm, RotaryEmbeddingBase, SiluAndMul, LogitsProcessor)):
+            if not getattr(module, "epirl_bitwise", False):
+                raise BitwiseUnsupported(f"engine.bitwise: {name} ({kind}) has no bitwise kernel")
+            replaced.append(name)
+        elif isinstance(module, CustomOp) and ("Norm" in kind or "Rotary" in kind or "AndMul" in kind
+                                               or kind.endswith(("GELU", "Gelu"))):
+            raise BitwiseUnsupported(f"engine.bitwise: {name} ({kind}) has no bitwise kernel")

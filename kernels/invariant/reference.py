@@ -1,0 +1,85 @@
+"""Batch-invariant references of the forward pass around the projections: what the engine and the trainer both run
+when `engine.bitwise` is on, so that a sampled token's log-prob is the same number on both sides.
+
+Every op names its rounding points; between them it computes in float64. bf16 and e4m3 operands, and their
+products with fp32 tables, are exact in float64, so a reduction's order (the number of tokens in the call, a BLAS
+blocking, where the keys sit in a paged cache) changes a float64 result only in its last bits, far below the bf16 /
+fp32 rounding that follows: the rounded outputs agree unless a value lies within ~2^-40 of a rounding boundary
+(never seen on a real model). Elementwise ops (products, sums of two terms) are correctly rounded and therefore equal
+whatever the layout.
+
+    rms_norm      y = bf16(x · 1/sqrt(mean(x²) + eps) · w); with a residual r: first x = bf16(fp32(x) + fp32(r)),
+                  the sum torch and vLLM compute for a bf16 add, returned as the new residual
+    rotary        Neox-style rotation of the first `rotary_dim` features: a = bf16(q₁c - q₂s), b = bf16(q₂c + q₁s),
+                  cos / sin from `rotary_table` (fp32)
+    silu_mul      bf16(silu(g) · u)
+    attention     causal softmax(q kᵀ · scale) v, fp64 scores and softmax, rounded to bf16 once
+    logits        fp32(h · Wᵀ): the LM head, exact dot rounded once (the sampler's fp32 logits, no bf16 rounding)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x `[..., H]` -> y (x.dtype); with residual: (y, x + residual), the sum rounded to x.dtype and normed."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    x64 = x.double()
+    inv = torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
+    y = (x64 * inv * weight.double()).to(x.dtype)
+    return y if residual is None else (y, x)
+
+
+@functools.lru_cache(maxsize=8)
+def _rotary_table_cpu(rotary_dim: int, base: float, positions: int) -> torch.Tensor:
+    inv_freq = torch.pow(torch.tensor(float(base), dtype=torch.float64),
+                         -torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def rotary_table(rotary_dim: int, base: float, positions: int, device) -> torch.Tensor:
+    """`[positions, rotary_dim]` fp32: cos of every frequency, then sin (computed once on the CPU in float64, so
+    both sides hold the same table whatever their device)."""
+    return _rotary_table_cpu(int(rotary_dim), float(base), int(positions)).to(device)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, D]` (or `[..., T, heads, D]` with positions broadcasting over T), rotated Neox-style over its
+    first `table.shape[1]` features; the rest pass through."""
+    rot = table.shape[1]
+    half = rot // 2
+    cs = table[positions].double()  # [T, rot]
+    cos, sin = cs[..., None, :half], cs[..., None, half:]
+    x1, x2 = x[..., :half].double(), x[..., half:rot].double()
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotated if rot == x.shape[-1] else torch.cat([rotated, x[..., rot:]], dim=-1)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.double()
+    return (g / (1.0 + torch.exp(-g)) * up.double()).to(gate.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int = 0) -> torch.Tensor:
+    """Causal attention of one sequence: q `[T, H, D]` at positions q_start .. q_start + T - 1 over k, v
+    `[S, G, D]` at positions 0 .. S - 1 (G kv heads, H a multiple of G) -> `[T, H, D]` in q.dtype. Row t sees the
+    keys at positions <= q_start + t."""
+    T, H, _ = q.shape
+    S, G, _ = k.shape
+    k64 = k.double().repeat_interleave(H // G, dim=1)
+    v64 = v.double().repeat_interleave(H // G, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.double(), k64) * scale
+    visible = torch.arange(S, device=q.device)[None, :] <= (q_start + torch.arange(T, device=q.device))[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v64).to(q.dtype)
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden `[N, H]`, weight `[V, H]` -> fp32 `[N, V]`, the exact dot rounded once."""
+    return (hidden.double() @ weight.double().t()).float()
