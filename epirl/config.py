@@ -418,6 +418,9 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
         raise ConfigError("trainer.base=shared with trainer.device=cpu: the engine's weights live on the GPU; "
                           "use trainer.device=auto (or trainer.base=fp8)")
     cfg.model.dtype = concrete_dtype(cfg.model.dtype, device.type)
+    if cfg.engine.bitwise and device.type == "cuda":
+        raise ConfigError("engine.bitwise runs on vLLM's CPU backend so far: its GPU kernels (batch-invariant Triton "
+                          "norm, rotary, attention over the paged cache, LM head) are not written yet")
     if cfg.engine.bitwise and cfg.model.dtype != "bfloat16":
         raise ConfigError(f"engine.bitwise needs model.dtype=bfloat16 (model.dtype resolves to {cfg.model.dtype} on "
                           f"{device.type}); set model.dtype=bfloat16")

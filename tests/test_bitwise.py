@@ -104,3 +104,25 @@ def test_vllm_cpu_engine_log_probs_equal_the_trainers_bit_for_bit(smollm2_dir):
         assert rescored  # the engine's own prefill scoring runs through the same layers
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mismatch_measures_the_bitwise_engine_at_exactly_zero(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from epirl.data import render_prompt
+    from epirl.mismatch.measure import measure_engines
+
+    cfg = load_config(None, [f"model.path={smollm2_dir}", *MATCHED, "model.max_model_len=128", "rl.max_tokens=16",
+                             "engine.enforce_eager=true", "engine.max_num_seqs=8", "engine.cpu_kv_cache_gb=0.5",
+                             "engine.bitwise=false"])
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": q}], False) for q in ("What is 2 + 5?", "Hi!")]
+    summary, tables = measure_engines(cfg, prompts, ["w8a16-bitwise"], samples=2, max_tokens=10, temperature=1.0,
+                                      topk=5, seed=0, device=resolve_runtime(cfg), replicates=50)
+    engine = summary["engines"]["w8a16-bitwise"]
+    assert engine["matched_variant"] == "b" and set(engine["vs"]) == {"a", "b"}
+    assert engine["vs"]["b"]["abs_dlogp"]["mean"] == 0.0 and engine["vs"]["b"]["kl"]["mean"] == 0.0
+    assert float(tables["w8a16-bitwise"].deltas()["delta_K"].abs().max()) == 0.0
+    assert engine["vs"]["a"]["abs_dlogp"]["mean"] > 0.0  # bf16 weights: the FP8 rounding is still measured (δW)

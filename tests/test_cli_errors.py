@@ -101,7 +101,10 @@ BAD_INPUTS = [
      "error: --samples 4 needs --temperature > 0 (greedy decoding repeats itself)"),
     # epirl mismatch
     (["mismatch", "--engines", "fp4"],
-     "error: --engines: unknown engine precision(s) ['fp4']; choose from bf16,w8a8,w8a16,w8a8@fused,w8a8@timed"),
+     "error: --engines: unknown engine precision(s) ['fp4']; choose from bf16,w8a8,w8a16,w8a8@fused,w8a8@timed,w8a16-bitwise"),
+    (["mismatch", "--engines", "w8a16-bitwise", "model.dtype=float32"],
+     "error: --engines w8a16-bitwise: needs model.dtype=bfloat16 (the run resolves to float32); add the override "
+     "model.dtype=bfloat16"),
     (["mismatch", "--n-prompts", "0"], "error: --n-prompts must be ≥ 1, got 0"),
     (["mismatch", "--temperature", "0"],
      "error: --temperature must be > 0 (log-probs of sampled tokens), got 0.0"),

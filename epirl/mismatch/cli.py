@@ -63,7 +63,8 @@ def add_mismatch_args(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--engines", default="bf16,w8a8,w8a16",
                         help="comma-separated engine precisions; w8a8 is vLLM's W8A8 engine with its own LoRA kernels, "
                              "w8a8@timed / w8a8@fused the W8A8 engine with epirl's serving kernels (what "
-                             "`epirl train` uses by default on CUDA: engine.serving_kernels=auto)")
+                             "`epirl train` uses by default on CUDA: engine.serving_kernels=auto), w8a16-bitwise the "
+                             "matched engine with engine.bitwise (needs model.dtype=bfloat16)")
     parser.add_argument("--topk", type=int, default=20,
                         help=f"engine log-probs per position for the KL (top-k + tail bucket; ≤ {MAX_TOPK})")
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates (over prompts)")
@@ -79,6 +80,7 @@ def add_mismatch_args(subparsers) -> argparse.ArgumentParser:
 
 
 SERVING_SPECS = ("w8a8@fused", "w8a8@timed")  # the W8A8 engine with epirl's serving kernels (serving_lora)
+BITWISE_SPEC = "w8a16-bitwise"  # the matched engine with engine.bitwise (scored by the bitwise trainer variants)
 # What epirl.data reads from a prompt file (data.format auto); --help names it.
 PROMPT_FILE_COLUMNS = ("math: problem (or question), answer; optional: unique_id (or id)",
                        "dapo: prompt (a string or chat messages), reward_model.ground_truth")
@@ -86,10 +88,11 @@ PROMPT_FILE_COLUMNS = ("math: problem (or question), answer; optional: unique_id
 
 def parse_engines(text: str) -> list[str]:
     engines = [e.strip() for e in text.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in ENGINE_PRECISIONS and e not in SERVING_SPECS]
+    known = ENGINE_PRECISIONS + SERVING_SPECS + (BITWISE_SPEC,)
+    unknown = [e for e in engines if e not in known]
     if not engines or unknown:
         raise MismatchInputError(f"--engines: unknown engine precision(s) {unknown or [text]}; "
-                                 f"choose from {','.join(ENGINE_PRECISIONS + SERVING_SPECS)}")
+                                 f"choose from {','.join(known)}")
     if len(set(engines)) != len(engines):
         raise MismatchInputError(f"--engines: {text!r} lists an engine twice")
     return engines
@@ -178,6 +181,9 @@ def _prepare(args):
         device = resolve_runtime(cfg)
     except ConfigError as exc:
         raise MismatchInputError(str(exc)) from None
+    if BITWISE_SPEC in engines and cfg.model.dtype != "bfloat16":
+        raise MismatchInputError(f"--engines {BITWISE_SPEC}: needs model.dtype=bfloat16 (the run resolves to "
+                                 f"{cfg.model.dtype}); add the override model.dtype=bfloat16")
     model_dir = _model_dir(args.model)
     problems = load_prompt_problems(cfg, args.n_prompts, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -41,7 +41,8 @@ from epirl.mismatch.variants import (VARIANTS, fake_quant_activations, fp8_proje
 
 log = logging.getLogger(__name__)
 
-MATCHED_VARIANT = {"bf16": "a", "w8a16": "b", "w8a8": "c"}
+MATCHED_VARIANT = {"bf16": "a", "w8a16": "b", "w8a8": "c", "w8a16-bitwise": "b"}
+BITWISE_SUFFIX = "-bitwise"  # `w8a16-bitwise`: engine.bitwise on; its variants (a), (b) run the invariant ops too
 TIS_CAP = 2.0
 # Below these the bf16-engine / bf16-trainer pair is "≈ 0" (e.g. both in fp32 on CPU) and ratios relative
 # to it say nothing about bf16 rounding; the report flags them.
@@ -252,6 +253,9 @@ def summarize(tables: dict[str, TokenTable], num_prompts: int, replicates: int =
     else:
         notes.append("no bf16 engine in --engines: ratios relative to the bf16 pair are omitted")
     engines = {p: summarize_engine(t, num_prompts, resampling, reference) for p, t in tables.items()}
+    if any(p.endswith(BITWISE_SUFFIX) for p in tables):
+        notes.append("w8a16-bitwise is measured against trainer variants (a), (b) that run engine.bitwise's invariant "
+                     "ops around the projections (its own trainer: (b))")
     return {"bootstrap": {"replicates": replicates, "seed": seed, "unit": "prompt"},
             "reference_pair": None if reference is None else {k: m.mean() for k, m in reference.items()},
             "engines": engines, "notes": notes}
@@ -273,7 +277,10 @@ def collect_rollouts(cfg, specs: list[str], prompt_ids_P: list[list[int]], sampl
     for spec in specs:
         precision, serving = split_engine_spec(spec)
         engine_cfg = copy.deepcopy(cfg)
+        bitwise = precision.endswith(BITWISE_SUFFIX)
+        precision = precision.removesuffix(BITWISE_SUFFIX)
         engine_cfg.engine.precision = precision
+        engine_cfg.engine.bitwise = bitwise
         if serving is None and precision == "w8a8":
             serving = "off"  # a bare `w8a8` is vLLM's own W8A8 engine (its LoRA kernels); `w8a8@timed` is epirl's
         if serving is not None:  # the engine sets the serving-kernels mode for its life (engine.serving_kernels)
@@ -283,6 +290,7 @@ def collect_rollouts(cfg, specs: list[str], prompt_ids_P: list[list[int]], sampl
             if adapter_dir is not None:
                 engine.load_adapter_dir(adapter_dir)
             rollouts[spec] = sample_with_topk(engine, prompt_ids_P, samples, max_tokens, temperature, topk, seed)
+            rollouts[spec].precision = spec.partition("@")[0]  # `w8a16-bitwise` keeps its name in the tables
         finally:
             engine.close()
         log.info("%s engine: %d tokens in %.1f s", spec, rollouts[spec].num_tokens, rollouts[spec].sample_s)
@@ -294,11 +302,19 @@ def score_rollouts(cfg, rollouts: dict[str, EngineRollouts], device: torch.devic
     """(scores[engine][variant] = list of ScoredSequence, checks); one trainer policy in memory at a time."""
     scores: dict[str, dict] = {p: {} for p in rollouts}
     checks: dict[str, dict] = {}
+    bitwise = {p: r for p, r in rollouts.items() if r.precision.endswith(BITWISE_SUFFIX)}
+    rollouts = {p: r for p, r in rollouts.items() if p not in bitwise}
 
-    def score_all(policy, variant):
-        for precision, r in rollouts.items():
+    def score_all(policy, variant, group=rollouts):
+        for precision, r in group.items():
             scores[precision][variant] = score_sequences(policy, r.prompt_ids, r.completion_ids, r.topk_ids,
                                                          temperature)
+
+    for variant in ("a", "b") if bitwise else ():  # a bitwise engine: the same chain with the invariant ops
+        policy = load_variant_policy(cfg, variant, device, adapter_dir, bitwise=True)
+        score_all(policy, variant, bitwise)
+        del policy
+        gc.collect()
 
     if "a" in variants:
         policy = load_variant_policy(cfg, "a", device, adapter_dir)

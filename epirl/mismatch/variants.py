@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epirl.kernels import FP8_DTYPE, w8a8_lora
+from epirl.kernels import FP8_DTYPE, invariant, w8a8_lora
 from epirl.model import load_adapter, load_policy
 
 VARIANTS = {
@@ -80,12 +80,15 @@ def fake_quant_activations(policy) -> Iterator[int]:
             del module.forward
 
 
-def load_variant_policy(cfg, variant: str, device: torch.device, adapter_dir: str | None = None):
-    """The policy of variant (a) (bf16 base) or (b)/(c) (FP8 base), with the adapter loaded if given."""
+def load_variant_policy(cfg, variant: str, device: torch.device, adapter_dir: str | None = None,
+                        bitwise: bool = False):
+    """The policy of variant (a) (bf16 base) or (b)/(c) (FP8 base), with the adapter loaded if given; bitwise:
+    with the invariant ops of `engine.bitwise` around the projections (what a bitwise engine is measured against)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown trainer variant {variant!r}; known: {sorted(VARIANTS)}")
     variant_cfg = copy.deepcopy(cfg)
     variant_cfg.trainer.base = "bf16" if variant == "a" else "fp8"
+    variant_cfg.engine.bitwise = bitwise
     variant_cfg.trainer.gradient_checkpointing = False
     policy = load_policy(variant_cfg, device)
     if adapter_dir is not None:
@@ -104,10 +107,15 @@ class ScoredSequence:
 HEAD_CHUNK_TOKENS = 256  # fp32 logits of 256 positions × a 248k vocabulary (Qwen3.5) ≈ 0.25 GB
 
 
-def _head_logprobs(hidden_N_H: torch.Tensor, lm_head: nn.Module, temperature: float) -> torch.Tensor:
+def _head_logprobs(hidden_N_H: torch.Tensor, lm_head: nn.Module, temperature: float,
+                   exact_head: bool = False) -> torch.Tensor:
     # Same arithmetic as Policy.token_logprobs (`_chunk_logprobs`) and vLLM's sampler: head matmul in the
-    # model dtype, fp32 logits divided (not multiplied by 1/T: the last bit differs) by T, fp32 log-softmax.
-    logits_N_V = F.linear(hidden_N_H, lm_head.weight, lm_head.bias).float() / temperature
+    # model dtype (exact_head: the bitwise pairing's fp32 logits), fp32 logits divided (not multiplied by 1/T: the
+    # last bit differs) by T, fp32 log-softmax.
+    if exact_head:
+        logits_N_V = invariant.logits(hidden_N_H, lm_head.weight) / temperature
+    else:
+        logits_N_V = F.linear(hidden_N_H, lm_head.weight, lm_head.bias).float() / temperature
     return torch.log_softmax(logits_N_V, dim=-1)
 
 
@@ -145,7 +153,8 @@ def score_sequences(policy, prompt_ids: list[list[int]], completion_ids: list[li
             topk_T_K_ids = topk_ids[i].to(device)
             sampled, topk = [], []
             for c in range(0, n_completion, HEAD_CHUNK_TOKENS):  # full-vocab fp32 rows, a chunk at a time
-                logprobs_C_V = _head_logprobs(hidden_T_H[c:c + HEAD_CHUNK_TOKENS], lm_head, temperature)
+                logprobs_C_V = _head_logprobs(hidden_T_H[c:c + HEAD_CHUNK_TOKENS], lm_head, temperature,
+                                              policy.bitwise)
                 sampled.append(logprobs_C_V.gather(-1, targets_T[c:c + HEAD_CHUNK_TOKENS, None]).squeeze(-1))
                 topk.append(logprobs_C_V.gather(-1, topk_T_K_ids[c:c + HEAD_CHUNK_TOKENS]))
             results[i] = ScoredSequence(torch.cat(sampled).float().cpu(), torch.cat(topk).float().cpu())
