@@ -22,11 +22,11 @@ import torch
 from transformers import AutoConfig
 
 from epirl.config import ENGINE_PRECISIONS, ConfigError, resolve_model_path
-from epirl.engine import bitwise, plugin, serving_lora
+from epirl.engine import plugin, serving_lora
 from epirl.engine.spec import EngineSpec
 from epirl.engine.lora_publish import AdapterPublisher
-from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, kv_cache, logits_lora, model_access, prompt_logprobs,
-                                      shutdown)
+from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, invariant_layers, kv_cache, logits_lora, model_access,
+                                      prompt_logprobs, shutdown)
 from epirl.engine.vllm_compat.detect import on_cuda, vllm_version
 from epirl.model.dummy import uses_tokenizer
 
@@ -181,8 +181,8 @@ class RolloutEngine:
         if not on_cuda():
             cpu_lora_ops.install()  # vLLM's CPU LoRA ops gather weights per token: ~2x slower generate
         if getattr(cfg.engine, "bitwise", False):
-            bitwise.register_layers()  # before vLLM builds the model: its norms, rotary, activation and head
-            bitwise.forget_cached_rotary()
+            invariant_layers.register_layers()  # before vLLM builds the model: its norms, rotary, activation and head
+            invariant_layers.forget_cached_rotary()
         import vllm  # only when an engine starts: importing vLLM takes seconds
 
         self.cfg = cfg
@@ -201,9 +201,9 @@ class RolloutEngine:
         self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
         self._fused = plugin.attach(self.llm, self.precision)  # w8a16: the fused LoRA path's buffers; else None
         if getattr(cfg.engine, "bitwise", False):
-            bitwise.forget_cached_rotary()
-            bitwise.install_attention(self.llm)
-            bitwise.check_model(self.llm)
+            invariant_layers.forget_cached_rotary()
+            invariant_layers.install_attention(self.llm)
+            invariant_layers.check_model(self.llm)
         self._kv_released = False
         self._kv_released_bytes = 0
         self._weight_checksums = self._checksum_weights() if self.kv_release_mode != "none" else {}

@@ -28,7 +28,7 @@ class EngineSpec:
     FP8 kernels in vLLM's LoRA layers (`engine.serving_kernels`); serving_vllm_from: batches of at least this many
     tokens take vLLM's own LoRA path in those layers (`kernels.serving_vllm_from`; None: never); bitwise: the norms,
     rotary embedding, activation, attention and LM head run epirl's batch-invariant ops (`engine.bitwise`,
-    epirl/engine/bitwise.py)."""
+    epirl/engine/vllm_compat/invariant_layers.py)."""
 
     lora_rank: int = 0
     lora_alpha: float = 0.0

@@ -1,5 +1,5 @@
 """The trainer's half of the bitwise pairing (`engine.bitwise`): the Hugging Face decoder's norms, attention and
-MLP run `epirl.kernels.invariant`, the ops the matched engine runs in vLLM's model (epirl/engine/bitwise.py).
+MLP run `epirl.kernels.invariant`, the ops the matched engine runs in vLLM's model (epirl/engine/vllm_compat/invariant_layers.py).
 
 The projections already are the engine's (the W8A16 op); here the rest of the forward follows: every RMSNorm, the
 rotary embedding (one fp32 table built the same way on both sides), causal attention, SiLU-and-multiply. The decoder

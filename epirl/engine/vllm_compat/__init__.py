@@ -21,4 +21,5 @@ outside this package imports a private vLLM name (`tests/test_vllm_compat.py` gr
 | `quantization` | the out-of-tree quantization plugin API and vLLM's embedding classes |
 | `cpu_lora_ops` | the CPU punica ops (grouped per-slot matmuls instead of a per-token gather) |
 | `shutdown` | engine-core shutdown and the distributed/memory cleanup after `LLM` |
+| `invariant_layers` | out-of-tree RMSNorm / RotaryEmbedding / SiluAndMul / LogitsProcessor and the CPU attention backend's forward (`engine.bitwise`) |
 """

