@@ -10,6 +10,7 @@ Built-in pairings (engine precision · trainer base · correction):
   w8a16       w8a16 (the matched engine) · fp8 · none
   w8a8        w8a8 · shared (the engine's own FP8 weights) · tis    (the main recipe's default)
   w8a8-notis  w8a8 · shared · none                                   (what TIS buys)
+  w8a16-bitwise  w8a16 + engine.bitwise · fp8 · none, bf16 model    (KL exactly 0; not in the default set)
 More pairings come from --pairings-file, a YAML mapping of names to overrides (the recipe cannot hold them:
 its schema refuses unknown keys):
   fp8-mis: [engine.precision=w8a8, trainer.base=fp8, rl.correction=mis]
@@ -51,7 +52,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from epirl.compare.spec import BUILTIN_PAIRINGS, EVAL_ENGINES, CompareInputError, CompareSpec, check_user_overrides
+from epirl.compare.spec import DEFAULT_PAIRINGS, EVAL_ENGINES, CompareInputError, CompareSpec, check_user_overrides
 from epirl.compare.spec import parse_seeds, select_pairings
 from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, error_line, quiet_library_environment,
                            run_in_folder, verbose_requested)
@@ -81,7 +82,7 @@ def add_compare_args(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("recipe", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="overrides for every run, applied after the pairing's (e.g. rl.max_tokens=24)")
-    parser.add_argument("--pairings", default=",".join(BUILTIN_PAIRINGS),
+    parser.add_argument("--pairings", default=",".join(DEFAULT_PAIRINGS),
                         help="comma-separated pairing names: built-ins (above) or names from --pairings-file")
     parser.add_argument("--pairings-file", metavar="FILE", default=None,
                         help="YAML mapping: pairing name -> list of key=value overrides or nested mapping (above) "

@@ -422,7 +422,7 @@ def test_pairings_file_lists_and_mappings(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pairings", "bf16,fp4"], "--pairings: unknown pairing 'fp4' (known: bf16, w8a16, w8a8, w8a8-notis)"),
+    (["--pairings", "bf16,fp4"], "--pairings: unknown pairing 'fp4' (known: bf16, w8a16, w8a16-bitwise, w8a8, w8a8-notis)"),
     (["--pairings", "bf16,bf16"], "--pairings bf16,bf16: a pairing is listed twice"),
     (["--seeds", "two"], "--seeds two: give a count (3 = seeds 0, 1, 2) or a comma list of seeds (0,5,7)"),
     (["--seeds", "1,1"], "--seeds 1,1: a seed is listed twice"),

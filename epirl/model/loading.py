@@ -297,7 +297,7 @@ def load_policy(cfg, device, engine=None) -> Policy:
     policy.nests_text_model = (hasattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config") if dummy
                                else source.nests_text_model)
     policy.random_weights = dummy
-    if getattr(cfg.engine, "bitwise", False):
+    if getattr(getattr(cfg, "engine", None), "bitwise", False):  # tests may pass a bare namespace without it
         install_bitwise_forward(policy.model, load_text_config(model_dir))
         policy.bitwise = True
     return policy
