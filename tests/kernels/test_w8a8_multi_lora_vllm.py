@@ -74,8 +74,8 @@ def test_engine_scores_with_serving_kernels(served_engine):
     diff = max(abs(a - b) for a, b in zip(ours, vllm_lp))
     effect = max(abs(a - b) for a, b in zip(base, vllm_lp))
     # Each layer equals vLLM's to ~1e-8 (test above: 1e-5), but W8A8 re-quantizes every layer's input per token:
-    # a 1e-8 difference can flip an e4m3 code (a ~6 % step) and the flips compound over 30 layers (seen on
-    # 2026-12-01: 0.034 nats here, 0.18 with a 0.4x smaller adapter whose effect is only 0.07). An adapter that is
+    # a 1e-8 difference can flip an e4m3 code (a ~6 % step) and the flips compound over 30 layers (seen:
+    # 0.034 nats here, 0.18 with a 0.4x smaller adapter whose effect is only 0.07). An adapter that is
     # not applied, or applied to the wrong slices or with the wrong scale, moves the scores by the effect itself.
     assert effect > 1.0 and diff < 0.2 * effect, (diff, effect)
 
