@@ -36,10 +36,10 @@ CLOSE = ("loss/", "is/", "mismatch/", "train/entropy", "train/grad_norm")
 
 
 def torchrun(tmp_path, *args, fault: str = "none", faulty_rank: int = 1, timeout: float = 600):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "WANDB_MODE": "disabled",
-           "EPIRL_FAULT_STAMP": str(tmp_path / "fault_stamp")}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist_job.py"), fault, str(faulty_rank), "--", "train", *args]
+           str(ROOT / "tests" / "dist_job.py"), fault, str(faulty_rank), str(tmp_path / "fault_stamp"), "--", "train",
+           *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 

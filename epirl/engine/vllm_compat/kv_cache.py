@@ -15,17 +15,14 @@ mode is CUDA-only. Public API that would replace the manual path: `release_kv_ca
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from typing import Any
 
 import torch
 
-from epirl.engine.vllm_compat.detect import absent, on_cuda, version_tuple, vllm_version
+from epirl.engine.vllm_compat.detect import absent, on_cuda, version_tuple
 from epirl.engine.vllm_compat.model_access import kv_cache_tensors, model_runner
 
-log = logging.getLogger(__name__)
 
 # The first vLLM whose `LLM` has the public KV release (the version gate of the version test).
 RELEASE_API_SINCE = (0, 31)
@@ -60,20 +57,8 @@ def kv_release_mode(llm) -> str:
     # input batch / block tables, so dropping the whole tag crashes the next step: release only the KV
     # tensors' own allocations (`_kv_allocations`). Verified on the H200 with vLLM 0.26:
     # 50.8 GiB freed in 0.048 s, re-mapped in 0.093 s, greedy output identical across 20 cycles with CUDA
-    # graphs, and a 20-step training run. EPIRL_KV_RELEASE_MANUAL=0 switches it off.
-    if os.environ.get("EPIRL_KV_RELEASE_MANUAL", "1") != "0":
-        return "manual"
-    _warn_once("vLLM %s: KV-cache release switched off by EPIRL_KV_RELEASE_MANUAL=0", vllm_version())
-    return "none"
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str, *args) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        log.warning(message, *args)
+    # graphs, and a 20-step training run. `engine.kv_release: false` (sleep mode off) switches it off.
+    return "manual"
 
 
 def release_kv(llm) -> dict[str, float]:
