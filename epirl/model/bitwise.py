@@ -11,6 +11,7 @@ Llama-style decoder is refused by name instead of being half converted.
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import torch
@@ -82,9 +83,8 @@ def install_bitwise_forward(model: nn.Module, config) -> int:
         elif kind.endswith("Attention") and hasattr(module, "q_proj"):
             if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
                 raise BitwiseUnsupported(f"engine.bitwise: {name} uses a sliding window, which has no bitwise kernel")
-            module._epirl_rotary_table = invariant.rotary_table(rotary_dim, base, positions,
-                                                                module.q_proj.weight.device
-                                                                if hasattr(module.q_proj, "weight") else "cpu")
+            device = next(itertools.chain(module.parameters(), module.buffers())).device
+            module._epirl_rotary_table = invariant.rotary_table(rotary_dim, base, positions, device)
             module.forward = types.MethodType(_attention_forward, module)
             attention += 1
         elif kind.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
