@@ -39,6 +39,8 @@ def step_line(step: int, total: int, metrics: dict) -> str:
              f"len {finite(metrics, 'response/length_mean'):.0f}"]
     if "mismatch/k3_kl" in metrics:
         parts.append(f"kl {finite(metrics, 'mismatch/k3_kl'):.1e}")
+    if finite(metrics, "mismatch/bitwise_frac", 0.0) > 0.0:  # shown where engine and trainer agree bit for bit at all
+        parts.append(f"bitwise {finite(metrics, 'mismatch/bitwise_frac'):.3f}")
     if finite(metrics, "train/skipped", 0.0) == 1.0:
         parts.append("no update (equal rewards)")
     parts += [f"gen {finite(metrics, 'time/generate_s', 0.0):.1f}s", f"train {finite(metrics, 'time/train_s', 0.0):.1f}s",

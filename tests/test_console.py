@@ -101,6 +101,12 @@ def test_step_line_says_when_no_update_happened():
     assert "no update (equal rewards)" in line and "kl" not in line
 
 
+def test_step_line_shows_the_bitwise_fraction_only_where_some_tokens_agree_bit_for_bit():
+    assert "bitwise" not in step_line(1, 3, {**metrics(0.5, kl=2e-3), "mismatch/bitwise_frac": 0.0})
+    line = step_line(1, 3, {**metrics(0.5, kl=0.0), "mismatch/bitwise_frac": 1.0})
+    assert "kl 0.0e+00  bitwise 1.000" in line
+
+
 @pytest.mark.parametrize("source, is_id", [
     ("BytedTsinghua-SIA/DAPO-Math-17k", True), ("AI-MO/NuminaMath-1.5", True), ("org/name:config", True),
     ("mydata/train", True), ("mydata/train.jsonl", False), ("./mydata/train", False), ("~/data/x", False),
