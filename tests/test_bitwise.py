@@ -126,3 +126,22 @@ def test_mismatch_measures_the_bitwise_engine_at_exactly_zero(smollm2_dir):
     assert engine["vs"]["b"]["abs_dlogp"]["mean"] == 0.0 and engine["vs"]["b"]["kl"]["mean"] == 0.0
     assert float(tables["w8a16-bitwise"].deltas()["delta_K"].abs().max()) == 0.0
     assert engine["vs"]["a"]["abs_dlogp"]["mean"] > 0.0  # bf16 weights: the FP8 rounding is still measured (δW)
+
+
+def test_engine_attention_without_a_bitwise_path_is_refused_by_name(monkeypatch):
+    from torch import nn
+
+    from epirl.engine.vllm_compat import invariant_layers
+
+    class FlashAttentionImpl:  # another backend's impl, as vLLM's Attention layer holds it
+        kv_cache_dtype = "auto"
+
+    layer = nn.Module()
+    layer.impl = FlashAttentionImpl()
+    model = nn.Module()
+    model.add_module("layers", nn.ModuleList([nn.Module()]))
+    model.layers[0].add_module("attn", layer)
+    monkeypatch.setattr(invariant_layers, "model_of", lambda llm: model)
+    with pytest.raises(invariant_layers.BitwiseUnsupported,
+                       match=r"attention backend FlashAttentionImpl \(layers.0.attn\) has no bitwise path"):
+        invariant_layers.install_attention(None)

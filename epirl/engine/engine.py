@@ -202,8 +202,12 @@ class RolloutEngine:
         self._fused = plugin.attach(self.llm, self.precision)  # w8a16: the fused LoRA path's buffers; else None
         if getattr(cfg.engine, "bitwise", False):
             invariant_layers.forget_cached_rotary()
-            invariant_layers.install_attention(self.llm)
-            invariant_layers.check_model(self.llm)
+            try:
+                invariant_layers.install_attention(self.llm)
+                invariant_layers.check_model(self.llm)
+            except invariant_layers.BitwiseUnsupported as exc:  # one line, and the engine's memory given back
+                self.close()
+                raise ConfigError(str(exc)) from None
         self._kv_released = False
         self._kv_released_bytes = 0
         self._weight_checksums = self._checksum_weights() if self.kv_release_mode != "none" else {}
