@@ -37,12 +37,9 @@ from epirl.engine import spec as engine_spec
 from epirl.engine.vllm_compat.detect import absent
 from epirl.engine.vllm_compat.model_access import model as model_of
 from epirl.kernels import invariant
+from epirl.model.bitwise import BitwiseUnsupported  # one error for both sides of the pairing
 
 _REGISTERED: dict[str, type] = {}
-
-
-class BitwiseUnsupported(RuntimeError):
-    """The engine's model has a layer without a bitwise kernel."""
 
 
 def forget_cached_rotary() -> None:
