@@ -38,9 +38,9 @@ import torch
 RANK, SIGMA = 64, 2.0
 LAYER = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096)]
 TOKENS = [1, 4, 8, 16]
-SWEEP = [dict(BN=64, BT=16, BK=256, num_warps=4, num_stages=4), dict(BN=64, BT=16, BK=128, num_warps=4, num_stages=4),
-         dict(BN=64, BT=16, BK=256, num_warps=4, num_stages=3), dict(BN=128, BT=16, BK=128, num_warps=4, num_stages=4),
-         dict(BN=128, BT=16, BK=256, num_warps=8, num_stages=3), dict(BN=128, BT=16, BK=256, num_warps=4, num_stages=3)]
+SWEEP = [dict(BN=bn, BT=16, BK=bk, num_warps=w, num_stages=st)
+         for bn, bk, w, st in ((64, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3),
+                               (128, 256, 4, 3))]
 
 
 def copy_bandwidth() -> float:

@@ -49,7 +49,7 @@ import torch
 from epirl.engine import serving_lora, spec as engine_spec
 from epirl.engine.naming import NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
-from epirl.kernels.w8a16.slices import block_views
+from epirl.kernels.w8a16.slices import block_views, per_slice_call
 from epirl.engine.vllm_compat import lora_layers, model_access, punica, quantization
 from epirl.engine.vllm_compat.detect import on_cuda
 from epirl.model.loading import PACKED_MODULES, runs_as_one_call
@@ -187,14 +187,7 @@ def w8a16_lora_slices(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         return w8a16_lora(x, codes, scale, bias=bias)
     if len(widths) == 1:
         return w8a16_lora(x, codes, scale, lora_a[0], lora_b[0], lora_scale, bias=bias)
-    x2 = x.reshape(-1, x.shape[-1])
-    y = x.new_empty((x2.shape[0], codes.shape[0]))
-    start = 0
-    for width, a, b in zip(widths, lora_a, lora_b):
-        part_bias = None if bias is None else bias[start:start + width]
-        w8a16_lora(x2, codes[start:start + width], scale, a, b, lora_scale, bias=part_bias,
-                   out=y[:, start:start + width])
-        start += width
+    y = per_slice_call(x.reshape(-1, x.shape[-1]), codes, scale, lora_a, lora_b, widths, lora_scale, bias)
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 

@@ -84,6 +84,20 @@ def block_views(a_cat: torch.Tensor, b_bd: torch.Tensor, widths: Sequence[int], 
     return a_views, b_views
 
 
+def per_slice_call(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lora_a: Sequence, lora_b: Sequence,
+                   widths: Sequence[int], lora_scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A fused layer `[N, K]` (codes of its slices stacked) as one `w8a16_lora` per slice (`kernels.fused_slices:
+    false`), each written into its columns of the layer's output `[M, N]`: no concatenation kernel. x is 2-D."""
+    y = x.new_empty((x.shape[0], codes.shape[0]))
+    start = 0
+    for width, a, b in zip(widths, lora_a, lora_b):
+        part_bias = None if bias is None else bias[start:start + width]
+        w8a16_lora(x, codes[start:start + width], scale, a, b, lora_scale, bias=part_bias,
+                   out=y[:, start:start + width])
+        start += width
+    return y
+
+
 def fused_layer_call(x: torch.Tensor, codes: Sequence[torch.Tensor], scale: torch.Tensor, lora_a: Sequence,
                      lora_b: Sequence, lora_scale: float, *, one_call: bool) -> torch.Tensor:
     """A fused layer's output from its slices' codes `[N_i, K]` and adapters as the matched engine computes it:
