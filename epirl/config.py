@@ -87,7 +87,9 @@ class EngineConfig(Section):
     exactly, `mismatch/bitwise_frac` = 1). Both sides run epirl's batch-invariant norms, rotary embedding, attention,
     SiLU-and-multiply and LM head (`epirl.kernels.invariant`) around the matched projections. Needs `precision:
     w8a16`, an FP8 trainer (`trainer.base: fp8` or `shared`) and `model.dtype: bfloat16`; Llama-style models
-    (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend."""
+    (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend or FlashAttention (CUDA, with CUDA graphs around the
+    attention layers: vLLM's PIECEWISE mode). The shared ops compute in float64 (not yet as Triton kernels): slower
+    than the matched pairing, and the engine keeps a plain copy of its KV cache's slots."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""
@@ -418,9 +420,6 @@ def resolve_runtime(cfg: EpirlConfig) -> torch.device:
         raise ConfigError("trainer.base=shared with trainer.device=cpu: the engine's weights live on the GPU; "
                           "use trainer.device=auto (or trainer.base=fp8)")
     cfg.model.dtype = concrete_dtype(cfg.model.dtype, device.type)
-    if cfg.engine.bitwise and device.type == "cuda":
-        raise ConfigError("engine.bitwise runs on vLLM's CPU backend so far: its GPU kernels (batch-invariant Triton "
-                          "norm, rotary, attention over the paged cache, LM head) are not written yet")
     if cfg.engine.bitwise and cfg.model.dtype != "bfloat16":
         raise ConfigError(f"engine.bitwise needs model.dtype=bfloat16 (model.dtype resolves to {cfg.model.dtype} on "
                           f"{device.type}); set model.dtype=bfloat16")

@@ -43,10 +43,12 @@ PAIRINGS = {
     "bf16": ["engine.precision=bf16", "trainer.base=bf16", "rl.correction=tis"],
     "w8a16": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none"],
     "w8a16-noslices": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none", "kernels.fused_slices=false"],
+    "w8a16-bitwise": ["engine.precision=w8a16", "trainer.base=fp8", "rl.correction=none", "engine.bitwise=true"],
     "w8a8": ["engine.precision=w8a8", "trainer.base=fp8", "rl.correction=tis", "engine.serving_kernels=auto"],
     "w8a8-off": ["engine.precision=w8a8", "trainer.base=fp8", "rl.correction=tis", "engine.serving_kernels=off"],
 }
 MATCHED = ("w8a16", "w8a16-noslices")
+BITWISE = ("w8a16-bitwise",)  # must agree bit for bit on every step: `mismatch/bitwise_frac` = 1
 KL_RATIO_LIMIT = 1.2
 FAULTS = {"skip": "w8a16", "stale": "w8a16", "skip-w8a8": "w8a8"}  # fault -> the pairing it is injected into
 # Steps of a fault run (the publish broken from FAULT_FROM_STEP on). A W8A8 engine's noise is ~10x the matched one's, so
@@ -93,6 +95,7 @@ def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
     row["kl"] = kl
     bitwise = [s["mismatch/bitwise_frac"] for s in steps if "mismatch/bitwise_frac" in s]
     row["bitwise"] = statistics.median(bitwise) if bitwise else None
+    row["bitwise_min"] = min(bitwise) if bitwise else None
     for alt in ("old", "base"):  # the probe's decided fits, and the plain fit on the same steps (not decided on)
         resolved = [s for s in steps if s.get(f"probe/separation_vs_{alt}", 0.0) >= args.probe_separation]
         row[f"resolved_{alt}"] = len(resolved)
@@ -169,6 +172,8 @@ def verdict(rows: list[dict], steps: int, bf16_median: float | None) -> list[str
         if r["rc"] != 0 or r["steps"] < steps:
             problems.append(f"{r['pairing']}: {r['steps']} of {steps} steps, rc {r['rc']}"
                             + (" (probe stop)" if r["probe_stop"] else "") + f": {r.get('last_line', '')}")
+        if r["pairing"] in BITWISE and not r["fault"] and (r.get("bitwise_min") or 0.0) < 1.0:
+            problems.append(f"{r['pairing']}: bitwise fraction {fmt(r.get('bitwise_min'), '{:.4f}')} < 1 at some step")
         if r["pairing"] in MATCHED and r["kl"] and bf16_median:
             ratio = statistics.median(r["kl"]) / bf16_median
             if ratio > KL_RATIO_LIMIT:
@@ -210,7 +215,8 @@ def run_chains(args, work: list[list[tuple[str, str | None]]]) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--pairings", default=",".join(PAIRINGS), help=f"comma-separated, of {sorted(PAIRINGS)}")
+    parser.add_argument("--pairings", default=",".join(p for p in PAIRINGS if p not in BITWISE),
+                        help=f"comma-separated, of {sorted(PAIRINGS)} (default: all but {', '.join(BITWISE)})")
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault injections, or none")
     parser.add_argument("--fault-steps", type=int, default=0, help="steps of every fault-injection run (broken from "
                         f"step {FAULT_FROM_STEP} on; 0: {FAULT_STEPS})")

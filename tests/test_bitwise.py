@@ -133,15 +133,51 @@ def test_engine_attention_without_a_bitwise_path_is_refused_by_name(monkeypatch)
 
     from epirl.engine.vllm_compat import invariant_layers
 
-    class FlashAttentionImpl:  # another backend's impl, as vLLM's Attention layer holds it
+    class FlashInferImpl:  # another backend's impl, as vLLM's Attention layer holds it
         kv_cache_dtype = "auto"
 
     layer = nn.Module()
-    layer.impl = FlashAttentionImpl()
+    layer.impl = FlashInferImpl()
     model = nn.Module()
     model.add_module("layers", nn.ModuleList([nn.Module()]))
     model.layers[0].add_module("attn", layer)
     monkeypatch.setattr(invariant_layers, "model_of", lambda llm: model)
     with pytest.raises(invariant_layers.BitwiseUnsupported,
-                       match=r"attention backend FlashAttentionImpl \(layers.0.attn\) has no bitwise path"):
+                       match=r"attention backend FlashInferImpl \(layers.0.attn\) has no bitwise path"):
         invariant_layers.install_attention(None)
+
+
+def test_bitwise_engine_on_cuda_captures_graphs_around_attention(monkeypatch):
+    """On CUDA a bitwise engine asks vLLM for PIECEWISE graphs (the invariant attention runs between the pieces), keeps
+    the user's other compilation settings, and refuses a full-graph mode by its field name."""
+    from epirl.config import ConfigError
+    from epirl.engine import engine
+
+    assert engine._piecewise_graphs(None) == {"cudagraph_mode": "PIECEWISE"}
+    assert engine._piecewise_graphs({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE", "level": 3}
+    with pytest.raises(ConfigError, match=r"compilation_config.cudagraph_mode=FULL_AND_PIECEWISE: engine.bitwise"):
+        engine._piecewise_graphs({"cudagraph_mode": "FULL_AND_PIECEWISE"})
+
+
+def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeypatch):
+    """The plain slot store holds as many slots as vLLM's cache in CPU_ATTN's and FlashAttention's layouts; dropping
+    it (KV release) frees its bytes and the next forward starts from a zeroed store."""
+    from torch import nn
+
+    from epirl.engine.vllm_compat import invariant_layers
+
+    class FlashAttentionImpl:
+        num_kv_heads, head_size = 3, 8
+
+    impl = FlashAttentionImpl()
+    key = torch.zeros(1, 3, 8, dtype=torch.bfloat16)
+    for cache in (torch.empty(5, 3, 16, 2 * 8), torch.empty(2, 5, 16, 3, 8)):  # CPU_ATTN / FlashAttention (older)
+        keys, values = invariant_layers._slot_store(impl, cache, key)
+        assert keys.shape == values.shape == (80, 3, 8)
+    keys.fill_(1.0)
+    layer = nn.Module()
+    layer.impl = impl
+    monkeypatch.setattr(invariant_layers, "model_of", lambda llm: layer)
+    assert invariant_layers.drop_slot_stores(None) == 2 * 80 * 3 * 8 * 2
+    assert impl.epirl_slots is None
+    assert not invariant_layers._slot_store(impl, torch.empty(5, 3, 16, 16), key)[0].any()

@@ -110,7 +110,22 @@ def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str,
         # a run with other settings never replays a graph compiled with the old ones.
         kwargs["additional_config"] = engine_spec(cfg).additional_config()
     kwargs.update(_extra_llm_kwargs(cfg, model_path, set(kwargs)))
+    if getattr(cfg.engine, "bitwise", False) and on_cuda():
+        kwargs["compilation_config"] = _piecewise_graphs(kwargs.get("compilation_config"))
     return kwargs
+
+
+def _piecewise_graphs(compilation_config: Any) -> dict[str, Any]:
+    """engine.bitwise on CUDA: CUDA graphs around the attention layers, not through them (vLLM's PIECEWISE mode): the
+    invariant attention forward loops over requests in Python (epirl.engine.vllm_compat.invariant_layers), which a
+    full-model graph would not run again on replay."""
+    config = dict(compilation_config or {})
+    mode = str(config.get("cudagraph_mode", "PIECEWISE")).upper()
+    if mode not in ("PIECEWISE", "NONE"):
+        raise ConfigError(f"engine.vllm_args.compilation_config.cudagraph_mode={mode}: engine.bitwise runs attention "
+                          "outside CUDA graphs; use PIECEWISE or NONE")
+    config["cudagraph_mode"] = mode
+    return config
 
 
 def check_vllm_args(cfg: Any) -> None:
@@ -319,6 +334,8 @@ class RolloutEngine:
             log.debug("release_kv: no-op (mode=%s, kv_release=%s)", mode, self.cfg.engine.kv_release)
             return {"engine/kv_released_bytes": 0.0, "engine/kv_release_s": 0.0}
         metrics = kv_cache.release_kv(self.llm)
+        if getattr(self.cfg.engine, "bitwise", False):  # the invariant attention's slot stores go with the cache
+            metrics["engine/kv_released_bytes"] += invariant_layers.drop_slot_stores(self.llm)
         self._kv_released = True
         self._kv_released_bytes = int(metrics["engine/kv_released_bytes"])
         log.info("released KV cache (%s): %.2f GiB in %.3f s", mode,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .reference import attention, logits, rms_norm, rotary, rotary_table, silu_mul
+from .reference import attention, decode_attention, logits, rms_norm, rotary, rotary_table, silu_mul
 
-__all__ = ["attention", "logits", "rms_norm", "rotary", "rotary_table", "silu_mul", "reference"]
+__all__ = ["attention", "decode_attention", "logits", "rms_norm", "rotary", "rotary_table", "silu_mul", "reference"]
 
 
 @torch.library.custom_op("epirl::invariant_rms_norm", mutates_args=())

@@ -14,6 +14,7 @@ whatever the layout.
                   cos / sin from `rotary_table` (fp32)
     silu_mul      bf16(silu(g) · u)
     attention     causal softmax(q kᵀ · scale) v, fp64 scores and softmax, rounded to bf16 once
+                  (decode_attention: the same for one query per request, R requests at once)
     logits        fp32(h · Wᵀ): the LM head, exact dot rounded once (the sampler's fp32 logits, no bf16 rounding)
 """
 
@@ -79,6 +80,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hts,shd->thd", probs, v64).to(q.dtype)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """`attention` for R requests of one query each, at once: q `[R, H, D]` at position lengths - 1 over k, v
+    `[R, L, G, D]` (request r's keys at positions 0 .. lengths[r] - 1, then padding) -> `[R, H, D]`. The padding's
+    probabilities are exact zeros, so each row is `attention`'s row up to the float64 sum's last bits."""
+    R, H, _ = q.shape
+    G = k.shape[2]
+    k64 = k.double().repeat_interleave(H // G, dim=2)
+    v64 = v.double().repeat_interleave(H // G, dim=2)
+    scores = torch.einsum("rhd,rshd->rhs", q.double(), k64) * scale
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] < lengths[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+    v64 = v64.masked_fill(~visible[:, :, None, None], 0.0)  # padding never reaches a row, whatever it holds
+    return torch.einsum("rhs,rshd->rhd", probs, v64).to(q.dtype)
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,23 @@ def test_attention_decode_rows_equal_the_whole_sequence_rows(gen):
     assert torch.allclose(whole.float(), expected, atol=2e-2)
 
 
+def test_decode_attention_of_many_requests_equals_each_requests_rows(gen):
+    """A decode step's requests at once (keys padded to the longest, the padding NaN-poisoned) give each request's
+    row of its whole-sequence attention."""
+    H, G, D, lengths = 6, 2, 32, [1, 17, 5, 30]
+    seqs = [tuple(torch.randn(n, heads, D, generator=gen).to(BF16) for heads in (H, G, G)) for n in lengths]
+    L = max(lengths)
+    k_pad = torch.full((len(seqs), L, G, D), float("nan"), dtype=BF16)
+    v_pad = k_pad.clone()
+    for r, (_, k, v) in enumerate(seqs):
+        k_pad[r, :len(k)], v_pad[r, :len(v)] = k, v
+    q_last = torch.stack([q[-1] for q, _, _ in seqs])
+    out = invariant.decode_attention(q_last, k_pad, v_pad, torch.tensor(lengths), D ** -0.5)
+    assert torch.isfinite(out).all()
+    for r, (q, k, v) in enumerate(seqs):
+        assert _bits_equal(out[r:r + 1], invariant.attention(q, k, v, D ** -0.5)[-1:]), r
+
+
 def test_attention_ignores_keys_past_the_query(gen):
     S, H, D = 9, 2, 16
     q, k, v = (torch.randn(S, H, D, generator=gen).to(BF16) for _ in range(3))

@@ -10,7 +10,9 @@ the trainer's bit for bit.
 - Attention: `install_attention(llm)` replaces each decoder attention layer's backend forward after the engine
   starts: each request's rows attend its keys at positions 0 .. seq_len - 1, gathered by its block table in position
   order (`invariant.attention`, the trainer's op over the same values). Implemented for vLLM's CPU backend
-  (CPU_ATTN); another backend is refused with one line.
+  (CPU_ATTN) and FlashAttention (CUDA), whose forwards take the same metadata; another backend is refused with one
+  line. The forward is Python with a loop over requests, so on CUDA it runs between the captured pieces of the model
+  (`cudagraph_mode: PIECEWISE`, which `llm_kwargs` sets for a bitwise engine), never inside a graph.
 - `check_model(llm)`: every norm, rotary embedding, activation and logits layer of the built model is one of the
   above, or the engine refuses to start.
 The sampler's fp32 log-softmax (after the temperature division) is the same torch call in the trainer
@@ -35,7 +37,7 @@ import torch
 
 from epirl.engine import spec as engine_spec
 from epirl.engine.vllm_compat.detect import absent
-from epirl.engine.vllm_compat.model_access import model as model_of
+from epirl.engine.vllm_compat.model_access import model as model_of, model_runner
 from epirl.kernels import invariant
 from epirl.model.bitwise import BitwiseUnsupported  # one error for both sides of the pairing
 
@@ -128,18 +130,22 @@ def register_layers() -> None:
         _REGISTERED[name] = cls
 
 
-def _slot_store(impl, kv_cache: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """This layer's keys and values by cache slot, `[slots, kv_heads, head_size]` each, and the block size. CPU_ATTN
-    writes its cache `[blocks, kv_heads, block_size, 2 · head_size]` in a layout of its ISA's kernels, not one to read
-    back by position, so the bitwise path keeps the same slots in plain form beside it (written from the same key and
-    value tensors, so prefix-cached blocks hold what vLLM's cache holds)."""
-    blocks, _, block_size, _ = kv_cache.shape
+BACKENDS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")  # impls whose forward the invariant one replaces
+
+
+def _slot_store(impl, kv_cache: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This layer's keys and values by cache slot, `[slots, kv_heads, head_size]` each. vLLM's caches are laid out
+    for their kernels (CPU_ATTN's by ISA; FlashAttention's differently from one vLLM release to the next), so the
+    bitwise path keeps the same slots in plain form beside them, written from the same key and value tensors (so
+    prefix-cached blocks hold what vLLM's cache holds). As many slots as vLLM's cache has: its keys and values, each
+    `kv_heads · head_size` wide, in any layout. Dropped with the KV cache (`drop_slot_stores`)."""
+    slots = kv_cache.numel() // (2 * impl.num_kv_heads * impl.head_size)
     store = getattr(impl, "epirl_slots", None)
-    if store is None or store[0].shape[0] != blocks * block_size:
-        shape = (blocks * block_size, impl.num_kv_heads, impl.head_size)
+    if store is None or store[0].shape[0] != slots:
+        shape = (slots, impl.num_kv_heads, impl.head_size)
         store = (key.new_zeros(shape), key.new_zeros(shape))
         impl.epirl_slots = store
-    return store[0], store[1], block_size
+    return store
 
 
 def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -148,15 +154,28 @@ def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, 
     each request's query rows attend its keys at positions 0 .. seq_len - 1, gathered in position order."""
     if attn_metadata is None:  # vLLM's warm-up pass
         return output
-    keys, values, block_size = _slot_store(self, kv_cache, key)
+    keys, values = _slot_store(self, kv_cache, key)
+    block_size = self.epirl_block_size
     n = attn_metadata.num_actual_tokens
     slots = attn_metadata.slot_mapping[:n].long()
     keys[slots] = key[:n].reshape(n, self.num_kv_heads, self.head_size)
     values[slots] = value[:n].reshape(n, self.num_kv_heads, self.head_size)
     starts = attn_metadata.query_start_loc.tolist()
-    for i, seq_len in enumerate(attn_metadata.seq_lens.tolist()):
+    seq_lens = attn_metadata.seq_lens.tolist()
+    decode = [i for i, seq_len in enumerate(seq_lens) if starts[i + 1] - starts[i] == 1]
+    if decode:  # one query each: all at once (a decode step's requests)
+        rows = torch.tensor([starts[i] for i in decode], device=key.device)
+        lengths = attn_metadata.seq_lens[decode].long()
+        positions = torch.arange(max(seq_lens[i] for i in decode), device=key.device)
+        table = attn_metadata.block_table[decode].long()
+        slots = table[:, positions // block_size] * block_size + positions % block_size  # [R, L]; past a length: unread
+        slots = torch.where(positions[None, :] < lengths[:, None], slots, 0)
+        q = query[rows].reshape(len(decode), self.num_heads, self.head_size)
+        out = invariant.decode_attention(q, keys[slots], values[slots], lengths, self.scale)
+        output[rows] = out.reshape(len(decode), *output.shape[1:])
+    for i, seq_len in enumerate(seq_lens):
         first, last = starts[i], starts[i + 1]
-        if last == first:
+        if last - first <= 1:
             continue
         positions = torch.arange(seq_len, device=key.device)
         seq_slots = attn_metadata.block_table[i].long()[positions // block_size] * block_size + positions % block_size
@@ -166,28 +185,46 @@ def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, 
     return output
 
 
-def install_attention(llm) -> int:
-    """Give every decoder attention layer of the engine's model the invariant forward; returns how many."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+def _windowed(impl) -> bool:
+    window = getattr(impl, "sliding_window", None)  # CPU_ATTN: -1 for none; FlashAttention: (-1, -1)
+    return window is not None and any(w != -1 for w in (window if isinstance(window, tuple) else (window,)))
 
+
+def install_attention(llm, block_size: int | None = None) -> int:
+    """Give every decoder attention layer of the engine's model the invariant forward; returns how many. block_size:
+    the KV cache's (default: the engine's cache config)."""
     count = 0
     for name, module in model_of(llm).named_modules():
         impl = getattr(module, "impl", None)
         if impl is None or not hasattr(impl, "kv_cache_dtype"):
             continue
-        if not isinstance(impl, CPUAttentionBackendImpl):
+        if type(impl).__name__ not in BACKENDS:
             raise BitwiseUnsupported(f"engine.bitwise: attention backend {type(impl).__name__} ({name}) has no "
-                                     "bitwise path (vLLM's CPU backend has)")
+                                     "bitwise path (vLLM's CPU backend and FlashAttention have)")
         unsupported = [what for what, present in (
-            ("an FP8 KV cache", impl.kv_cache_dtype != "auto"), ("ALiBi", impl.alibi_slopes is not None),
-            ("a sliding window", impl.sliding_window != -1), ("a logit soft cap", bool(impl.logits_soft_cap)),
-            ("attention sinks", impl.sinks is not None), ("non-causal attention", impl.attn_type != "decoder"))
-            if present]
+            ("an FP8 KV cache", impl.kv_cache_dtype != "auto"),
+            ("ALiBi", getattr(impl, "alibi_slopes", None) is not None), ("a sliding window", _windowed(impl)),
+            ("a logit soft cap", bool(getattr(impl, "logits_soft_cap", None))),
+            ("attention sinks", getattr(impl, "sinks", None) is not None),
+            ("non-causal attention", impl.attn_type != "decoder")) if present]
         if unsupported:
             raise BitwiseUnsupported(f"engine.bitwise: {name} uses {unsupported[0]}, which has no bitwise kernel")
+        impl.epirl_block_size = block_size or model_runner(llm).cache_config.block_size
         impl.forward = types.MethodType(_attention_forward, impl)
         count += 1
     return count
+
+
+def drop_slot_stores(llm) -> int:
+    """Free the plain slot stores with vLLM's KV cache (engine.kv_release): the cache comes back empty (the prefix
+    cache is reset), and the next forward allocates a zeroed store. Returns the bytes freed."""
+    freed = 0
+    for module in model_of(llm).modules():
+        store = getattr(getattr(module, "impl", None), "epirl_slots", None)
+        if store is not None:
+            freed += sum(t.numel() * t.element_size() for t in store)
+            module.impl.epirl_slots = None
+    return freed
 
 
 def check_model(llm) -> None:
