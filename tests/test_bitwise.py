@@ -147,16 +147,16 @@ def test_engine_attention_without_a_bitwise_path_is_refused_by_name(monkeypatch)
         invariant_layers.install_attention(None)
 
 
-def test_bitwise_engine_on_cuda_captures_graphs_around_attention(monkeypatch):
-    """On CUDA a bitwise engine asks vLLM for PIECEWISE graphs (the invariant attention runs between the pieces), keeps
-    the user's other compilation settings, and refuses a full-graph mode by its field name."""
+def test_bitwise_engine_on_cuda_runs_without_cuda_graphs(monkeypatch):
+    """On CUDA a bitwise engine asks vLLM for no CUDA graphs, keeps the user's other compilation settings, and refuses
+    a graph mode by its field name."""
     from epirl.config import ConfigError
     from epirl.engine import engine
 
-    assert engine._piecewise_graphs(None) == {"cudagraph_mode": "PIECEWISE"}
-    assert engine._piecewise_graphs({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE", "level": 3}
-    with pytest.raises(ConfigError, match=r"compilation_config.cudagraph_mode=FULL_AND_PIECEWISE: engine.bitwise"):
-        engine._piecewise_graphs({"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    assert engine._without_graphs(None) == {"cudagraph_mode": "NONE"}
+    assert engine._without_graphs({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE", "level": 3}
+    with pytest.raises(ConfigError, match=r"compilation_config.cudagraph_mode=PIECEWISE: engine.bitwise runs without"):
+        engine._without_graphs({"cudagraph_mode": "PIECEWISE"})
 
 
 def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeypatch):
