@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from epirl.kernels import FP8_DTYPE, invariant, w8a8_lora
+from epirl.kernels import FP8_DTYPE, w8a8_lora
 from epirl.model import load_adapter, load_policy
+from epirl.model.logprobs import head_logits
 
 VARIANTS = {
     "a": "bf16 W, bf16 A",
@@ -109,13 +109,8 @@ HEAD_CHUNK_TOKENS = 256  # fp32 logits of 256 positions × a 248k vocabulary (Qw
 
 def _head_logprobs(hidden_N_H: torch.Tensor, lm_head: nn.Module, temperature: float,
                    exact_head: bool = False) -> torch.Tensor:
-    # Same arithmetic as Policy.token_logprobs (`_chunk_logprobs`) and vLLM's sampler: head matmul in the
-    # model dtype (exact_head: the bitwise pairing's fp32 logits), fp32 logits divided (not multiplied by 1/T: the
-    # last bit differs) by T, fp32 log-softmax.
-    if exact_head:
-        logits_N_V = invariant.logits(hidden_N_H, lm_head.weight) / temperature
-    else:
-        logits_N_V = F.linear(hidden_N_H, lm_head.weight, lm_head.bias).float() / temperature
+    # Same arithmetic as Policy.token_logprobs and vLLM's sampler (`head_logits`), fp32 log-softmax.
+    logits_N_V = head_logits(hidden_N_H, lm_head.weight, lm_head.bias, temperature, exact_head)
     return torch.log_softmax(logits_N_V, dim=-1)
 
 

@@ -15,24 +15,23 @@ from torch.utils.checkpoint import checkpoint
 from epirl.kernels import invariant
 
 
-def temperature_divisor(like: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The temperature as a 0-d fp32 tensor on the logits' device: CUDA divides by a Python (CPU) scalar as a product
-    with its reciprocal, whose last bit differs from vLLM's division by its temperature tensor."""
-    return torch.full((), temperature, dtype=torch.float32, device=like.device)
+def head_logits(hidden_N_H: torch.Tensor, head_weight_V_H: torch.Tensor, head_bias_V: torch.Tensor | None,
+                temperature: float, exact_head: bool = False) -> torch.Tensor:
+    """fp32 logits / T as vLLM's sampler sees them for processed_logprobs (contract 5): the head matmul in the model
+    dtype (as vLLM's logits processor), cast to fp32, divided by the temperature (not multiplied by 1/T: the last bit
+    differs) held as a 0-d tensor on the logits' device (CUDA turns division by a Python scalar into a product with its
+    reciprocal; vLLM divides by its temperature tensor). exact_head (`engine.bitwise`, no bias): the batch-invariant
+    fp32 logits the bitwise engine's head computes (epirl.kernels.invariant.logits)."""
+    divisor = torch.full((), temperature, dtype=torch.float32, device=hidden_N_H.device)
+    if exact_head:
+        return invariant.logits(hidden_N_H, head_weight_V_H) / divisor
+    return F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / divisor
 
 
 def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weight_V_H: torch.Tensor,
                     head_bias_V: torch.Tensor | None, temperature: float, with_entropy: bool, exact_head: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The head matmul stays in the model dtype (as vLLM's logits processor); then, as vLLM's sampler does
-    # for processed_logprobs (contract 5): cast to fp32, divide (not multiply by 1/T: the last bit differs)
-    # by the temperature, log_softmax in fp32. exact_head (`engine.bitwise`): the batch-invariant fp32 logits the
-    # bitwise engine's head computes (epirl.kernels.invariant.logits).
-    if exact_head:
-        logits_N_V = invariant.logits(hidden_N_H, head_weight_V_H) / temperature_divisor(hidden_N_H, temperature)
-    else:
-        logits_N_V = F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / temperature_divisor(hidden_N_H,
-                                                                                                         temperature)
+    logits_N_V = head_logits(hidden_N_H, head_weight_V_H, head_bias_V, temperature, exact_head)
     logprobs_N_V = torch.log_softmax(logits_N_V, dim=-1)
     token_logprobs_N = logprobs_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
