@@ -11,7 +11,7 @@ the trainer's bit for bit.
   starts: each request's rows attend its keys at positions 0 .. seq_len - 1, gathered by its block table in position
   order (`invariant.attention`, the trainer's op over the same values). Implemented for vLLM's CPU backend
   (CPU_ATTN) and FlashAttention (CUDA), whose forwards take the same metadata; another backend is refused with one
-  line. The forward is Python with a loop over requests, so on CUDA the engine runs without CUDA graphs
+  line. The forward is Python (prefilling requests one by one), so on CUDA the engine runs without CUDA graphs
   (`cudagraph_mode: NONE`, which `llm_kwargs` sets for a bitwise engine).
 - `check_model(llm)`: every norm, rotary embedding, activation and logits layer of the built model is one of the
   above, or the engine refuses to start.
