@@ -43,6 +43,10 @@ def rms(x):
     return float(x.pow(2).mean().sqrt())
 
 
+def equal_fraction(a, b):
+    return float((a == b).float().mean()) if a.numel() else float("nan")
+
+
 def reliability(d_ref, d_other):
     n2 = float(d_ref.pow(2).sum())
     return float((d_ref * d_other).sum()) / n2 if n2 > 0 else float("nan")
@@ -117,6 +121,10 @@ def report(row, e, quantized):
     out["rms(e-eng_pre_new)"] = rms(e - row["eng_pre_new"])
     out["rms(eng_pre_new-new)"] = rms(row["eng_pre_new"] - new)
     out["rms(train-eval)"] = rms(row["new_b_train_mode"] - row["new_b"])
+    # bitwise agreement (the bitwise pairing's target: 1.0): where decode, prefill and trainer part ways
+    out["eq(e,new)"] = equal_fraction(e, new)
+    out["eq(e,eng_pre_new)"] = equal_fraction(e, row["eng_pre_new"])
+    out["eq(eng_pre_new,new)"] = equal_fraction(row["eng_pre_new"], new)
     out["beta_base"] = beta(e, new, base)
     out["beta_base_eng"] = beta(e, row["eng_pre_new"], row["eng_pre_base"])
     if f"old_{ref}" in row:
