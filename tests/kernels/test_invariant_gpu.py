@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from epirl.kernels import invariant
-from epirl.model.logprobs import chunked_token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -60,6 +59,8 @@ def test_decode_attention_rows_equal_the_whole_sequence_rows(gen):
 def test_sampled_logprob_equals_the_trainers_for_any_batch_and_chunk(gen):
     """The engine's sampler: fp32 logits (invariant head), divided by the temperature held per request, log_softmax
     in fp32, the sampled token gathered — against the trainer's chunked path, rows in other batches and chunks."""
+    from epirl.model.logprobs import chunked_token_logprobs  # the trainer's package (its config needs pydantic)
+
     weight = _randn(V, H, gen=gen, scale=0.05)
     hidden = _randn(61, H, gen=gen, scale=2)
     targets = torch.randint(0, V, (61,), generator=gen, device="cuda")
