@@ -6,7 +6,7 @@ state (`recurrent_gated_delta_rule`). Both are the same recurrence computed in a
 in rounding. This measures, for the response tokens of prompt + response sequences with Qwen3.5-9B's head size (128)
 and random inputs of the layer's ranges (L2-normed q and k, β = sigmoid, log-decay g = -softplus):
 
-    fp32 (today)    transformers' torch chunked scan (the trainer's fallback; fla's Triton kernel on the GPU computes
+    fp32 (current)  transformers' torch chunked scan (the trainer's fallback; fla's Triton kernel on the GPU computes
                     the same form) vs the prompt's chunked prefill + recurrent decode, both in fp32, outputs in bf16
     fp64            the same two functions computing in float64, outputs rounded to bf16 once
 
@@ -77,7 +77,7 @@ def main() -> None:
     print("| response tokens | arithmetic | bitwise-equal outputs | max |Δ| (bf16 ulps) |")
     print("|---|---|---|---|")
     for response in args.responses:
-        for name, dtype in (("fp32 (today)", torch.float32), ("fp64", torch.float64)):
+        for name, dtype in (("fp32 (current)", torch.float32), ("fp64", torch.float64)):
             equal = total = 0
             worst = 0.0
             for seed in range(args.seeds):
