@@ -66,7 +66,7 @@ FWD_BUCKETS = {
     256: ([256], [cfg(64, 64, 128, 4, 4, False), cfg(128, 64, 128, 4, 3, False), cfg(128, 128, 64, 8, 4, False),
                   cfg(64, 128, 128, 4, 3, False)]),
     # (16-warp tiles, 256/128/64/16/3 and 128/256/64/16/3, never won on the H200: capped at 128
-    # registers a thread, they spill 72-78; BENCHMARKS.md § Kernels)
+    # registers a thread, they spill 72-78)
     BIG: ([4096], [cfg(128, 128, 64, 8, 4, False), cfg(128, 256, 64, 8, 3, False), cfg(128, 256, 64, 8, 4, False),
                    cfg(256, 128, 64, 8, 3, False), cfg(128, 128, 128, 8, 3, False), cfg(128, 256, 128, 8, 2, False),
                    # BK 32: a third less spilled (304 vs 472 B of stack at sm_90a, triton 3.9) for 27 % more loop

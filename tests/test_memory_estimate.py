@@ -16,7 +16,7 @@ from epirl.model.loading import random_policy
 from epirl.model.memory import GiB, activation_estimate, entropy_keeps_graph, estimate_trainer_bytes
 from epirl.rl.trainer import TrainBatch, build_optimizer, optimizer_step
 
-Q35_MEASURED_GIB = 24.09  # H200, step 2 (BENCHMARKS.md "Main recipe at full scale")
+Q35_MEASURED_GIB = 24.09  # H200, step 2 (the torch-fallback run of `gpu_main_recipe.sh q35`)
 
 
 def test_q35_main_recipe_estimate_bounds_the_h200_peak():

@@ -64,8 +64,8 @@ _INSTALLED: list = []  # one entry once `install()` wrapped vLLM's classes
 # was 17 (batches above the 16-token bucket to vLLM) after a 32-tenant run measured 0.55x vLLM's
 # throughput with epirl's paths at >= 32 tokens; with the segment-tiled shrink/expand ("vendor+seg") one Qwen3-8B
 # layer is 0.41-0.87x vLLM's LoRA path at 16-1024 tokens over 8 or 32 adapters and 0.94-0.95x at 256-8192 tokens
-# with one (H200, bench_serving_tenants.py, BENCHMARKS.md § Serving kernels; the end-to-end 32-tenant run with it is
-# still to be made). `kernels.serving_vllm_from=N` restores a threshold.
+# with one (H200, bench_serving_tenants.py, BENCHMARKS.md § Serving: many adapters; the end-to-end 32-tenant run with
+# it is still to be made). `kernels.serving_vllm_from=N` restores a threshold.
 TIMED_VLLM_FROM = None
 # a plain `vllm serve`'s `additional_config` entry that keys vLLM's compile cache by the mode (epirl's engine passes its
 # whole spec instead, epirl/engine/spec.py)

@@ -38,7 +38,7 @@ def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weig
         return token_logprobs_N, token_logprobs_N.new_empty(0)
     # The entropy is a metric, never a loss term: no autograd graph. With grad, its exp/mul nodes kept the
     # chunk's fp32 [N, V] log-softmax alive (twice) until the next micro-batch — 17 GiB at 4 x 2304 tokens and
-    # Qwen3.5's 248k vocabulary, measured on the H200 (BENCHMARKS "Main recipe at full scale").
+    # Qwen3.5's 248k vocabulary, measured on the H200 (the main recipe in benchmark mode).
     with torch.no_grad():
         entropy_N = -(logprobs_N_V.exp() * logprobs_N_V).sum(-1)
     return token_logprobs_N, entropy_N

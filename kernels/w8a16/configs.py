@@ -24,8 +24,8 @@ TMA_TABLE_PATH = Path(__file__).with_name("ws_configs_tma.json")  # the tuned ta
 TABLE_PATH = TMA_TABLE_PATH  # (the one table)
 CONFIG_KEYS = ("BN", "BM", "BK", "num_warps", "num_stages", "split")
 # Tiles whose TMA-load twins (x and the codes through descriptors: `ws_tma.py`) the tuner offers.
-# Triton 3.6 miscompiles the twin for some compiles: wrong values in 0.1-84 % of the outputs (BENCHMARKS.md
-# § Kernels; the cases are listed in ws_tma.py). The tuner keeps a twin only where it gave the pointer
+# Triton 3.6 miscompiles the twin for some compiles: wrong values in 0.1-84 % of the outputs (BENCHMARKS.md § Triton
+# race and wgmma drain; the cases are listed in ws_tma.py). The tuner keeps a twin only where it gave the pointer
 # kernel's bits (twice), and every table TMA call is checked against the pointer kernel on its first call per key and
 # again every `ws_tma.RECHECK_EVERY` calls. The 4-stage 128x256x64 twin is no longer offered: it gave wrong tiles far
 # more often than the 3-stage one (a probe: 0.5-3.3 M wrong outputs on every one-chunk forward against

@@ -15,10 +15,10 @@ equal (tests/kernels/test_gpu_kernels.py runs every table config).
 TMA needs 16-byte aligned base addresses and row strides: `tma_ok` says when a call qualifies; the caller
 falls back to the pointer kernel otherwise (same bits).
 
-Status (H200, triton 3.6, BENCHMARKS.md § Kernels): 1.03-1.42x faster than the pointer kernel at 4096 tokens (it
-holds no per-element address or mask tensors; q3_qkv forward 590 -> 409 µs at 128x256 tiles; Qwen3-8B trainer step
-1.12-1.14x a bf16 trainer's instead of 1.31x), but Triton 3.6 miscompiles it for some compiles, and no rule found
-so far says which:
+Status (H200, triton 3.6; BENCHMARKS.md § Triton race and wgmma drain): 1.03-1.42x faster than the pointer kernel at
+4096 tokens (it holds no per-element address or mask tensors; q3_qkv forward 590 -> 409 µs at 128x256 tiles; Qwen3-8B
+trainer step 1.12-1.14x a bf16 trainer's instead of 1.31x), but Triton 3.6 miscompiles it for some compiles, and no
+rule found so far says which:
 - wrong on one-chunk forwards (gate_up's 4096-deep chunk; q3_qkv forced to one chunk) at 128x256x64, on every
   one-chunk 64x128 call; flaky at 4 stages (a q35 forward wrong in one tuner run, exact in the next). A CTA barrier
   every k-step (a diagnostic, since removed) removed every wrong value, which points to a race on the codes' stage

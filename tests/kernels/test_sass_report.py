@@ -173,7 +173,7 @@ def test_wgmma_kernels_keep_their_wgmmas_in_flight(name):
         assert notes["loop_spill"] == 0, notes
     # nothing writes the registers of an in-flight register-A wgmma: Triton 3.6 and 3.7.1 do, in every W8A16 loop
     # (triton-lang/triton#9433; 3.9 does not), the likely cause of the W8A16 TMA kernel's races on the H200
-    # (BENCHMARKS.md § Kernels, nineteenth session)
+    # (BENCHMARKS.md § Triton race and wgmma drain)
     assert notes["operand_races"] == 0, notes
 
 
