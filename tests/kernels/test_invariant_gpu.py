@@ -1,8 +1,8 @@
 """The bitwise pairing's invariant ops on a GPU, at SmolLM2's sizes: a row's bits do not depend on the other rows of
 the call (the engine's decode batch against the trainer's whole sequences), and the sampled token's log-prob the
 engine's sampler computes (fp32 logits / T, `log_softmax`, gather) equals the trainer's `chunked_token_logprobs` for
-any batch and chunk. The CPU twins are in test_invariant.py; here CUDA's own reductions (float64 GEMMs, softmax
-blocking, pointer alignment) are what is pinned."""
+any batch and chunk. The CPU twins are in test_invariant.py; here CUDA's own reductions (float64 GEMMs and
+softmaxes, fp32 log-softmax blocking) are what is pinned."""
 
 import pytest
 import torch
