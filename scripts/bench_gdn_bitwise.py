@@ -50,7 +50,7 @@ def trainer_and_engine(inputs, prompt: int, dtype: torch.dtype) -> tuple[torch.T
     """The response tokens' outputs (bf16) of the whole-sequence chunked scan and of chunked prefill + recurrent decode."""
     chunk = in_precision(qwen35.torch_chunk_gated_delta_rule, dtype)
     recurrent = in_precision(qwen35.torch_recurrent_gated_delta_rule, dtype)
-    inputs = [t.to(dtype) for t in inputs]  # exact; the functions return their inputs' dtype: rounded to bf16 here, once
+    inputs = [t.to(dtype) for t in inputs]  # exact; the functions return their inputs' dtype: rounded to bf16 here
     whole, _ = chunk(*inputs)
     head = [t[:, :prompt] for t in inputs]
     _, state = chunk(*head, output_final_state=True)

@@ -83,7 +83,8 @@ def common_overrides(args, name: str, steps: int) -> list[str]:
 def run_pairing(args, pairing: str, fault: str | None = None) -> dict:
     """One training run in its own process; returns its row (metrics and how it ended)."""
     name = f"loop_{pairing}" + (f"_fault_{fault}" if fault else "")
-    overrides = common_overrides(args, name, (args.fault_steps or FAULT_STEPS[fault]) if fault else args.steps) + PAIRINGS[pairing] + args.extra
+    steps = (args.fault_steps or FAULT_STEPS[fault]) if fault else args.steps
+    overrides = common_overrides(args, name, steps) + PAIRINGS[pairing] + args.extra
     if fault:  # the run goes through this file's `inject` entry, which breaks the publish and starts `epirl train`
         command = [sys.executable, "-P", str(Path(__file__).resolve()), "--inject", fault, "--",
                    "train", "recipes/smollm2_arith_cpu.yaml", *overrides]

@@ -132,8 +132,8 @@ def count_parameters(config, exclude_embeddings: bool = False) -> tuple[dict[str
 #
 # Checked against (see tests/test_memory_estimate.py):
 # - H200, Qwen3.5-9B shapes, 4×2304 tokens, rank 64 on 12 projections, shared FP8 base, torch GDN
-#   fallback, checkpointing, chunk 1024, entropy with grad (the torch-fallback run of `gpu_main_recipe.sh q35`): measured
-#   24.09 GiB (step 2; step 1's 22.79 is the same peak minus the AdamW moments created after it). Estimate with
+#   fallback, checkpointing, chunk 1024, entropy with grad (the torch-fallback run of `gpu_main_recipe.sh q35`):
+#   measured 24.09 GiB (step 2; step 1's 22.79 is the same peak minus the AdamW moments created after it). Estimate with
 #   entropy_graph=True 25.9 GiB: layer_inputs 2.25 + entropy_graph 17.05 + top_layer (GDN torch) 4.99 + head 0.35
 #   + margin 1.23. Without the graph (the current code) 8.0 GiB; the measurement implies ~7.05 (not measured yet).
 # - H200, Qwen3-8B shapes, same settings on 7 projections, shared W8A16 engine and bf16 trainer base:

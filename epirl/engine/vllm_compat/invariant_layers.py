@@ -162,7 +162,7 @@ def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, 
     values[slots] = value[:n].reshape(n, self.num_kv_heads, self.head_size)
     starts = attn_metadata.query_start_loc.tolist()
     seq_lens = attn_metadata.seq_lens.tolist()
-    decode = [i for i, seq_len in enumerate(seq_lens) if starts[i + 1] - starts[i] == 1]
+    decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
     if decode:  # one query each: all at once (a decode step's requests)
         rows = torch.tensor([starts[i] for i in decode], device=key.device)
         lengths = attn_metadata.seq_lens[decode].long()
