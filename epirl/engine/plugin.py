@@ -50,6 +50,7 @@ from epirl.engine import serving_lora, spec as engine_spec
 from epirl.engine.naming import NameMap
 from epirl.kernels import quantize_weight_fp8, w8a8_lora, w8a16_lora
 from epirl.kernels.w8a16.slices import block_views, per_slice_call
+from epirl.kernels.w8a16.ws_splitk import reserve_counters
 from epirl.engine.vllm_compat import lora_layers, model_access, punica, quantization
 from epirl.engine.vllm_compat.detect import on_cuda
 from epirl.model.loading import PACKED_MODULES, runs_as_one_call
@@ -148,6 +149,8 @@ def _linear_method_class() -> type:
             layer.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
             layer.weight_scale = torch.nn.Parameter(scale.to(torch.float32).reshape(1), requires_grad=False)
             spec = getattr(layer, "_epirl_spec", None) or engine_spec.EngineSpec()
+            if not self.activation_fp8 and device.type == "cuda":
+                reserve_counters(device)  # before vLLM captures its graphs (`kernels/w8a16/ws_splitk.py` says why)
             if not self.activation_fp8 and spec.lora_rank > 0:
                 layer._epirl_lora = _LayerLoRA(layer.logical_widths, codes.shape[1], spec.lora_rank, spec.lora_scale,
                                                dtype, device, one_call=_one_call(layer, spec.fused_slices))

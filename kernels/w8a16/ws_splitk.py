@@ -16,10 +16,16 @@ One kernel, two roles (DOWN):
 - DOWN: w = A `[r, K]`, the sub-chunks of `configs.xa_chunking` (row tiles of A side by side), the sum rounded to
   bf16 and stored as xa `[M, r]` (what `_xa_reduce_kernel` stored); LAUNCH_DEPENDENTS lets the base GEMM launch at
   once behind it.
-Counters live in a per-(device, stream, role) int32 workspace that starts zeroed and that every use leaves zeroed
-(CUDA-graph replays included); two kernels of one role never overlap on a stream (only the base kernel is launched
-as a PDL dependent, and of the down kernel, which has the other role). The two-launch path remains only for the
-down-projection fused into split-K, where no PDL pair runs it first (`plan`'s `ws_split`).
+Counters live in a per-(device, role) int32 workspace that starts zeroed and that every use leaves zeroed
+(CUDA-graph replays included). Two kernels of one role never run at once on a device: only the base kernel is launched
+as a PDL dependent, and of the down kernel, which has the other role; the engine runs one forward at a time and the
+trainer one stream. The workspace is zeroed by work that runs, never by a memset captured into a graph: vLLM captures
+its decode graphs on a fresh stream without an eager warmup, so a workspace first made inside a capture would hold
+whatever its memory held until that one graph replays (a counter left non-zero skips its tile's reduce; the matched
+engine then serves NaN). `reserve_counters` makes the workspace before any capture (the serving plugin calls it when
+its weights load); a capture that still finds none gets a zeroed workspace inside the graph for that call only. A
+workspace that grows keeps the old one alive, since captured graphs hold its address. The two-launch path remains only
+for the down-projection fused into split-K, where no PDL pair runs it first (`plan`'s `ws_split`).
 """
 
 from __future__ import annotations
@@ -33,18 +39,37 @@ from .._tiles import _sum_parts
 from .ws_epilogue import _load_xa, _lora_b_tile, _ws_chunk, _ws_epilogue, _ws_tile_of
 
 COUNTER_SLOTS = 1 << 16  # tiles per launch the workspace holds before it grows (decode: <= 1536 base tiles)
+ROLES = ("base", "down")
 _COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown workspaces: graphs captured before the growth still point at them
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def reserve_counters(device: torch.device | str, slots: int = COUNTER_SLOTS) -> None:
+    """Make both roles' zeroed counter workspaces on `device` now, outside any CUDA-graph capture."""
+    device = torch.device(device)
+    if _capturing(device):
+        raise RuntimeError("reserve_counters runs before CUDA-graph capture, not inside one")
+    for role in ROLES:
+        _counters(device, role, slots)
 
 
 def _counters(device: torch.device, role: str, slots: int) -> torch.Tensor:
-    """A zeroed int32 workspace of at least `slots` counters for this device, stream and role (kept zeroed by use)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, role)
+    """A zeroed int32 workspace of at least `slots` counters for this device and role (kept zeroed by use)."""
+    key = (device, role)
     buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < slots:
-        buf = torch.zeros(max(COUNTER_SLOTS, slots), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    if buf is not None and buf.numel() >= slots:
+        return buf
+    fresh = torch.zeros(max(COUNTER_SLOTS, slots), dtype=torch.int32, device=device)
+    if _capturing(device):
+        return fresh  # its memset is a node of this graph, before this call's kernel on every replay; not kept
+    if buf is not None:
+        _RETIRED.append(buf)
+    _COUNTERS[key] = fresh
+    return fresh
 
 
 @triton.jit
@@ -156,6 +181,8 @@ def launch_ticket(x, w, out, n_rows, k_chunk, n_parts, cfg, *, down=False, w_sca
     if keep is not None:
         keep.append(part)
     cnt = out if one else _counters(x.device, "down" if down else "base", tiles)
+    if keep is not None and not one:
+        keep.append(cnt)  # a workspace made for this call alone is held with the partials while a dependent overlaps
     has_lora = lora_b is not None
     R = xa.shape[1] if has_lora else 0
     xa_ = out if down else (xa if has_lora else out)

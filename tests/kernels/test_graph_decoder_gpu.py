@@ -1,6 +1,6 @@
 """GPU tests: a decoder's W8A16 + LoRA calls replayed from CUDA graphs give the eager run's bits, as the matched
-engine runs them under vLLM (graphs per batch size captured on a side stream into one shared memory pool, largest
-first, one warmup each; then replays in any order with new inputs). Both forms of the fused layers: q, k, v as one
+engine runs them under vLLM (graphs per batch size captured on a fresh side stream into one shared memory pool, largest
+first, no warmup on that stream; then replays in any order with new inputs). Both forms of the fused layers: q, k, v as one
 block-diagonal call (`kernels.fused_slices`) and one call per slice into the columns of one output. The kernels let the
 base GEMM run beside its down-projection (PDL), which the caching allocator does not see: a workspace it frees while a
 kernel still reads it shows up here as wrong or non-finite rows."""
@@ -10,6 +10,7 @@ import torch
 
 from epirl.kernels import quantize_weight_fp8, w8a16_lora
 from epirl.kernels import plan as kplan
+from epirl.kernels.w8a16 import ws_splitk
 from epirl.kernels.w8a16.slices import per_slice_call, sliced_lora_operands
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -63,19 +64,42 @@ def layers():
             for _ in range(LAYERS)]
 
 
+def _poisoned_pool():
+    """A graph memory pool whose free blocks hold non-zero bytes: what a pool holds after earlier graphs' replays
+    (vLLM's capture pool after its memory-profiling captures). A workspace made inside a capture takes such a block,
+    and its captured memset runs only when its own graph replays."""
+    pool, graph = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        junk = torch.empty(64 << 20, dtype=torch.int32, device=DEV)
+        junk.fill_(0x01010101)
+    graph.replay()
+    torch.cuda.synchronize()
+    del junk  # its block goes back to the pool, filled
+    return pool, graph
+
+
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "first-use-in-capture"])
 @pytest.mark.parametrize("fused_qkv", [True, False], ids=["fused-slices", "per-slice"])
-def test_graph_replays_give_the_eager_bits(layers, fused_qkv):
+def test_graph_replays_give_the_eager_bits(layers, fused_qkv, reserved):
+    """As vLLM captures: kernels compiled by eager runs on another stream, graphs captured on a fresh stream with no
+    warmup there, into a pool that already held data. reserved: the counter workspaces made beforehand (as the serving
+    plugin does); first-use-in-capture: none made, so each captured call zeroes its own."""
     assert kplan.describe(torch.device(DEV)).pdl or torch.cuda.get_device_capability()[0] < 9, "PDL off on Hopper"
-    stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
     inputs = {m: torch.zeros(m, HIDDEN, device=DEV, dtype=torch.bfloat16) for m in BATCHES}
+    for m in BATCHES:
+        decoder(inputs[m], layers, fused_qkv)  # compiles, on the default stream
+    torch.cuda.synchronize()
+    ws_splitk._COUNTERS.clear()
+    if reserved:
+        ws_splitk.reserve_counters(DEV)
+    (pool, _poison), stream = _poisoned_pool(), torch.cuda.Stream()
     graphs, outputs = {}, {}
     with torch.cuda.stream(stream):
         for m in BATCHES:
-            decoder(inputs[m], layers, fused_qkv)  # warmup (compiles) outside the capture
-            torch.cuda.synchronize()
             graphs[m] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[m], pool=pool, stream=stream):
                 outputs[m] = decoder(inputs[m], layers, fused_qkv)
+    assert len(ws_splitk._COUNTERS) == (2 if reserved else 0)
     torch.cuda.synchronize()
     g = torch.Generator(device=DEV).manual_seed(11)
     for step in range(3):
