@@ -25,8 +25,8 @@ from epirl.config import ENGINE_PRECISIONS, ConfigError, resolve_model_path
 from epirl.engine import plugin, serving_lora
 from epirl.engine.spec import EngineSpec
 from epirl.engine.lora_publish import AdapterPublisher
-from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, invariant_layers, kv_cache, logits_lora, model_access,
-                                      prompt_logprobs, shutdown)
+from epirl.engine.vllm_compat import (cpu_lora_ops, engine_args, invariant_layers, invariant_sampler, kv_cache,
+                                      logits_lora, model_access, prompt_logprobs, shutdown)
 from epirl.engine.vllm_compat.detect import on_cuda, vllm_version
 from epirl.model.dummy import uses_tokenizer
 
@@ -216,11 +216,13 @@ class RolloutEngine:
         logits_lora.bypass_logits_lora(self.llm)  # adapters never touch lm_head; see logits_lora for the CPU bug
         self._publisher = AdapterPublisher(self.llm, cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))
         self._fused = plugin.attach(self.llm, self.precision)  # w8a16: the fused LoRA path's buffers; else None
+        self._undo_sampler = None  # engine.bitwise: puts vLLM's sampler functions back on close
         if getattr(cfg.engine, "bitwise", False):
             invariant_layers.forget_cached_rotary()
             try:
                 invariant_layers.install_attention(self.llm)
                 invariant_layers.check_model(self.llm)
+                self._undo_sampler = invariant_sampler.install(self.llm)
             except invariant_layers.BitwiseUnsupported as exc:  # one line, and the engine's memory given back
                 self.close()
                 raise ConfigError(str(exc)) from None
@@ -427,6 +429,9 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Shut vLLM down and free its memory (so a next engine can start in this process)."""
+        if getattr(self, "_undo_sampler", None) is not None:
+            self._undo_sampler()
+            self._undo_sampler = None
         if getattr(self, "llm", None) is not None:
             self._fused = None
             shutdown.shutdown_llm(self)

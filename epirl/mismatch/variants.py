@@ -24,7 +24,7 @@ from torch import nn
 
 from epirl.kernels import FP8_DTYPE, w8a8_lora
 from epirl.model import load_adapter, load_policy
-from epirl.model.logprobs import head_logits
+from epirl.model.logprobs import head_log_softmax, head_logits
 
 VARIANTS = {
     "a": "bf16 W, bf16 A",
@@ -109,9 +109,9 @@ HEAD_CHUNK_TOKENS = 256  # fp32 logits of 256 positions × a 248k vocabulary (Qw
 
 def _head_logprobs(hidden_N_H: torch.Tensor, lm_head: nn.Module, temperature: float,
                    exact_head: bool = False) -> torch.Tensor:
-    # Same arithmetic as Policy.token_logprobs and vLLM's sampler (`head_logits`), fp32 log-softmax.
+    # Same arithmetic as Policy.token_logprobs and vLLM's sampler (`head_logits`, `head_log_softmax`).
     logits_N_V = head_logits(hidden_N_H, lm_head.weight, lm_head.bias, temperature, exact_head)
-    return torch.log_softmax(logits_N_V, dim=-1)
+    return head_log_softmax(logits_N_V, exact_head)
 
 
 @torch.no_grad()

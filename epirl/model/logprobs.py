@@ -28,11 +28,17 @@ def head_logits(hidden_N_H: torch.Tensor, head_weight_V_H: torch.Tensor, head_bi
     return F.linear(hidden_N_H, head_weight_V_H, head_bias_V).float() / divisor
 
 
+def head_log_softmax(logits_N_V: torch.Tensor, exact_head: bool = False) -> torch.Tensor:
+    """fp32 log-probs of `head_logits`' output as the engine computes them: an fp32 log-softmax, or with exact_head the
+    bitwise engine's (epirl.kernels.invariant.log_softmax, which the engine's sampler runs in place of its own)."""
+    return invariant.log_softmax(logits_N_V) if exact_head else torch.log_softmax(logits_N_V, dim=-1)
+
+
 def _chunk_logprobs(hidden_N_H: torch.Tensor, targets_N: torch.Tensor, head_weight_V_H: torch.Tensor,
                     head_bias_V: torch.Tensor | None, temperature: float, with_entropy: bool, exact_head: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     logits_N_V = head_logits(hidden_N_H, head_weight_V_H, head_bias_V, temperature, exact_head)
-    logprobs_N_V = torch.log_softmax(logits_N_V, dim=-1)
+    logprobs_N_V = head_log_softmax(logits_N_V, exact_head)
     token_logprobs_N = logprobs_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return token_logprobs_N, token_logprobs_N.new_empty(0)

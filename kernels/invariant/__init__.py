@@ -1,5 +1,5 @@
 """Batch-invariant forward ops beside the projections (RMSNorm with residual, rotary, SiLU-and-multiply, causal
-attention, the LM head's logits) for the bitwise pairing: reference.py defines them (float64 between named rounding
+attention, the LM head's logits and log-probs) for the bitwise pairing: reference.py defines them (float64 between named rounding
 points); both the matched engine (epirl/engine/vllm_compat/invariant_layers.py) and the trainer (epirl/model/bitwise.py) call them.
 
 The engine calls them through the custom ops below, which torch.compile keeps whole (a compiler that fused or
@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .reference import attention, decode_attention, logits, rms_norm, rotary, rotary_table, silu_mul
+from .reference import (attention, decode_attention, log_softmax, logits, rms_norm, rotary, rotary_table, silu_mul,
+                        token_logprobs)
 
-__all__ = ["attention", "decode_attention", "logits", "rms_norm", "rotary", "rotary_table", "silu_mul", "reference"]
+__all__ = ["attention", "decode_attention", "log_softmax", "logits", "rms_norm", "rotary", "rotary_table", "silu_mul",
+           "token_logprobs", "reference"]
 
 
 @torch.library.custom_op("epirl::invariant_rms_norm", mutates_args=())

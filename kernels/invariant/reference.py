@@ -16,6 +16,8 @@ whatever the layout.
     attention     causal softmax(q kᵀ · scale) v, fp64 scores and softmax, rounded to bf16 once
                   (decode_attention: the same for one query per request, R requests at once)
     logits        fp32(h · Wᵀ): the LM head, exact dot rounded once (the sampler's fp32 logits, no bf16 rounding)
+    log_softmax   fp32(x - logsumexp(x)) of fp32 logits: the log-sum-exp in float64, one rounding per log-prob
+                  (token_logprobs: the same numbers at given token ids, without the [N, V] output)
 """
 
 from __future__ import annotations
@@ -101,3 +103,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden `[N, H]`, weight `[V, H]` -> fp32 `[N, V]`, the exact dot rounded once."""
     return (hidden.double() @ weight.double().t()).float()
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits `[N, V]` -> fp32 log-probs `[N, V]`, each x - logsumexp(x) in float64 rounded once. The samplers' own
+    fp32 log-softmax kernels (torch's, vLLM's Triton one with approximate exp and log) round along the way, each in
+    its own order."""
+    x64 = logits.double()
+    return (x64 - torch.logsumexp(x64, dim=-1, keepdim=True)).float()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """logits `[N, V]`, token_ids `[N, K]` -> fp32 `[N, K]`: `log_softmax(logits)` at those ids, bit for bit."""
+    x64 = logits.double()
+    lse = torch.logsumexp(x64, dim=-1, keepdim=True)
+    return (x64.gather(-1, token_ids.long()) - lse).float()

@@ -116,6 +116,19 @@ def test_logits_rows_do_not_depend_on_the_batch(gen):
     assert torch.allclose(full, h.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
 
 
+def test_log_softmax_rows_do_not_depend_on_the_batch_and_token_logprobs_are_its_bits(gen):
+    logits = torch.randn(29, 1000, generator=gen) * 6.0
+    full = invariant.log_softmax(logits)
+    assert full.dtype == torch.float32
+    for i in (0, 13, 28):
+        assert _bits_equal(invariant.log_softmax(logits[i:i + 1]), full[i:i + 1])
+    ids = torch.randint(0, 1000, (29, 3), generator=gen)
+    assert _bits_equal(invariant.token_logprobs(logits, ids), full.gather(-1, ids))
+    assert torch.allclose(full, torch.log_softmax(logits, dim=-1), rtol=1e-6, atol=1e-6)
+    want = (logits.double() - torch.logsumexp(logits.double(), -1, keepdim=True)).float()  # one rounding
+    assert _bits_equal(full, want)
+
+
 def test_engine_custom_ops_return_the_functions_bits(gen):
     x = torch.randn(7, 64, generator=gen).to(BF16)
     r = torch.randn(7, 64, generator=gen).to(BF16)

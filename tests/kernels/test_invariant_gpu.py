@@ -1,8 +1,8 @@
 """The bitwise pairing's invariant ops on a GPU, at SmolLM2's sizes: a row's bits do not depend on the other rows of
 the call (the engine's decode batch against the trainer's whole sequences), and the sampled token's log-prob the
-engine's sampler computes (fp32 logits / T, `log_softmax`, gather) equals the trainer's `chunked_token_logprobs` for
-any batch and chunk. The CPU twins are in test_invariant.py; here CUDA's own reductions (float64 GEMMs and
-softmaxes, fp32 log-softmax blocking) are what is pinned."""
+engine's sampler computes (fp32 logits / T, the invariant log-softmax at the token) equals the trainer's
+`chunked_token_logprobs` for any batch and chunk. The CPU twins are in test_invariant.py; here CUDA's own reductions
+(float64 GEMMs, softmaxes and log-sum-exps) are what is pinned."""
 
 import pytest
 import torch
@@ -57,8 +57,10 @@ def test_decode_attention_rows_equal_the_whole_sequence_rows(gen):
 
 
 def test_sampled_logprob_equals_the_trainers_for_any_batch_and_chunk(gen):
-    """The engine's sampler: fp32 logits (invariant head), divided by the temperature held per request, log_softmax
-    in fp32, the sampled token gathered — against the trainer's chunked path, rows in other batches and chunks."""
+    """The bitwise engine's sampler as `invariant_sampler` installs it in vLLM's V2 runner: fp32 logits (invariant
+    head), divided by the temperature held per request, `invariant.token_logprobs` at the sampled token — against the
+    trainer's chunked path, rows in other batches and chunks."""
+    from epirl.engine.vllm_compat.invariant_sampler import divide_by_temperature  # imports no vLLM
     from epirl.model.logprobs import chunked_token_logprobs  # the trainer's package (its config needs pydantic)
 
     weight = _randn(V, H, gen=gen, scale=0.05)
@@ -74,6 +76,7 @@ def test_sampled_logprob_equals_the_trainers_for_any_batch_and_chunk(gen):
             assert torch.equal(lp, trainer[4096]), f"chunk {chunk}"
         for n in ROWS:
             logits = invariant.logits(hidden[-n:], weight)
-            logits.div_(torch.full((n, 1), temperature, device="cuda"))
-            engine = logits.log_softmax(dim=-1, dtype=torch.float32).gather(-1, targets[-n:, None]).squeeze(-1)
+            requests = torch.arange(n, device="cuda")
+            divide_by_temperature(logits, requests, torch.full((n,), temperature, device="cuda"))
+            engine = invariant.token_logprobs(logits, targets[-n:, None]).squeeze(-1)
             assert torch.equal(engine, trainer[4096][-n:]), f"engine batch {n}"

@@ -22,8 +22,10 @@ from epirl.engine.vllm_compat.model_access import model_runner
 
 @contextlib.contextmanager
 def prompt_temperature(llm, temperature: float) -> Iterator[None]:
-    """While active, prompt log-probs are `log_softmax(fp32(logits) / T)`, exactly like the sampler's
-    processed log-probs (it upcasts to fp32, then divides by T, then log-softmaxes).
+    """While active, prompt log-probs are the sampler's log-softmax of `fp32(logits) / T`, like its processed
+    log-probs (it upcasts to fp32, then divides by T, then log-softmaxes). T is a 0-d tensor on the logits' device:
+    CUDA turns a division by a Python scalar into a product with its reciprocal, another last bit than the sampler's
+    and the trainer's division. The log-softmax is the one the sampler has (the bitwise engine's, `invariant_sampler`).
 
     The sampled token of the scoring request (max_tokens=1, no logprobs requested) does not go through it.
     """
@@ -35,15 +37,21 @@ def prompt_temperature(llm, temperature: float) -> Iterator[None]:
         raise NotImplementedError(
             f"vLLM {vllm_version()}: no runner.sampler.compute_logprobs; cannot score at T={temperature}"
         )
+    shadowed = sampler.__dict__.get("compute_logprobs")
+    log_softmax = sampler.compute_logprobs
 
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-        return (logits.to(torch.float32) / temperature).log_softmax(dim=-1)
+        divisor = torch.full((), temperature, dtype=torch.float32, device=logits.device)
+        return log_softmax(logits.to(torch.float32) / divisor)
 
     sampler.compute_logprobs = compute_logprobs
     try:
         yield
     finally:
-        del sampler.compute_logprobs  # back to the class's staticmethod
+        if shadowed is None:
+            del sampler.compute_logprobs  # back to the class's staticmethod
+        else:
+            sampler.compute_logprobs = shadowed
 
 
 def missing() -> list[str]:
