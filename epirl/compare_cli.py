@@ -91,6 +91,10 @@ def add_compare_args(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=1,
                         help="runs side by side, one GPU each (worker k uses the k-th visible GPU); 1 = one after "
                              "another")
+    parser.add_argument("--runs-per-gpu", type=int, default=1,
+                        help="runs side by side on each GPU (a small model leaves most of a GPU idle); their "
+                             "engine.gpu_memory_utilization shares must add up to <= 0.9, and each needs "
+                             "engine.vllm_args.kv_cache_memory_bytes")
     parser.add_argument("--steps", type=int, default=None, help="rl.steps of every run (default: the recipe's)")
     parser.add_argument("--heldout-size", type=int, default=500, help="held-out problems (arithmetic recipes)")
     parser.add_argument("--eval-engine", default="run", choices=EVAL_ENGINES,
@@ -105,7 +109,8 @@ def add_compare_args(subparsers) -> argparse.ArgumentParser:
 
 def build_spec(args: argparse.Namespace) -> CompareSpec:
     """The study from the parsed command line; raises CompareInputError (one line)."""
-    for flag, value, minimum in (("--nproc", args.nproc, 1), ("--steps", args.steps, 1),
+    for flag, value, minimum in (("--nproc", args.nproc, 1), ("--runs-per-gpu", args.runs_per_gpu, 1),
+                                 ("--steps", args.steps, 1),
                                  ("--heldout-size", args.heldout_size, 1), ("--resamples", args.resamples, 100)):
         if value is not None and value < minimum:
             raise CompareInputError(f"{flag} must be >= {minimum}, got {value}")
@@ -116,8 +121,8 @@ def build_spec(args: argparse.Namespace) -> CompareSpec:
     if args.steps is not None:
         overrides.append(f"rl.steps={args.steps}")
     return CompareSpec(recipe=Path(args.recipe), pairings=pairings, seeds=seeds, overrides=tuple(overrides),
-                       nproc=args.nproc, heldout_size=args.heldout_size, eval_engine=args.eval_engine,
-                       resamples=args.resamples, dry_run=args.dry_run,
+                       nproc=args.nproc, runs_per_gpu=args.runs_per_gpu, heldout_size=args.heldout_size,
+                       eval_engine=args.eval_engine, resamples=args.resamples, dry_run=args.dry_run,
                        command_line=shlex.join(["epirl", "compare", *_typed_arguments(args)]))
 
 
@@ -171,7 +176,7 @@ def run_compare_command(args: argparse.Namespace, launcher=None) -> int:
     """Entry point of ``epirl compare``; returns the process exit code. `launcher`: how runs are started
     (default: a process each, epirl.compare.execute.ProcessLauncher)."""
     # deferred: these load transformers and math_verify, which `epirl compare --help` need not
-    from epirl.compare.execute import ProcessLauncher, gpu_ids, needs_work
+    from epirl.compare.execute import ProcessLauncher, check_gpu_sharing, gpu_ids, needs_work
     from epirl.compare.plan import plan_study
     from epirl.compare.study import run_study
 
@@ -184,6 +189,7 @@ def run_compare_command(args: argparse.Namespace, launcher=None) -> int:
             pending = sum(needs_work(plan, run) for run in plan.runs)
             if pending:
                 gpu_ids(spec.nproc)  # fewer GPUs than --nproc: refused before anything is written
+                check_gpu_sharing(plan, spec.runs_per_gpu)
         except (CompareInputError, ValueError) as exc:
             error_line(checking.console, str(exc))
             return 2

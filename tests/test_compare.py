@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from epirl.checkpoint import ADAPTER_FOLDER, STATE_FILE, TRAINER_STATE_FILE, checkpoint_dir
 from epirl.compare import stats
 from epirl.compare.collect import collect_study
-from epirl.compare.execute import Launch, ProcessLauncher, StudyExecutor
+from epirl.compare.execute import Launch, ProcessLauncher, StudyExecutor, worker_gpus
 from epirl.compare.heldout import HELDOUT_SEED, heldout_problems, overlap, problem_key
 from epirl.compare.plan import Action, decide_action, eval_meta, plan_study, train_command
 from epirl.compare.report import write_summary
@@ -366,6 +366,43 @@ def test_nproc_runs_side_by_side_one_gpu_each(tmp_path, monkeypatch):
     for i, first in enumerate(spans):
         beside = [other for other in spans[i + 1:] if other["start"] < first["end"] and first["start"] < other["end"]]
         assert all(other["gpu"] != first["gpu"] for other in beside)
+
+
+def test_runs_per_gpu_puts_runs_beside_each_other_on_one_gpu(tmp_path, monkeypatch):
+    """--runs-per-gpu 2 on one GPU: two runs at once, both on that GPU; the GPUs are taken in turn by the workers."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    plan = plan_study(make_spec(tmp_path, seeds="2"))
+    records, running = tmp_path / "records", tmp_path / "running"
+    records.mkdir()
+    running.mkdir()
+
+    def sleeper(launch: Launch) -> int:
+        return subprocess.run([sys.executable, "-c", SLEEPER, str(records / f"{launch.run.name}.json"), str(running)],
+                              env=launch.env).returncode
+
+    outcomes = StudyExecutor(plan, sleeper).run(nproc=1, runs_per_gpu=2)
+    spans = [json.loads(path.read_text()) for path in sorted(records.iterdir())]
+    assert len(outcomes) == 4 and {span["gpu"] for span in spans} == {"5"}
+    assert max(span["peak"] for span in spans) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
+    assert worker_gpus(2, 3) == ["1", "2", "1", "2", "1", "2"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.gpu_memory_utilization=0.5"], "error: --runs-per-gpu 2: 2 engines × engine.gpu_memory_utilization 0.5 "
+                                            "is more than 0.9 of a GPU; set engine.gpu_memory_utilization=0.45 or lower"),
+    (["engine.gpu_memory_utilization=0.4"], "error: --runs-per-gpu 2: runs sharing a GPU need a fixed KV cache; set "
+                                            "engine.vllm_args.kv_cache_memory_bytes (e.g. 2147483648 for 2 GiB)"),
+])
+def test_runs_per_gpu_that_cannot_share_a_gpu_are_refused(tmp_path, monkeypatch, capsys, overrides, message):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    spec = make_spec(tmp_path, runs_per_gpu=2, overrides=overrides)
+    assert run_study(spec, launcher=lambda launch: pytest.fail("nothing may start")) == 2
+    assert capsys.readouterr().err.strip() == message
+    fits = make_spec(tmp_path, runs_per_gpu=2, dry_run=True, overrides=[
+        "engine.gpu_memory_utilization=0.4", "engine.vllm_args.kv_cache_memory_bytes=2147483648"])
+    assert run_study(fits, launcher=lambda launch: pytest.fail("nothing may start")) == 0
+    assert "4 start; 2 side by side (2 per GPU)" in capsys.readouterr().err
 
 
 def test_sigterm_ends_the_running_processes_and_starts_no_more(tmp_path, capsys):

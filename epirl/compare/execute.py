@@ -2,7 +2,9 @@
 
 `--nproc N` starts N workers; worker k owns the k-th visible GPU (CUDA_VISIBLE_DEVICES of its processes) and
 takes the next run whenever its previous one is done, so two runs never share a GPU even when they take
-different times. On a machine without GPUs the N workers are N processes side by side.
+different times. `--runs-per-gpu K` gives each GPU K workers (a small model leaves most of an H100 idle): their
+engines' shares of the GPU must fit beside each other (`check_gpu_sharing`). On a machine without GPUs the workers are
+processes side by side.
 
 Processes are started through a `launcher` (one `Launch` in, exit code out): `ProcessLauncher` runs the command
 with its output in `logs/`; tests pass a fake one so that no engine starts.
@@ -102,6 +104,31 @@ def gpu_ids(nproc: int) -> list[str]:
     return ids[:nproc]
 
 
+GPU_SHARE_LIMIT = 0.9  # of one GPU, for the engines of the runs beside each other (the trainers take some too)
+
+
+def worker_gpus(nproc: int, runs_per_gpu: int = 1) -> list[str]:
+    """The GPU of each worker: `runs_per_gpu` workers on each of `gpu_ids(nproc)`, the GPUs taken in turn (so that
+    fewer pending runs than workers still spread over the GPUs)."""
+    return [gpu for _ in range(runs_per_gpu) for gpu in gpu_ids(nproc)]
+
+
+def check_gpu_sharing(plan: StudyPlan, runs_per_gpu: int) -> None:
+    """Runs beside each other on one GPU: their engines' memory shares must add up to at most GPU_SHARE_LIMIT, and each
+    engine needs a fixed KV cache (vLLM sizes a free one by profiling the GPU's free memory, which a neighbour that
+    frees memory at that moment makes it refuse). Raises ValueError naming the field."""
+    if runs_per_gpu == 1:
+        return
+    share = max(run.config.engine.gpu_memory_utilization for run in plan.runs)
+    if runs_per_gpu * share > GPU_SHARE_LIMIT:
+        raise ValueError(f"--runs-per-gpu {runs_per_gpu}: {runs_per_gpu} engines × engine.gpu_memory_utilization "
+                         f"{share:g} is more than {GPU_SHARE_LIMIT:g} of a GPU; set engine.gpu_memory_utilization="
+                         f"{math.floor(GPU_SHARE_LIMIT / runs_per_gpu * 100) / 100:g} or lower")
+    if any(not run.config.engine.vllm_args.get("kv_cache_memory_bytes") for run in plan.runs):
+        raise ValueError(f"--runs-per-gpu {runs_per_gpu}: runs sharing a GPU need a fixed KV cache; set "
+                         "engine.vllm_args.kv_cache_memory_bytes (e.g. 2147483648 for 2 GiB)")
+
+
 def needs_work(plan: StudyPlan, run: PlannedRun) -> bool:
     if run.action in (Action.START, Action.RESTART, Action.RESUME):
         return True
@@ -156,15 +183,15 @@ class StudyExecutor:
                     except Exception as exc:  # noqa: BLE001 - a report that fails must not stop the runs
                         print(f"warning: progress report failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
-    def run(self, nproc: int) -> list[RunOutcome]:
-        """Every pending run. On Ctrl-C (which reaches the child processes too) no further run is started; on
-        SIGTERM (`Terminated`) the running processes are ended as well."""
+    def run(self, nproc: int, runs_per_gpu: int = 1) -> list[RunOutcome]:
+        """Every pending run, over `runs_per_gpu` workers on each of `nproc` GPUs. On Ctrl-C (which reaches the child
+        processes too) no further run is started; on SIGTERM (`Terminated`) the running processes are ended as well."""
         pending = [run for run in self.plan.runs if needs_work(self.plan, run)]
         if not pending:
             return []
         queue = deque(pending)
         workers = [threading.Thread(target=self._worker, args=(queue, gpu, len(pending)), daemon=True)
-                   for gpu in gpu_ids(nproc)[: len(pending)]]
+                   for gpu in worker_gpus(nproc, runs_per_gpu)[: len(pending)]]
         for worker in workers:
             worker.start()
         try:

@@ -59,7 +59,9 @@ class CompareSpec:
     overrides: tuple[str, ...] = ()
     """The user's `key=value` overrides (applied after the pairing's, so they win), `--steps` included."""
     nproc: int = 1
-    """Runs side by side; worker k pins its runs to the k-th visible GPU."""
+    """GPUs the study uses; worker k pins its runs to the k-th visible GPU."""
+    runs_per_gpu: int = 1
+    """Runs side by side on each GPU (their engines' `engine.gpu_memory_utilization` shares must fit together)."""
     heldout_size: int = 500
     eval_engine: str = "run"
     resamples: int = 10_000

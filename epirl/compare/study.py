@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from epirl.compare.collect import collect_study
-from epirl.compare.execute import (Launcher, ProcessLauncher, RunOutcome, StudyExecutor, Terminated, gpu_ids,
-                                   needs_work, outcome_line)
+from epirl.compare.execute import (Launcher, ProcessLauncher, RunOutcome, StudyExecutor, Terminated, check_gpu_sharing,
+                                   gpu_ids, needs_work, outcome_line)
 from epirl.compare.plan import Action, StudyPlan, eval_done, is_finished, move_aside, plan_study, stopped_by_probe
 from epirl.compare.report import write_summary
 from epirl.compare.spec import CompareInputError, CompareSpec
@@ -41,8 +41,9 @@ def describe_plan(plan: StudyPlan, console: Console) -> None:
     steps = plan.runs[0].config.rl.steps
     _say(console, "compare", f"{plan.base_config.name}: {len(spec.pairings)} pairing(s) ({pairings}) × "
                              f"{len(spec.seeds)} seed(s) = {len(plan.runs)} runs of {steps} steps in {plan.study_dir}")
+    sharing = f" ({spec.runs_per_gpu} per GPU)" if spec.runs_per_gpu > 1 else " (one GPU each)" if spec.nproc > 1 else ""
     _say(console, "runs", ", ".join(f"{count} {action}" for action, count in counts.items())
-         + f"; {spec.nproc} side by side" + (" (one GPU each)" if spec.nproc > 1 else ""))
+         + f"; {spec.nproc * spec.runs_per_gpu} side by side{sharing}")
     if plan.split is None:
         _say(console, "held-out", "none: the recipe does not train on data.source: arithmetic")
     else:
@@ -88,6 +89,7 @@ def run_study(spec: CompareSpec, console: Console | None = None, launcher: Launc
         plan = plan_study(spec)
         if any(needs_work(plan, run) for run in plan.runs):
             gpu_ids(spec.nproc)  # fewer GPUs than --nproc: refused before anything starts
+            check_gpu_sharing(plan, spec.runs_per_gpu)
     except (CompareInputError, ValueError) as exc:
         error_line(console, str(exc))
         return 2
@@ -109,7 +111,7 @@ def run_study(spec: CompareSpec, console: Console | None = None, launcher: Launc
     handles_sigterm = _main_thread()
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if handles_sigterm else None
     try:
-        executor.run(spec.nproc)
+        executor.run(spec.nproc, spec.runs_per_gpu)
     except KeyboardInterrupt as interrupt:  # each run left a resumable folder (or one that is moved aside next time)
         console.print(f"[yellow]{'terminated' if isinstance(interrupt, Terminated) else 'interrupted'}[/]: repeat the "
                       f"command to continue the study in {escape(str(plan.study_dir))} (finished runs are kept, "

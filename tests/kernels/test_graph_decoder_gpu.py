@@ -1,7 +1,7 @@
 """GPU tests: a decoder's W8A16 + LoRA calls replayed from CUDA graphs give the eager run's bits, as the matched
-engine runs them under vLLM (graphs per batch size captured on a fresh side stream into one shared memory pool, largest
-first, no warmup on that stream; then replays in any order with new inputs). Both forms of the fused layers: q, k, v as one
-block-diagonal call (`kernels.fused_slices`) and one call per slice into the columns of one output. The kernels let the
+engine runs them under vLLM (graphs per batch size captured on a fresh side stream into one shared memory pool,
+largest first, no warmup on that stream; then replays in any order with new inputs). Both forms of the fused layers:
+q, k, v as one block-diagonal call (`kernels.fused_slices`) and one call per slice into the columns of one output. The kernels let the
 base GEMM run beside its down-projection (PDL), which the caching allocator does not see: a workspace it frees while a
 kernel still reads it shows up here as wrong or non-finite rows."""
 
