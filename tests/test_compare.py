@@ -346,10 +346,9 @@ json.dump(span, open(record, "w"))
 """
 
 
-def test_nproc_runs_side_by_side_one_gpu_each(tmp_path, monkeypatch):
-    """Four runs over two workers, each a real (tiny) process that counts the processes running beside it: never
-    more than two at once, two at once at some point, never two at once on one GPU."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+def run_sleepers(tmp_path: Path, nproc: int, runs_per_gpu: int = 1) -> tuple[list, list[dict]]:
+    """A study of four runs, each a real (tiny) process that records its GPU, its time span and the most processes it
+    saw running beside it; returns (outcomes, spans)."""
     plan = plan_study(make_spec(tmp_path, seeds="2"))
     records, running = tmp_path / "records", tmp_path / "running"
     records.mkdir()
@@ -359,8 +358,15 @@ def test_nproc_runs_side_by_side_one_gpu_each(tmp_path, monkeypatch):
         return subprocess.run([sys.executable, "-c", SLEEPER, str(records / f"{launch.run.name}.json"), str(running)],
                               env=launch.env).returncode
 
-    outcomes = StudyExecutor(plan, sleeper).run(nproc=2)
-    spans = [json.loads(path.read_text()) for path in sorted(records.iterdir())]
+    outcomes = StudyExecutor(plan, sleeper).run(nproc=nproc, runs_per_gpu=runs_per_gpu)
+    return outcomes, [json.loads(path.read_text()) for path in sorted(records.iterdir())]
+
+
+def test_nproc_runs_side_by_side_one_gpu_each(tmp_path, monkeypatch):
+    """Four runs over two workers: never more than two at once, two at once at some point, never two at once on one
+    GPU."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    outcomes, spans = run_sleepers(tmp_path, nproc=2)
     assert len(outcomes) == 4 and len(spans) == 4 and {span["gpu"] for span in spans} == {"5", "7"}
     assert max(span["peak"] for span in spans) == 2  # side by side, and never more than --nproc
     for i, first in enumerate(spans):
@@ -371,17 +377,7 @@ def test_nproc_runs_side_by_side_one_gpu_each(tmp_path, monkeypatch):
 def test_runs_per_gpu_puts_runs_beside_each_other_on_one_gpu(tmp_path, monkeypatch):
     """--runs-per-gpu 2 on one GPU: two runs at once, both on that GPU; the GPUs are taken in turn by the workers."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
-    plan = plan_study(make_spec(tmp_path, seeds="2"))
-    records, running = tmp_path / "records", tmp_path / "running"
-    records.mkdir()
-    running.mkdir()
-
-    def sleeper(launch: Launch) -> int:
-        return subprocess.run([sys.executable, "-c", SLEEPER, str(records / f"{launch.run.name}.json"), str(running)],
-                              env=launch.env).returncode
-
-    outcomes = StudyExecutor(plan, sleeper).run(nproc=1, runs_per_gpu=2)
-    spans = [json.loads(path.read_text()) for path in sorted(records.iterdir())]
+    outcomes, spans = run_sleepers(tmp_path, nproc=1, runs_per_gpu=2)
     assert len(outcomes) == 4 and {span["gpu"] for span in spans} == {"5"}
     assert max(span["peak"] for span in spans) == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
