@@ -14,6 +14,10 @@
 #   step      bench_trainer.py on the Qwen3-8B shape: FP8 and bf16 trainer, 2 timed steps, kernel sum   ~5 min
 #   fused     GPU tests of one call per fused layer, then bench_fused_slices.py (decode and training)  ~5 min
 #   loop      gpu_loop_check.py: the SmolLM2 recipe under every engine/trainer pairing + fault injections ~9 min
+#   bitwise   gpu_loop_check.py: the bitwise pairing for 40 steps (`mismatch/bitwise_frac` every step)    ~6 min
+#   compare   `epirl compare` on the SmolLM2 recipe: bf16, w8a16, w8a8, w8a8-notis x 3 seeds x 40 steps, 6
+#             runs beside each other on the GPU, held-out test of each adapter; resumable: repeat the part
+#             (through device_bg.sh) until it prints the summary table                               ~25 min
 #   engine    gpu_engine.py: 8B-shape TPOT, publish and shared views, W8A16 and W8A8 engines            ~6 min
 #   engine2   vLLM version checks (test_vllm_compat.py), KV release x20, layer bits (eager), SmolLM2
 #             engine vs the FP8 trainer                                                                    ~5 min
@@ -22,8 +26,8 @@
 #   serving   bench_serving.py --vllm: TPOT and 32 tenants inside vLLM (kernels.serving_vllm_from passes
 #             through: `never` lets the timed dispatch decide every batch size)                          ~13 min
 #   tenants   multi-adapter kernel tests, then bench_serving_tenants.py --sweep                           ~8 min
-# Engine, loop, mismatch, publish and serving parts need vLLM staged; loop and mismatch need math-verify's
-# wheels in .whl/ (README.md in this folder).
+# Engine, loop, bitwise, compare, mismatch, publish and serving parts need vLLM staged; loop, bitwise, compare and
+# mismatch need math-verify's and pydantic's wheels in .whl/ (README.md in this folder).
 set -o pipefail
 source scripts/offline/device_env.sh
 KERNEL_BENCH_ARGS=${KERNEL_BENCH_ARGS:-"--tokens 1 4 16 64 --train-tokens 4096"}
@@ -59,6 +63,12 @@ run_part() {
                 -p no:cacheprovider
               part fused_bench 300 python3 -P scripts/bench_fused_slices.py --json "$OUT/bench_fused_slices.json" ;;
     loop)     part loop 580 python3 -P scripts/gpu_loop_check.py ;;
+    bitwise)  part bitwise 580 python3 -P scripts/gpu_loop_check.py --pairings w8a16-bitwise --faults none --steps 40 ;;
+    compare)  python3 -P -m epirl.model.smollm2 > /dev/null
+              part compare "${COMPARE_LIMIT:-3000}" python3 -P -m epirl.cli compare recipes/smollm2_arith_cpu.yaml \
+                --pairings bf16,w8a16,w8a8,w8a8-notis --seeds 3 --steps 40 --runs-per-gpu 6 output_dir=runs \
+                tracking.wandb=disabled engine.gpu_memory_utilization=0.14 \
+                engine.vllm_args.kv_cache_memory_bytes=2147483648 ;;
     engine)   engine_part main 280 --precisions w8a16 --sections publish,tpot,shared --skip-smollm2
               engine_part w8a8 260 --precisions w8a8 --sections publish,tpot --skip-smollm2 ;;
     engine2)  part vllm_compat 60 python3 -P -m pytest -q -rs -p no:cacheprovider tests/test_vllm_compat.py
@@ -79,7 +89,8 @@ run_part() {
                 -p no:cacheprovider
               part tenants_bench 300 python3 -P scripts/bench_serving_tenants.py --sweep \
                 --json "$OUT/bench_tenants.json" ;;
-    *) echo "unknown part: $1 (kernels tune trainer step fused loop engine engine2 mismatch publish serving tenants)"
+    *) echo "unknown part: $1 (kernels tune trainer step fused loop bitwise compare engine engine2 mismatch publish" \
+            "serving tenants)"
        return 2 ;;
   esac
 }
