@@ -65,7 +65,9 @@ run_part() {
     loop)     part loop 580 python3 -P scripts/gpu_loop_check.py ;;
     bitwise)  part bitwise 580 python3 -P scripts/gpu_loop_check.py --pairings w8a16-bitwise --faults none --steps 40 ;;
     compare)  python3 -P -m epirl.model.smollm2 > /dev/null
-              part compare "${COMPARE_LIMIT:-3000}" python3 -P -m epirl.cli compare recipes/smollm2_arith_cpu.yaml \
+              # PYTHONSAFEPATH: the runs' own processes (python -m epirl.cli) must import the mapped package too
+              part compare "${COMPARE_LIMIT:-3000}" env PYTHONSAFEPATH=1 python3 -m epirl.cli compare \
+                recipes/smollm2_arith_cpu.yaml \
                 --pairings bf16,w8a16,w8a8,w8a8-notis --seeds 3 --steps 40 --runs-per-gpu 6 output_dir=runs \
                 tracking.wandb=disabled engine.gpu_memory_utilization=0.14 \
                 engine.vllm_args.kv_cache_memory_bytes=2147483648 ;;
