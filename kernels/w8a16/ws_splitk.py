@@ -48,9 +48,17 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """`cuda` as the tensors on it name it (`cuda:<current>`), so that a reservation and a launch share one key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def reserve_counters(device: torch.device | str, slots: int = COUNTER_SLOTS) -> None:
     """Make both roles' zeroed counter workspaces on `device` now, outside any CUDA-graph capture."""
-    device = torch.device(device)
+    device = _indexed(device)
     if _capturing(device):
         raise RuntimeError("reserve_counters runs before CUDA-graph capture, not inside one")
     for role in ROLES:
@@ -59,7 +67,7 @@ def reserve_counters(device: torch.device | str, slots: int = COUNTER_SLOTS) -> 
 
 def _counters(device: torch.device, role: str, slots: int) -> torch.Tensor:
     """A zeroed int32 workspace of at least `slots` counters for this device and role (kept zeroed by use)."""
-    key = (device, role)
+    key = (_indexed(device), role)
     buf = _COUNTERS.get(key)
     if buf is not None and buf.numel() >= slots:
         return buf

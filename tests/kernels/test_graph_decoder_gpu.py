@@ -99,7 +99,8 @@ def test_graph_replays_give_the_eager_bits(layers, fused_qkv, reserved):
             graphs[m] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[m], pool=pool, stream=stream):
                 outputs[m] = decoder(inputs[m], layers, fused_qkv)
-    assert len(ws_splitk._COUNTERS) == (2 if reserved else 0)
+    here = torch.device(DEV, torch.cuda.current_device())
+    assert set(ws_splitk._COUNTERS) == ({(here, role) for role in ws_splitk.ROLES} if reserved else set())
     torch.cuda.synchronize()
     g = torch.Generator(device=DEV).manual_seed(11)
     for step in range(3):
