@@ -14,7 +14,7 @@ outside this package imports a private vLLM name (`tests/test_vllm_compat.py` gr
 | `model_access` | executor → driver worker → model runner → model / LoRA manager (in-process engine) |
 | `logits_lora` | the LoRA logits processor's `_get_logits` (adapters never touch the LM head) |
 | `adapter_loader` | the worker's `_load_adapter`, `LoRAModel.from_lora_tensors`, `PEFTHelper` (in-memory adapters) |
-| `prompt_logprobs` | the sampler's `compute_logprobs` (prompt log-probs at a temperature) |
+| `prompt_logprobs` | the V1 sampler's `compute_logprobs`, V2's prompt `compute_topk_scores` (prompt log-probs at a temperature) |
 | `kv_cache` | KV-cache release / re-acquire: `release_kv_cache_memory` (≥ 0.31), CuMemAllocator (0.26–0.30) |
 | `lora_layers` | `apply` / `create_lora_weights` of the LoRA-wrapped linear classes (the fused ops' class-level wraps) |
 | `punica` | a LoRA linear layer's state: base layer and its FP8 weight, slices, slot buffers, per-token slot map |
