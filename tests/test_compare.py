@@ -291,6 +291,11 @@ def test_summary_files_from_synthetic_run_folders(tmp_path):
     assert held["vs_reference"] is None and w8a8["heldout"]["vs_reference"]["estimate"] < -0.2
     assert {r["name"]: r["state"] for r in document["runs"]}["smollm2_arith_cpu_w8a8_s1"] == "stopped"
     assert "**1**: s1 at step 2" in (study / "summary.md").read_text()
+    assert document["runs_per_gpu"] == 1 and "--runs-per-gpu" not in (study / "summary.md").read_text()
+    shared = plan_study(dataclasses.replace(spec, runs_per_gpu=3))
+    write_summary(shared, results, summaries)
+    assert "Runs shared each GPU 3 at a time (--runs-per-gpu)" in (study / "summary.md").read_text()
+    assert json.loads((study / "summary.json").read_text())["runs_per_gpu"] == 3
 
 
 def fake_launcher(eval_accuracy: float = 0.5):

@@ -95,6 +95,9 @@ def notes(plan: StudyPlan) -> list[str]:
                  "probe's arrival fraction on the steps it resolved (1 = the engine serves the new adapter; worst = "
                  "farthest from 1), pooled over seeds. Seconds: median per step, mean over seeds. Memory: the largest "
                  "over steps and seeds of the trainer process's torch peak (GPU) or the host's peak RSS.")
+    if spec.runs_per_gpu > 1:
+        lines.append(f"Runs shared each GPU {spec.runs_per_gpu} at a time (--runs-per-gpu): the seconds are those of "
+                     "runs beside each other, not of a run alone.")
     return lines
 
 
@@ -103,6 +106,7 @@ def summary_json(plan: StudyPlan, results: list[RunResult], summaries: dict[str,
     return {
         "command": spec.command_line, "recipe": str(spec.recipe), "name": plan.base_config.name,
         "seeds": list(spec.seeds), "steps": plan.runs[0].config.rl.steps, "reference": spec.reference,
+        "runs_per_gpu": spec.runs_per_gpu,
         "heldout": None if plan.split is None else {
             "file": str(plan.split.heldout_file), "problems": len(plan.split.heldout), "engine": spec.eval_engine,
             "decoding": "greedy, one answer per problem", "confidence": spec.confidence, "resamples": spec.resamples,
