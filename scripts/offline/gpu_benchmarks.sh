@@ -69,7 +69,7 @@ run_part() {
               part compare "${COMPARE_LIMIT:-3000}" env PYTHONSAFEPATH=1 python3 -m epirl.cli compare \
                 recipes/smollm2_arith_cpu.yaml \
                 --pairings bf16,w8a16,w8a8,w8a8-notis --seeds 3 --steps 40 --runs-per-gpu 6 output_dir=runs \
-                tracking.wandb=disabled engine.gpu_memory_utilization=0.14 \
+                tracking.wandb=disabled engine.gpu_memory_utilization=0.1 \
                 engine.vllm_args.kv_cache_memory_bytes=2147483648 ;;
     engine)   engine_part main 280 --precisions w8a16 --sections publish,tpot,shared --skip-smollm2
               engine_part w8a8 260 --precisions w8a8 --sections publish,tpot --skip-smollm2 ;;
