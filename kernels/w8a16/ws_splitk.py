@@ -67,7 +67,7 @@ def reserve_counters(device: torch.device | str, slots: int = COUNTER_SLOTS) -> 
 
 def _counters(device: torch.device, role: str, slots: int) -> torch.Tensor:
     """A zeroed int32 workspace of at least `slots` counters for this device and role (kept zeroed by use)."""
-    key = (_indexed(device), role)
+    key = (device, role)  # a tensor's device: `cuda:<index>`, as `reserve_counters` keys it
     buf = _COUNTERS.get(key)
     if buf is not None and buf.numel() >= slots:
         return buf
