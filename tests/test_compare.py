@@ -58,6 +58,7 @@ def step_row(step: int, seed: int, engine: str) -> dict:
     """A metrics.jsonl row with the keys the summary reads; values depend on the step, seed and engine."""
     kl = {"bf16": 1e-4, "w8a16": 1.1e-4}.get(engine, 5e-3) * (1 + 0.1 * seed)
     return {"step": step, "reward/mean": 0.1 * step + 0.01 * seed, "mismatch/k3_kl": kl, "is/clipped_frac": 0.01,
+            "mismatch/bitwise_frac": 1.0 - 0.1 * seed / step,
             "probe/arrival_vs_old": 1.0 - 0.05 * step, "probe/separation_vs_old": 4.0 * step,
             "probe/arrival_vs_base": 0.99, "probe/separation_vs_base": 20.0,
             "time/generate_s": 2.0, "time/train_s": 1.0, "time/probe_s": 0.5, "time/step_s": 3.5,
@@ -281,6 +282,7 @@ def test_summary_files_from_synthetic_run_folders(tmp_path):
     # median over steps (the NaN of step 1 skipped), then the mean over seeds
     assert bf16["kl_median"] == pytest.approx(np.mean([1e-4, 1.1e-4]))
     assert w8a16["kl_vs_reference"] == pytest.approx(1.1)
+    assert bf16["bitwise_frac_lowest"] == pytest.approx(0.9)  # seed 1's step 1: the lowest step of any run
     assert bf16["final_reward"] == pytest.approx(np.mean([0.2, 0.21]))  # mean of steps 1-3, mean over seeds
     assert bf16["probe_arrival_vs_old"] == {"median": pytest.approx(0.875), "worst": pytest.approx(0.85),
                                             "resolved_steps": 4}  # steps 2 and 3 of 2 seeds: separation >= 8

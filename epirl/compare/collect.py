@@ -1,7 +1,8 @@
 """What each run folder says (steps, probe, metrics, held-out verdicts) and what that makes per pairing.
 
 Per run, from metrics.jsonl: the final training reward (mean `reward/mean` over the last FINAL_STEPS steps), the
-median over steps of KL(engine‖trainer) (`mismatch/k3_kl`, steps with an update), the mean TIS clip fraction
+median over steps of KL(engine‖trainer) (`mismatch/k3_kl`, steps with an update), the lowest step's fraction of
+bitwise-equal log-probs (`mismatch/bitwise_frac`: 1.0 on every step is the bitwise pairing's bar), the mean TIS clip fraction
 (`is/clipped_frac`), the probe's arrival fractions β (`probe/arrival_vs_old|base`) on the steps it resolved
 (`probe/separation_vs_*` ≥ the run's engine.probe_separation), the median seconds per step of each phase
 (`time/*_s`) and the largest value of every `mem/*` key. Per pairing: runs averaged over seeds, β pooled over
@@ -52,6 +53,7 @@ class RunResult:
         summary = {
             "final_reward": stats.mean_or_none(self.values("reward/mean")[-FINAL_STEPS:]),
             "kl_median": stats.median_or_none(self.values("mismatch/k3_kl")),
+            "bitwise_frac_lowest": min(stats.finite(self.values("mismatch/bitwise_frac")), default=None),
             "tis_clipped_frac": stats.mean_or_none(self.values("is/clipped_frac")),
             "seconds_per_step": {key.removeprefix("time/").removesuffix("_s"): stats.median_or_none(self.values(key))
                                  for key in time_keys},
@@ -127,6 +129,7 @@ def pairing_summary(plan: StudyPlan, name: str, results: list[RunResult]) -> dic
         "unfinished": [result.seed for result in results if result.state in ("unfinished", "missing")],
         "final_reward": _mean_over_seeds(per_run, "final_reward"),
         "kl_median": _mean_over_seeds(per_run, "kl_median"),
+        "bitwise_frac_lowest": min(stats.finite([metrics["bitwise_frac_lowest"] for metrics in per_run]), default=None),
         "tis_clipped_frac": _mean_over_seeds(per_run, "tis_clipped_frac"),
         "seconds_per_step": _phase_seconds(per_run),
         "memory_peak": _memory_peak(per_run),

@@ -14,7 +14,7 @@ from epirl.compare.plan import StudyPlan
 
 COLUMNS = ("pairing", "engine · trainer · correction", "runs finished", "probe stops", "held-out accuracy [95% CI]",
            "Δ vs {reference} [95% CI]", f"final reward (last {FINAL_STEPS} steps)", "KL(engine‖trainer) median",
-           "KL ÷ {reference}", "TIS clip frac", "β vs old: median (worst)", "β vs base: median (worst)",
+           "KL ÷ {reference}", "bitwise-equal log-probs (lowest step)", "TIS clip frac", "β vs old: median (worst)", "β vs base: median (worst)",
            "s/step (generate · train · probe)", "peak memory GiB")
 CURVES = (("reward/mean", "training reward (mean)", "linear"),
           ("mismatch/k3_kl", "KL(engine‖trainer), k3 estimate", "log"))
@@ -66,6 +66,7 @@ def table_row(name: str, summary: dict) -> list[str]:
             f"{summary['finished']}/{summary['runs']}", _probe_stops(summary), _interval(heldout.get("accuracy")),
             _interval(heldout.get("vs_reference"), signed=True), _number(summary["final_reward"], "{:+.3f}"),
             _number(summary["kl_median"], "{:.2e}"), _number(summary["kl_vs_reference"], "{:.2f}×"),
+            _number(summary["bitwise_frac_lowest"], "{:.4f}"),
             _number(summary["tis_clipped_frac"], "{:.2%}"), _arrival(summary["probe_arrival_vs_old"]),
             _arrival(summary["probe_arrival_vs_base"]), _seconds(summary["seconds_per_step"]),
             _memory(summary["memory_peak"])]

@@ -15,9 +15,10 @@
 #   fused     GPU tests of one call per fused layer, then bench_fused_slices.py (decode and training)  ~5 min
 #   loop      gpu_loop_check.py: the SmolLM2 recipe under every engine/trainer pairing + fault injections ~9 min
 #   bitwise   gpu_loop_check.py: the bitwise pairing for 40 steps (`mismatch/bitwise_frac` every step)    ~6 min
-#   compare   `epirl compare` on the SmolLM2 recipe: bf16, w8a16, w8a8, w8a8-notis x 3 seeds x 40 steps, 6
-#             runs beside each other on the GPU, held-out test of each adapter; resumable: repeat the part
-#             (through device_bg.sh) until it prints the summary table                               ~25 min
+#   compare   `epirl compare` on the SmolLM2 recipe: bf16, w8a16, w8a8, w8a16-bitwise, w8a8-notis x 3 seeds x
+#             40 steps (COMPARE_PAIRINGS), 8 runs beside each other on the GPU (COMPARE_RUNS_PER_GPU),
+#             held-out test of each adapter; resumable: repeat the part (through device_bg.sh) until it
+#             prints the summary table (the study's folder: runs/compare_smollm2_arith_cpu)        ~25 min
 #   engine    gpu_engine.py: 8B-shape TPOT, publish and shared views, W8A16 and W8A8 engines            ~6 min
 #   engine2   vLLM version checks (test_vllm_compat.py), KV release x20, layer bits (eager), SmolLM2
 #             engine vs the FP8 trainer                                                                    ~5 min
@@ -67,10 +68,11 @@ run_part() {
     compare)  python3 -P -m epirl.model.smollm2 > /dev/null
               # PYTHONSAFEPATH: the runs' own processes (python -m epirl.cli) must import the mapped package too
               part compare "${COMPARE_LIMIT:-3000}" env PYTHONSAFEPATH=1 python3 -m epirl.cli compare \
-                recipes/smollm2_arith_cpu.yaml \
-                --pairings bf16,w8a16,w8a8,w8a8-notis --seeds 3 --steps 40 --runs-per-gpu 6 output_dir=runs \
+                recipes/smollm2_arith_cpu.yaml --pairings "${COMPARE_PAIRINGS:-bf16,w8a16,w8a8,w8a16-bitwise,w8a8-notis}" \
+                --seeds 3 --steps 40 --runs-per-gpu "${COMPARE_RUNS_PER_GPU:-8}" output_dir=runs \
                 tracking.wandb=disabled engine.gpu_memory_utilization=0.1 \
-                engine.vllm_args.kv_cache_memory_bytes=2147483648 ;;
+                engine.vllm_args.kv_cache_memory_bytes=2147483648
+              cp runs/compare_smollm2_arith_cpu/summary.* runs/compare_smollm2_arith_cpu/curves.png "$OUT/" ;;
     engine)   engine_part main 280 --precisions w8a16 --sections publish,tpot,shared --skip-smollm2
               engine_part w8a8 260 --precisions w8a8 --sections publish,tpot --skip-smollm2 ;;
     engine2)  part vllm_compat 60 python3 -P -m pytest -q -rs -p no:cacheprovider tests/test_vllm_compat.py
