@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from scipy import stats as scipy_stats
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -256,6 +257,25 @@ def test_paired_difference_is_tighter_than_unpaired_and_exact_on_known_data():
         stats.paired_difference(a, a[:, :10])
 
 
+def test_seed_interval_is_welchs_and_covers_the_truth_in_a_seeded_simulation():
+    # known numbers: means 0.591 and 0.535, Welch's interval from scipy's t distribution by hand
+    a, b = np.array([0.646, 0.554, 0.574]), np.array([0.568, 0.574, 0.462])
+    interval = stats.seed_difference(b, a)
+    va, vb = a.var(ddof=1) / 3, b.var(ddof=1) / 3
+    dof = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 2)
+    half = scipy_stats.t.ppf(0.975, dof) * math.sqrt(va + vb)
+    assert interval.estimate == pytest.approx(b.mean() - a.mean())
+    assert (interval.low, interval.high) == pytest.approx((interval.estimate - half, interval.estimate + half))
+    assert interval.covers(0.0)  # a 5.6-point gap is not resolved by three seeds with this spread
+    assert stats.seed_difference([0.5], a) is None
+    assert stats.seed_difference([0.6, 0.6], [0.5, 0.5]).as_dict() == pytest.approx(
+        {"estimate": 0.1, "ci_low": 0.1, "ci_high": 0.1})
+    rng, covered = np.random.default_rng(2), 0
+    for _ in range(200):  # seeds drawn around true means 0.60 / 0.55: the interval covers +0.05 about 95 % of the time
+        covered += stats.seed_difference(rng.normal(0.60, 0.05, 3), rng.normal(0.55, 0.05, 3)).covers(0.05)
+    assert 0.88 <= covered / 200 <= 1.0
+
+
 # ------------------------------------------------------------------------------------------------ summary files
 def test_summary_files_from_synthetic_run_folders(tmp_path):
     spec = make_spec(tmp_path, pairings="bf16,w8a16,w8a8", seeds="2")
@@ -291,6 +311,12 @@ def test_summary_files_from_synthetic_run_folders(tmp_path):
     accuracy_block = held["accuracy"]
     assert held["problems"] == 500 and accuracy_block["ci_low"] < accuracy_block["estimate"] < accuracy_block["ci_high"]
     assert held["vs_reference"] is None and w8a8["heldout"]["vs_reference"]["estimate"] < -0.2
+    assert held["vs_reference_over_seeds"] is None  # the reference itself; w8a8 has one evaluated seed: undefined
+    assert w8a8["heldout"]["vs_reference_over_seeds"] is None
+    over_seeds = w8a16["heldout"]["vs_reference_over_seeds"]
+    per_seed = {name: list(document["pairings"][name]["heldout"]["per_seed"].values()) for name in ("bf16", "w8a16")}
+    assert over_seeds["estimate"] == pytest.approx(np.mean(per_seed["w8a16"]) - np.mean(per_seed["bf16"]))
+    assert over_seeds["ci_low"] < over_seeds["estimate"] < over_seeds["ci_high"]
     assert {r["name"]: r["state"] for r in document["runs"]}["smollm2_arith_cpu_w8a8_s1"] == "stopped"
     assert "**1**: s1 at step 2" in (study / "summary.md").read_text()
     assert document["runs_per_gpu"] == 1 and "--runs-per-gpu" not in (study / "summary.md").read_text()

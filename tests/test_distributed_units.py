@@ -59,6 +59,16 @@ def test_metric_reduction_of_token_shares_equals_the_one_rank_token_mean():
     assert reduce_metrics(shares)["train/entropy"] == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)
 
 
+def test_bitwise_fraction_comes_from_the_summed_count_exactly():
+    # ten ranks whose share-weighted fractions (0.1 each) sum to 1 - ulp in floats: the count gives 1.0 exactly
+    ranks = [{"mismatch/bitwise_frac": 0.1, "mismatch/unequal_tokens": 0.0, "train/tokens": 10.0} for _ in range(10)]
+    assert sum(rank["mismatch/bitwise_frac"] for rank in ranks) != 1.0
+    assert reduce_metrics(ranks)["mismatch/bitwise_frac"] == 1.0
+    ranks[1]["mismatch/unequal_tokens"] = 2.0
+    out = reduce_metrics(ranks)
+    assert out["mismatch/unequal_tokens"] == 2.0 and out["mismatch/bitwise_frac"] == pytest.approx(0.8)
+
+
 def test_adapter_checksum_sees_value_order_and_sign_changes():
     a, b = torch.randn(4, 3), torch.randn(3, 5)
     base = adapter_checksum([a, b])

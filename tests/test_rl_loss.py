@@ -135,6 +135,7 @@ def test_bitwise_frac_counts_tokens_whose_log_probs_share_every_bit():
     old_B_T[1, 3] = -7.0  # a padded position: ignored
     mask_B_T = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
     _, metrics = importance_weights(old_B_T, engine_B_T, mask_B_T, "none", 2.0)
-    assert metrics["mismatch/bitwise_frac"] == pytest.approx(5 / 7)
+    assert metrics["mismatch/bitwise_frac"] == pytest.approx(5 / 7) and metrics["mismatch/unequal_tokens"] == 2.0
     _, same = importance_weights(engine_B_T, engine_B_T, mask_B_T, "tis", 2.0)
     assert same["mismatch/bitwise_frac"] == 1.0 and same["mismatch/k3_kl"] == 0.0
+    assert same["mismatch/unequal_tokens"] == 0.0

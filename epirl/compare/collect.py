@@ -19,7 +19,6 @@ import numpy as np
 from epirl.compare import stats
 from epirl.compare.plan import (PlannedRun, StudyPlan, eval_done, heldout_verdicts, is_finished, read_metric_rows,
                                 stopped_by_probe)
-from epirl.compare.stats import Interval
 
 FINAL_STEPS = 5
 ARRIVAL_ALTERNATIVES = ("old", "base")
@@ -140,7 +139,8 @@ def pairing_summary(plan: StudyPlan, name: str, results: list[RunResult]) -> dic
 
 
 def heldout_summary(plan: StudyPlan, results_by_pairing: dict[str, list[RunResult]]) -> dict[str, dict]:
-    """Per pairing: accuracy with its interval and per-seed values; the paired difference to the reference."""
+    """Per pairing: accuracy with its interval and per-seed values; the difference to the reference, paired on the
+    problems (bootstrap) and over seeds (Welch)."""
     if plan.split is None:
         return {}
     spec, problem_ids = plan.spec, [problem.uid for problem in plan.split.heldout]
@@ -149,15 +149,18 @@ def heldout_summary(plan: StudyPlan, results_by_pairing: dict[str, list[RunResul
     out = {}
     for name, (seeds, matrix) in matrices.items():
         if matrix is None:
-            out[name] = {"seeds_evaluated": [], "accuracy": None, "vs_reference": None}
+            out[name] = {"seeds_evaluated": [], "accuracy": None, "vs_reference": None,
+                         "vs_reference_over_seeds": None}
             continue
         accuracy = stats.accuracy_interval(matrix, spec.resamples, spec.confidence)
-        difference: Interval | None = None
+        difference = over_seeds = None
         if reference is not None and name != spec.reference:
             difference = stats.paired_difference(matrix, reference, spec.resamples, spec.confidence)
+            over_seeds = stats.seed_difference(matrix.mean(axis=1), reference.mean(axis=1), spec.confidence)
         out[name] = {"seeds_evaluated": seeds, "problems": len(problem_ids), "accuracy": accuracy.as_dict(),
                      "per_seed": {str(seed): float(row.mean()) for seed, row in zip(seeds, matrix)},
-                     "vs_reference": difference.as_dict() if difference else None}
+                     "vs_reference": difference.as_dict() if difference else None,
+                     "vs_reference_over_seeds": over_seeds.as_dict() if over_seeds else None}
     return out
 
 

@@ -13,7 +13,7 @@ from epirl.compare.collect import FINAL_STEPS, RunResult
 from epirl.compare.plan import StudyPlan
 
 COLUMNS = ("pairing", "engine · trainer · correction", "runs finished", "probe stops", "held-out accuracy [95% CI]",
-           "Δ vs {reference} [95% CI]", f"final reward (last {FINAL_STEPS} steps)", "KL(engine‖trainer) median",
+           "per seed", "Δ vs {reference}, problems [95% CI]", "Δ vs {reference}, seeds [95% CI]", f"final reward (last {FINAL_STEPS} steps)", "KL(engine‖trainer) median",
            "KL ÷ {reference}", "bitwise-equal log-probs (lowest step)", "TIS clip frac", "β vs old: median (worst)", "β vs base: median (worst)",
            "s/step (generate · train · probe)", "peak memory GiB")
 CURVES = (("reward/mean", "training reward (mean)", "linear"),
@@ -64,7 +64,9 @@ def table_row(name: str, summary: dict) -> list[str]:
     heldout = summary.get("heldout") or {}
     return [name, f"{summary['engine']} · {summary['trainer_base']} · {summary['correction']}",
             f"{summary['finished']}/{summary['runs']}", _probe_stops(summary), _interval(heldout.get("accuracy")),
-            _interval(heldout.get("vs_reference"), signed=True), _number(summary["final_reward"], "{:+.3f}"),
+            " / ".join(f"{value:.3f}" for value in (heldout.get("per_seed") or {}).values()) or "–",
+            _interval(heldout.get("vs_reference"), signed=True),
+            _interval(heldout.get("vs_reference_over_seeds"), signed=True), _number(summary["final_reward"], "{:+.3f}"),
             _number(summary["kl_median"], "{:.2e}"), _number(summary["kl_vs_reference"], "{:.2f}×"),
             _number(summary["bitwise_frac_lowest"], "{:.4f}"),
             _number(summary["tis_clipped_frac"], "{:.2%}"), _arrival(summary["probe_arrival_vs_old"]),
@@ -88,8 +90,8 @@ def notes(plan: StudyPlan) -> list[str]:
         engine = "its own engine precision" if spec.eval_engine == "run" else f"a {spec.eval_engine} engine"
         lines.append(f"Held-out: {plan.split.describe()}; each adapter answers once (greedy) on {engine}. Intervals: "
                      f"{spec.confidence:.0%} percentile bootstrap over problems ({spec.resamples} resamples; problems "
-                     "resampled, seeds averaged); Δ is paired on the same problems. Per-seed accuracies: "
-                     "summary.json.")
+                     "resampled, seeds averaged: another draw of problems), Δ paired on the same problems; Δ over seeds: Welch's "
+                     "t-interval on the per-seed accuracies (another draw of training seeds, the wider one to read).")
     else:
         lines.append("Held-out: none (the recipe does not train on data.source: arithmetic).")
     lines.append("KL and TIS clip: median / mean over the steps with an update, then the mean over seeds. β: the "

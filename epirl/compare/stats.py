@@ -4,8 +4,12 @@ Data: `correct[s, j]` = 1 when seed s's adapter answered held-out problem j (gre
 pairing is scored on the same problems, so problems are the unit of resampling: the percentile bootstrap
 (epirl.eval.stats.percentile_bootstrap, on scipy.stats.bootstrap) resamples problems and averages over seeds, i.e.
 it bootstraps the mean of the per-problem seed averages. The interval says how much the accuracy could move on
-another draw of problems from the task with these trained adapters; the seed-to-seed spread is reported beside it
-(per-seed accuracies), not folded in.
+another draw of problems from the task with these trained adapters, not how much it could move on another draw of
+training seeds.
+
+The seed-to-seed spread (training randomness) is the other source: `seed_difference` compares two pairings' per-seed
+accuracies with Welch's t-interval (unequal variances; seeds are the unit, each seed's accuracy already averages
+its problems). With three seeds it is wide, and it is the interval to read before calling two pairings different.
 
 The paired difference uses the per-problem difference of the two pairings' seed averages, resampled together
 (same problems), which removes the problems' shared difficulty from its variance.
@@ -63,6 +67,21 @@ def paired_difference(correct_a_S_M, correct_b_S_M, resamples: int = 10_000, con
     if a.shape != b.shape:
         raise ValueError(f"paired_difference needs the same problems, got {a.size} and {b.size}")
     return bootstrap_mean(a - b, resamples, confidence, seed)
+
+
+def seed_difference(per_seed_a, per_seed_b, confidence: float = 0.95) -> Interval | None:
+    """mean(a) − mean(b) of two pairings' per-seed accuracies with Welch's t-interval; None with fewer than two seeds
+    on either side or no spread at all (the interval is undefined)."""
+    a, b = np.asarray(per_seed_a, dtype=float), np.asarray(per_seed_b, dtype=float)
+    if a.size < 2 or b.size < 2:
+        return None
+    if np.ptp(a) == 0.0 and np.ptp(b) == 0.0:
+        return Interval(float(a.mean() - b.mean()), float(a.mean() - b.mean()), float(a.mean() - b.mean()))
+    from scipy import stats as scipy_stats  # scipy is a dependency of the bootstrap already
+
+    result = scipy_stats.ttest_ind(a, b, equal_var=False)
+    low, high = result.confidence_interval(confidence_level=confidence)
+    return Interval(float(a.mean() - b.mean()), float(low), float(high))
 
 
 # ------------------------------------------------------------------------------------------------ step metrics

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # Metric reduction rules (see reduce_metrics). Additive: each rank's value is already its share of the global
 # value (token shares over the global token count, or counts).
 SUMMED_KEYS = frozenset({"reward/graded", "reward/no_answer", "reward/timeouts", "reward/crashes",
-                         "mismatch/k3_kl", "mismatch/mean_ratio", "mismatch/bitwise_frac", "train/entropy",
+                         "mismatch/k3_kl", "mismatch/mean_ratio", "mismatch/unequal_tokens", "train/entropy",
                          "train/processed_tokens"})
 SUMMED_PREFIXES = ("loss/", "is/")
 MAX_KEYS = frozenset({"mismatch/max_abs_logratio"})
@@ -80,7 +80,15 @@ def reduce_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             out[key] = max(values)
         else:
             out[key] = values[0]
+    if "mismatch/unequal_tokens" in out and "train/tokens" in out:  # the fraction from the summed count, not a sum
+        out["mismatch/bitwise_frac"] = bitwise_fraction(out["mismatch/unequal_tokens"], out["train/tokens"])
     return out
+
+
+def bitwise_fraction(unequal_tokens: float, total_tokens: float) -> float:
+    """The fraction of the step's tokens whose engine and trainer log-probs are bitwise equal: exactly 1.0 when none
+    differs."""
+    return 1.0 - unequal_tokens / max(total_tokens, 1.0)
 
 
 def adapter_checksum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -50,6 +50,8 @@ def importance_weights(
         "mismatch/max_abs_logratio": log_ratio_B_T.abs().max().item() if mask.any() else 0.0,
         "mismatch/mean_ratio": masked_mean(ratio_B_T, mask).item(),
         "mismatch/bitwise_frac": masked_mean(bitwise_equal(old_logprobs_B_T, engine_logprobs_B_T).float(), mask).item(),
+        # the count behind it: sums over micro-batches and ranks exactly, so a step with none reports 1.0, not 1 - ulp
+        "mismatch/unequal_tokens": float((~bitwise_equal(old_logprobs_B_T, engine_logprobs_B_T) & mask).sum().item()),
     }
     if correction == "none":
         return torch.ones_like(ratio_B_T), metrics | {"is/clipped_frac": 0.0}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from epirl.config import EpirlConfig
-from epirl.rl.distributed import Ranks
+from epirl.rl.distributed import Ranks, bitwise_fraction
 from epirl.rl.loss import dapo_loss, importance_weights
 
 
@@ -158,10 +158,14 @@ def optimizer_step(policy, optimizer, scheduler, batch: TrainBatch | None, cfg: 
                 sums[key] = sums.get(key, 0.0) + value * micro_weight
             elif key == "mismatch/max_abs_logratio":
                 sums[key] = max(sums.get(key, 0.0), value)
+            elif key == "mismatch/unequal_tokens":
+                sums[key] = sums.get(key, 0.0) + value
             elif key.startswith("is/") and rl.correction.startswith("seq-"):  # per-sequence fractions
                 sums[key] = sums.get(key, 0.0) + value * micro.num_sequences / total_sequences
             else:
                 sums[key] = sums.get(key, 0.0) + value * share
+    if "mismatch/unequal_tokens" in sums:  # from the count (reduce_metrics does the same over ranks)
+        sums["mismatch/bitwise_frac"] = bitwise_fraction(sums["mismatch/unequal_tokens"], total_tokens)
     dist_metrics = ranks.all_reduce_gradients(policy.lora_parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.lora_parameters(), tr.max_grad_norm)
     if not math.isfinite(grad_norm.item()):
