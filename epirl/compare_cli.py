@@ -26,8 +26,9 @@ Held-out test (recipes with data.source: arithmetic): --heldout-size problems dr
 in a seed namespace of their own; every run trains on its recipe's seeded problem list without them (a file
 under compare_<name>/data/), so no run ever sees a test problem. Each finished adapter answers each problem once,
 greedily. Other recipes get no held-out evaluation. Outputs, rewritten after every finished run: summary.md (one
-row per pairing: held-out accuracy with its 95 % bootstrap interval over problems, the paired difference to bf16,
-final reward, KL(engine‖trainer), TIS clip fraction, probe β, seconds per step by phase, peak memory),
+row per pairing: held-out accuracy with its 95 % bootstrap interval over problems and per seed, the difference to
+bf16 paired on the problems and over seeds (Welch's t-interval: the wider one, training randomness), final reward,
+KL(engine‖trainer), bitwise-equal log-probs, TIS clip fraction, probe β, seconds per step by phase, peak memory),
 summary.json and curves.png (reward and KL against step, mean ± 1 s.d. over seeds).
 
 Console: the plan, a progress bar over the pending runs with a line per finished run, and the table (on
