@@ -176,7 +176,7 @@ def write_curves(results: list[RunResult], path: Path, title: str = "") -> Path:
     axes = figure.subplots(1, len(CURVES))
     pairings = list(dict.fromkeys(result.pairing for result in results))
     for ax, (key, label, scale) in zip(axes, CURVES):
-        positive = True
+        positive, smallest = True, math.inf
         for pairing in pairings:
             steps, means, spread = band_over_seeds([r for r in results if r.pairing == pairing], key)
             if steps.size == 0:
@@ -184,8 +184,9 @@ def write_curves(results: list[RunResult], path: Path, title: str = "") -> Path:
             line, = ax.plot(steps, means, marker="o", markersize=2.5, linewidth=1.5, label=pairing)
             ax.fill_between(steps, means - spread, means + spread, color=line.get_color(), alpha=0.2, linewidth=0)
             positive = positive and bool(np.all(means - spread > 0))
-        if scale == "log" and positive and ax.lines:
-            ax.set_yscale("log")
+            smallest = min([smallest, *means[means > 0]])
+        if scale == "log" and ax.lines:  # zeros (a bitwise pairing's KL) or bands below zero: linear around 0 only
+            ax.set_yscale("log") if positive else ax.set_yscale("symlog", linthresh=min(smallest, 1.0) / 10, linscale=0.3)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
