@@ -2,8 +2,8 @@
 
 Per run, from metrics.jsonl: the final training reward (mean `reward/mean` over the last FINAL_STEPS steps), the
 median over steps of KL(engine‖trainer) (`mismatch/k3_kl`, steps with an update), the lowest step's fraction of
-bitwise-equal log-probs (`mismatch/bitwise_frac`: 1.0 on every step is the bitwise pairing's bar), the mean TIS clip fraction
-(`is/clipped_frac`), the probe's arrival fractions β (`probe/arrival_vs_old|base`) on the steps it resolved
+bitwise-equal log-probs (`mismatch/bitwise_frac`: 1.0 on every step is the bitwise pairing's bar), the mean TIS clip
+fraction (`is/clipped_frac`), the probe's arrival fractions β (`probe/arrival_vs_old|base`) on the steps it resolved
 (`probe/separation_vs_*` ≥ the run's engine.probe_separation), the median seconds per step of each phase
 (`time/*_s`) and the largest value of every `mem/*` key. Per pairing: runs averaged over seeds, β pooled over
 seeds, memory the largest over seeds, held-out accuracy and its paired difference as in epirl.compare.stats.

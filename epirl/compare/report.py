@@ -13,9 +13,10 @@ from epirl.compare.collect import FINAL_STEPS, RunResult
 from epirl.compare.plan import StudyPlan
 
 COLUMNS = ("pairing", "engine · trainer · correction", "runs finished", "probe stops", "held-out accuracy [95% CI]",
-           "per seed", "Δ vs {reference}, problems [95% CI]", "Δ vs {reference}, seeds [95% CI]", f"final reward (last {FINAL_STEPS} steps)", "KL(engine‖trainer) median",
-           "KL ÷ {reference}", "bitwise-equal log-probs (lowest step)", "TIS clip frac", "β vs old: median (worst)", "β vs base: median (worst)",
-           "s/step (generate · train · probe)", "peak memory GiB")
+           "per seed", "Δ vs {reference}, problems [95% CI]", "Δ vs {reference}, seeds [95% CI]",
+           f"final reward (last {FINAL_STEPS} steps)", "KL(engine‖trainer) median", "KL ÷ {reference}",
+           "bitwise-equal log-probs (lowest step)", "TIS clip frac", "β vs old: median (worst)",
+           "β vs base: median (worst)", "s/step (generate · train · probe)", "peak memory GiB")
 CURVES = (("reward/mean", "training reward (mean)", "linear"),
           ("mismatch/k3_kl", "KL(engine‖trainer), k3 estimate", "log"))
 
@@ -90,8 +91,9 @@ def notes(plan: StudyPlan) -> list[str]:
         engine = "its own engine precision" if spec.eval_engine == "run" else f"a {spec.eval_engine} engine"
         lines.append(f"Held-out: {plan.split.describe()}; each adapter answers once (greedy) on {engine}. Intervals: "
                      f"{spec.confidence:.0%} percentile bootstrap over problems ({spec.resamples} resamples; problems "
-                     "resampled, seeds averaged: another draw of problems), Δ paired on the same problems; Δ over seeds: Welch's "
-                     "t-interval on the per-seed accuracies (another draw of training seeds, the wider one to read).")
+                     "resampled, seeds averaged: another draw of problems), Δ paired on the same problems; Δ over "
+                     "seeds: Welch's t-interval on the per-seed accuracies (another draw of training seeds, the wider "
+                     "one to read).")
     else:
         lines.append("Held-out: none (the recipe does not train on data.source: arithmetic).")
     lines.append("KL and TIS clip: median / mean over the steps with an update, then the mean over seeds. β: the "
@@ -186,7 +188,10 @@ def write_curves(results: list[RunResult], path: Path, title: str = "") -> Path:
             positive = positive and bool(np.all(means - spread > 0))
             smallest = min([smallest, *means[means > 0]])
         if scale == "log" and ax.lines:  # zeros (a bitwise pairing's KL) or bands below zero: linear around 0 only
-            ax.set_yscale("log") if positive else ax.set_yscale("symlog", linthresh=min(smallest, 1.0) / 10, linscale=0.3)
+            if positive:
+                ax.set_yscale("log")
+            else:
+                ax.set_yscale("symlog", linthresh=min(smallest, 1.0) / 10, linscale=0.3)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
