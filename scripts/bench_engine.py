@@ -56,11 +56,13 @@ def qwen3_8b_dir() -> str:
 
 def make_cfg(model_path: str, precision: str, rank: int, max_model_len: int = 1024, eager: bool = False,
              gpu_util: float = 0.40, max_num_seqs: int = 64):
+    """precision: an engine precision, or `w8a16-bitwise` (the matched engine with `engine.bitwise`)."""
     from epirl.config import EpirlConfig
 
     return EpirlConfig.model_validate({
         "model": {"path": model_path, "max_model_len": max_model_len, "dtype": "bfloat16"},
-        "engine": {"precision": precision, "gpu_memory_utilization": gpu_util, "max_num_seqs": max_num_seqs,
+        "engine": {"precision": precision.removesuffix("-bitwise"), "bitwise": precision.endswith("-bitwise"),
+                   "gpu_memory_utilization": gpu_util, "max_num_seqs": max_num_seqs,
                    "enforce_eager": eager, "kv_release": True, "cpu_kv_cache_gb": 1,
                    # the W8A8 engine a user would pick instead: vLLM's own LoRA kernels (the default, auto, is epirl's)
                    "serving_kernels": "off"},

@@ -19,6 +19,7 @@ import time
 import torch
 
 from epirl.model import random_policy
+from epirl.model.loading import make_bitwise
 from epirl.model.lora import ALL_PROJECTIONS
 from epirl.model.shapes import SHAPES
 
@@ -45,9 +46,11 @@ def bench_one(shape: str, base: str, args) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     config = SHAPES[shape]()
-    policy = random_policy(config, base, "cuda", rank=args.rank, alpha=2.0 * args.rank, targets=list(ALL_PROJECTIONS),
-                           seed=0, gradient_checkpointing=not args.no_checkpointing,
+    policy = random_policy(config, base.removesuffix("-bitwise"), "cuda", rank=args.rank, alpha=2.0 * args.rank,
+                           targets=list(ALL_PROJECTIONS), seed=0, gradient_checkpointing=not args.no_checkpointing,
                            fused_slices=getattr(args, "fused_slices", "on") == "on")
+    if base.endswith("-bitwise"):  # the trainer of `engine.bitwise`: the invariant ops around the projections
+        make_bitwise(policy, config)
     load_peak = torch.cuda.max_memory_allocated()
     optimizer = torch.optim.AdamW(policy.lora_parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.seqs, args.seq_len + 1), device="cuda",
@@ -122,10 +125,10 @@ def has_fla() -> bool:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'shape':<11} {'base':<5} {'s/step':>7} {'tok/s':>8} {'peak GiB':>9} {'base GiB':>9} "
+    print(f"\n{'shape':<11} {'base':<12} {'s/step':>7} {'tok/s':>8} {'peak GiB':>9} {'base GiB':>9} "
           f"{'(proj)':>7} {'(other)':>8} {'GDN':>15} {'GPU busy':>9}")
     for r in results:
-        print(f"{r['shape']:<11} {r['base']:<5} {r['s_per_step']:7.3f} {r['tokens_per_s']:8.0f} {r['step_peak_gib']:9.2f} "
+        print(f"{r['shape']:<11} {r['base']:<12} {r['s_per_step']:7.3f} {r['tokens_per_s']:8.0f} {r['step_peak_gib']:9.2f} "
               f"{r['base_weight_gib']:9.2f} {r['base_projection_gib']:7.2f} {r['base_other_gib']:8.2f} {r['gdn']:>15} "
               f"{format(r['gpu_busy'], '9.0%') if r.get('gpu_busy') else '-':>9}")
     by_key = {(r["shape"], r["base"]): r for r in results}
@@ -135,12 +138,18 @@ def print_table(results: list[dict]) -> None:
             print(f"{shape}: fp8/bf16 step time {fp8['s_per_step'] / bf16['s_per_step']:.2f}x, "
                   f"peak {fp8['step_peak_gib'] / bf16['step_peak_gib']:.2f}x, "
                   f"base {fp8['base_weight_gib']:.2f} vs {bf16['base_weight_gib']:.2f} GiB")
+        if (shape, "fp8") in by_key and (shape, "fp8-bitwise") in by_key:  # the bitwise pairing's cost (target 1.10x)
+            fp8, bitwise = by_key[(shape, "fp8")], by_key[(shape, "fp8-bitwise")]
+            print(f"{shape}: fp8-bitwise/fp8 step time {bitwise['s_per_step'] / fp8['s_per_step']:.2f}x, "
+                  f"peak {bitwise['step_peak_gib'] / fp8['step_peak_gib']:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--bases", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
+    parser.add_argument("--bases", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16", "fp8-bitwise"],
+                        help="fp8-bitwise: the FP8 trainer of `engine.bitwise` (invariant norms, rotary, attention, "
+                             "activation, LM head)")
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=4)

@@ -298,8 +298,15 @@ def load_policy(cfg, device, engine=None) -> Policy:
                                else source.nests_text_model)
     policy.random_weights = dummy
     if getattr(getattr(cfg, "engine", None), "bitwise", False):  # tests may pass a bare namespace without it
-        install_bitwise_forward(policy.model, load_text_config(model_dir))
-        policy.bitwise = True
+        make_bitwise(policy, load_text_config(model_dir))
+    return policy
+
+
+def make_bitwise(policy: Policy, text_config: PretrainedConfig) -> Policy:
+    """The trainer's half of `engine.bitwise`: the decoder's norms, rotary, attention and activation run the invariant
+    ops, and log-probs come from the exact LM head (`Policy.token_logprobs`)."""
+    install_bitwise_forward(policy.model, text_config)
+    policy.bitwise = True
     return policy
 
 

@@ -15,6 +15,8 @@
 #   fused     GPU tests of one call per fused layer, then bench_fused_slices.py (decode and training)  ~5 min
 #   loop      gpu_loop_check.py: the SmolLM2 recipe under every engine/trainer pairing + fault injections ~9 min
 #   bitwise   gpu_loop_check.py: the bitwise pairing for 40 steps (`mismatch/bitwise_frac` every step)    ~6 min
+#   bitspeed  the bitwise pairing's cost beside the matched one: engine TPOT at batch 1 / 32 (gpu_engine.py,
+#             Qwen3-8B shape) and the trainer step (bench_trainer.py fp8 vs fp8-bitwise)                 ~9 min
 #   compare   `epirl compare` on the SmolLM2 recipe: bf16, w8a16, w8a8, w8a16-bitwise, w8a8-notis x 3 seeds x
 #             40 steps (COMPARE_PAIRINGS), 8 runs beside each other on the GPU (COMPARE_RUNS_PER_GPU),
 #             held-out test of each adapter; resumable: repeat the part (through device_bg.sh) until it
@@ -27,7 +29,7 @@
 #   serving   bench_serving.py --vllm: TPOT and 32 tenants inside vLLM (kernels.serving_vllm_from passes
 #             through: `never` lets the timed dispatch decide every batch size)                          ~13 min
 #   tenants   multi-adapter kernel tests, then bench_serving_tenants.py --sweep                           ~8 min
-# Engine, loop, bitwise, compare, mismatch, publish and serving parts need vLLM staged; loop, bitwise, compare and
+# Engine, loop, bitwise, bitspeed, compare, mismatch, publish and serving parts need vLLM staged; loop, bitwise, compare and
 # mismatch need math-verify's and pydantic's wheels in .whl/ (README.md in this folder).
 set -o pipefail
 source scripts/offline/device_env.sh
@@ -65,6 +67,9 @@ run_part() {
               part fused_bench 300 python3 -P scripts/bench_fused_slices.py --json "$OUT/bench_fused_slices.json" ;;
     loop)     part loop 580 python3 -P scripts/gpu_loop_check.py ;;
     bitwise)  part bitwise 580 python3 -P scripts/gpu_loop_check.py --pairings w8a16-bitwise --faults none --steps 40 ;;
+    bitspeed) engine_part bitwise 330 --precisions w8a16,w8a16-bitwise --sections tpot --skip-smollm2
+              part bitwise_step 240 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 fp8-bitwise \
+                --steps 2 --json "$OUT/bench_step_bitwise.json" ;;
     compare)  python3 -P -m epirl.model.smollm2 > /dev/null
               # PYTHONSAFEPATH: the runs' own processes (python -m epirl.cli) must import the mapped package too
               part compare "${COMPARE_LIMIT:-3000}" env PYTHONSAFEPATH=1 python3 -m epirl.cli compare \
@@ -93,8 +98,8 @@ run_part() {
                 -p no:cacheprovider
               part tenants_bench 300 python3 -P scripts/bench_serving_tenants.py --sweep \
                 --json "$OUT/bench_tenants.json" ;;
-    *) echo "unknown part: $1 (kernels tune trainer step fused loop bitwise compare engine engine2 mismatch publish" \
-            "serving tenants)"
+    *) echo "unknown part: $1 (kernels tune trainer step fused loop bitwise bitspeed compare engine engine2 mismatch" \
+            "publish serving tenants)"
        return 2 ;;
   esac
 }
