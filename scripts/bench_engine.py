@@ -67,6 +67,7 @@ def make_cfg(model_path: str, precision: str, rank: int, max_model_len: int = 10
                    # the W8A8 engine a user would pick instead: vLLM's own LoRA kernels (the default, auto, is epirl's)
                    "serving_kernels": "off"},
         "lora": {"rank": rank, "alpha": 2.0 * rank},
+        **({"trainer": {"base": "fp8"}} if precision.endswith("-bitwise") else {}),  # bitwise: the matched pairing
     })
 
 
