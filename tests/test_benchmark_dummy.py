@@ -99,6 +99,7 @@ def test_benchmark_runs_the_real_loop_on_a_tiny_random_model(tmp_path, monkeypat
     run = train(cfg, benchmark=BenchmarkSettings(steps=2, prompt_tokens=16, force_max_tokens=True))
     result = json.loads((run / "benchmark.json").read_text())
     summary, rows = result["summary"], result["steps"]
+    metrics_by_step = {m["step"]: m["mismatch/k3_kl"] for m in map(json.loads, (run / "metrics.jsonl").open())}
     assert summary["reward_source"] == REWARD_SOURCE and summary["random_weights"] is True
     assert summary["linear_attention_kernel"] == "none" and len(rows) == 2
     for row in rows:
@@ -106,6 +107,7 @@ def test_benchmark_runs_the_real_loop_on_a_tiny_random_model(tmp_path, monkeypat
         assert row["generate_s"] > 0 and row["train_s"] > 0 and row["publish_s"] > 0 and row["probe_s"] > 0
         assert 0 < row["publish_kv_share"] < 1 and row["trained_tok_per_s"] > 0
         assert row["engine_weight_bytes"] > 0 and row["trainer_lora_bytes"] > 0 and row["trainer_optimizer_bytes"] > 0
+        assert 0.0 <= row["bitwise_frac"] <= 1.0 and row["kl_k3"] == pytest.approx(metrics_by_step[row["step"]])
     assert {r["what"] for r in result["plan_vs_measured_gib"]} >= {"engine weights", "trainer LoRA+grad+AdamW"}
     # the plan sized the batch the benchmark trained on (16-token prompts, not the recipe's prompt cap) ...
     from epirl.model.memory import memory_plan
@@ -120,3 +122,23 @@ def test_benchmark_runs_the_real_loop_on_a_tiny_random_model(tmp_path, monkeypat
     assert [m["model/random_weights"] for m in metrics] == [1.0, 1.0]
     assert all(m["reward/seeded_coin"] == 1.0 for m in metrics)
     assert not (run / "checkpoints").exists() and not (run / "adapter").exists()
+
+
+@pytest.mark.timeout(600)
+def test_bitwise_benchmark_on_random_weights_is_bit_for_bit(tmp_path, monkeypatch, one_thread):
+    """Random weights with trainer.base=shared: the trainer takes the engine's norms too (take_engine_tensors), so the
+    bitwise pairing's engine and trainer compute one function: every trained token's log-prob equal, KL 0."""
+    from epirl.rl.benchmark import BenchmarkSettings
+    from epirl.rl.loop import train
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(RECIPES / "smollm2_arith_cpu.yaml", [
+        f"model.path={tiny_random_config(tmp_path / 'c')}", "model.load_format=dummy", f"output_dir={tmp_path}",
+        "name=bench", "rl.prompts_per_step=2", "rl.samples_per_prompt=4", "rl.max_tokens=8", "model.max_model_len=128",
+        "engine.enforce_eager=true", "trainer.micro_batch_size=8", "tracking.wandb=disabled", "engine.probe_tokens=4",
+        "engine.precision=w8a16", "trainer.base=shared", "rl.correction=none", "engine.bitwise=true",
+        "model.dtype=bfloat16"])
+    run = train(cfg, benchmark=BenchmarkSettings(steps=2, prompt_tokens=16, force_max_tokens=True))
+    rows = json.loads((run / "benchmark.json").read_text())["steps"]
+    assert [(row["bitwise_frac"], row["kl_k3"]) for row in rows] == [(1.0, 0.0), (1.0, 0.0)]
+    assert all(row["trained_tokens"] >= 2 * 4 * 8 for row in rows)

@@ -3,9 +3,11 @@
 vLLM's and verl's `load_format: dummy` pattern: the engine builds the model from its config and fills every
 weight with random values (vLLM's dummy loader), and the trainer does the same (seeded `RandomSource`), so
 nothing but a config.json is needed — the GPU machines we measure on have no checkpoints and no hub. With
-`trainer.base: shared` the trainer's projections and embeddings are the engine's (random) tensors; norms and
-Qwen3.5's small GDN tensors are the trainer's own random values, so engine and trainer do not compute the
-same function: the post-publish probe is reported, not enforced, and results are never evaluated or resumed.
+`trainer.base: shared` the trainer's projections and embeddings are the engine's (random) tensors and its other
+tensors take the engine's values where vLLM names them alike (norms: `epirl.model.loading.take_engine_tensors`), so
+Llama / Qwen3 engines and trainers compute one function (the bitwise pairing agrees bit for bit); Qwen3.5's small GDN
+tensors, named otherwise by vLLM, keep the trainer's draw. With an own base (`fp8`, `bf16`) each side draws its own
+weights. The post-publish probe is reported, not enforced, and results are never evaluated or resumed.
 """
 
 from __future__ import annotations

@@ -276,6 +276,29 @@ def build_policy(config: PretrainedConfig, source, base: str, device: torch.devi
     return policy
 
 
+def take_engine_tensors(model: nn.Module, engine_model: nn.Module) -> list[str]:
+    """Random weights with `trainer.base: shared`: the trainer's own small tensors (norms, biases; what the engine's
+    views do not map) take the values of the engine's tensors of the same name and shape, so that both sides compute
+    one function, as with a checkpoint (each side's random draw would differ). Returns the names taken; the rest keep
+    the trainer's draw (e.g. tensors vLLM names or shapes otherwise) and are logged."""
+    engine_tensors = dict(engine_model.named_parameters())
+    taken, kept = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad or param.is_meta or not param.dtype.is_floating_point:
+            continue  # LoRA parameters; FP8 codes
+        source = engine_tensors.get(name)
+        if source is None or source.shape != param.shape:
+            kept.append(name)
+        elif source.data_ptr() != param.data_ptr():  # a mapped view is the engine's tensor already
+            with torch.no_grad():
+                param.copy_(source)
+            taken.append(name)
+    if kept:
+        log.info("random weights: %d trainer tensors have no engine tensor of that name and shape (e.g. %s): "
+                 "engine and trainer differ there", len(kept), kept[0])
+    return taken
+
+
 def load_policy(cfg, device, engine=None) -> Policy:
     """The trainer's policy for `cfg` (EpirlConfig): `trainer.base` bf16 | fp8 | shared (needs `engine`)."""
     device = torch.device(device)
@@ -297,6 +320,8 @@ def load_policy(cfg, device, engine=None) -> Policy:
     policy.nests_text_model = (hasattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config") if dummy
                                else source.nests_text_model)
     policy.random_weights = dummy
+    if dummy and engine_views is not None:
+        take_engine_tensors(policy.model, engine.vllm_model())
     if getattr(getattr(cfg, "engine", None), "bitwise", False):  # tests may pass a bare namespace without it
         make_bitwise(policy, load_text_config(model_dir))
     return policy

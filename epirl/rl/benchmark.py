@@ -169,7 +169,10 @@ class Recorder:
                "trainer_optimizer_bytes": float(optimizer_bytes(optimizer)),
                "trainer_activation_peak_bytes": float(report.get("peak_activation_bytes_est", float("nan"))),
                "gpu_peak_bytes": float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else float("nan"),
-               "pinned_host_bytes": pinned_host_bytes()}
+               "pinned_host_bytes": pinned_host_bytes(),
+               # engine-trainer agreement on the trained tokens: the bitwise pairing's bar is 1.0 on every step
+               "kl_k3": metrics.get("mismatch/k3_kl", float("nan")),
+               "bitwise_frac": metrics.get("mismatch/bitwise_frac", float("nan"))}
         row["generated_tok_per_s"] = row["generated_tokens"] / max(seconds["generate"], 1e-9)
         row["trained_tok_per_s"] = row["trained_tokens"] / max(seconds["train"], 1e-9)
         row["publish_kv_share"] = (seconds["publish"] + seconds["release_kv"] + seconds["reacquire_kv"]) / max(step_s, 1e-9)
@@ -222,6 +225,10 @@ def _fmt(value: float, scale: float = 1.0, digits: int = 2) -> str:
     return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value / scale:.{digits}f}"
 
 
+def _kl(value: float | None) -> str:
+    return "nan" if value is None or math.isnan(value) else f"{value:.2e}"
+
+
 def format_table(result: dict) -> str:
     s = result["summary"]
     lines = [f"benchmark: {s['model']} | engine {s['engine_precision']} | trainer.base {s['trainer_base']} | "
@@ -229,8 +236,9 @@ def format_table(result: dict) -> str:
              f"{'RANDOM WEIGHTS | ' if s['random_weights'] else ''}rewards: {s['reward_source']} | "
              f"linear attention: {s['linear_attention_kernel']} | {s['device']}",
              "| step | gen s | score s | train s | publish s | rel KV s | acq KV s | probe s | step s | gen tok/s "
-             "| train tok/s | pub+KV % | engine W GiB | KV GiB | trn base GiB | LoRA+opt GiB | act GiB | pinned GiB |",
-             "|" + "---|" * 18]
+             "| train tok/s | pub+KV % | engine W GiB | KV GiB | trn base GiB | LoRA+opt GiB | act GiB | pinned GiB "
+             "| KL | bitwise |",
+             "|" + "---|" * 20]
     for r in result["steps"]:
         lines.append(
             f"| {r['step']} | {_fmt(r['generate_s'])} | {_fmt(r['score_s'])} | {_fmt(r['train_s'])} | "
@@ -239,7 +247,8 @@ def format_table(result: dict) -> str:
             f"{_fmt(r['trained_tok_per_s'], digits=0)} | {_fmt(100 * r['publish_kv_share'])} | "
             f"{_fmt(r['engine_weight_bytes'], GiB)} | {_fmt(r['kv_pool_bytes'], GiB)} | {_fmt(r['trainer_base_bytes'], GiB, 4)} | "
             f"{_fmt(r['trainer_lora_bytes'] + r['trainer_optimizer_bytes'], GiB)} | "
-            f"{_fmt(r['trainer_activation_peak_bytes'], GiB)} | {_fmt(r['pinned_host_bytes'], GiB)} |")
+            f"{_fmt(r['trainer_activation_peak_bytes'], GiB)} | {_fmt(r['pinned_host_bytes'], GiB)} | "
+            f"{_kl(r.get('kl_k3'))} | {_fmt(r.get('bitwise_frac'), digits=4)} |")
     if result["plan_vs_measured_gib"]:
         lines.append("pre-flight plan vs measured (GiB; activation peak: the largest over the steps): " + "; ".join(
             f"{row['what']} {_fmt(row['plan'])} / {_fmt(row['measured'])}" for row in result["plan_vs_measured_gib"]))

@@ -9,6 +9,7 @@
 #   q35       Qwen3.5-9B   W8A8 + TIS                    shared              ~9 min (~7)
 #   q3        Qwen3-8B     W8A8 + TIS                    shared              ~6 min
 #   q3w8a16   Qwen3-8B     matched W8A16, none           shared              ~7 min
+#   q3bitwise Qwen3-8B     matched W8A16 + engine.bitwise shared (KL and bitwise columns: 1.0 every step)
 #   bf16      Qwen3-8B     W8A8 + TIS                    bf16 (own copy)     ~5 min
 #   q35bf16   Qwen3.5-9B   W8A8 + TIS                    bf16                ~8.5 min (~6.5)
 #   q35w8a16  Qwen3.5-9B   matched W8A16, none           shared              ~9.5 min (use STEPS=2)
@@ -31,7 +32,7 @@
 # plan-vs-measured line and leaves $OUT/main_<part>.json (the full benchmark.json) and $OUT/main_<part>.log
 # (the log's tail).
 set -o pipefail
-part=${1:?usage: gpu_main_recipe.sh q35|q3|q3w8a16|bf16|q35bf16|q35w8a16}
+part=${1:?usage: gpu_main_recipe.sh q35|q3|q3w8a16|q3bitwise|bf16|q35bf16|q35w8a16}
 STEPS=${STEPS:-3}
 source scripts/offline/device_env.sh
 # after device_env.sh (which sources ~/vllm-env.sh): the kit's PYTHONPATH entry must come first to shadow triton 3.6
@@ -45,10 +46,11 @@ case "$part" in
   q35)      args=("${Q35[@]}") ;;
   q3)       args=("${Q3[@]}") ;;
   q3w8a16)  args=("${Q3[@]}" engine.precision=w8a16 rl.correction=none) ;;
+  q3bitwise) args=("${Q3[@]}" engine.precision=w8a16 rl.correction=none engine.bitwise=true model.dtype=bfloat16) ;;
   bf16)     args=("${Q3[@]}" trainer.base=bf16) ;;
   q35bf16)  args=("${Q35[@]}" trainer.base=bf16) ;;
   q35w8a16) args=("${Q35[@]}" engine.precision=w8a16 rl.correction=none) ;;
-  *) echo "unknown part: $part (q35 | q3 | q3w8a16 | bf16 | q35bf16 | q35w8a16)"; exit 2 ;;
+  *) echo "unknown part: $part (q35 | q3 | q3w8a16 | q3bitwise | bf16 | q35bf16 | q35w8a16)"; exit 2 ;;
 esac
 
 log=/tmp/main_$part.log; json=$OUT/main_$part.json; t0=$(date +%s)
