@@ -284,8 +284,8 @@ def take_engine_tensors(model: nn.Module, engine_model: nn.Module) -> list[str]:
     engine_tensors = dict(engine_model.named_parameters())
     taken, kept = [], []
     for name, param in model.named_parameters():
-        if param.requires_grad or param.is_meta or not param.dtype.is_floating_point:
-            continue  # LoRA parameters; FP8 codes
+        if param.requires_grad or param.is_meta or param.element_size() < 2:
+            continue  # LoRA parameters; FP8 codes (the engine's views under trainer.base=shared)
         source = engine_tensors.get(name)
         if source is None or source.shape != param.shape:
             kept.append(name)
