@@ -71,7 +71,7 @@ def paired_difference(correct_a_S_M, correct_b_S_M, resamples: int = 10_000, con
 
 def seed_difference(per_seed_a, per_seed_b, confidence: float = 0.95) -> Interval | None:
     """mean(a) − mean(b) of two pairings' per-seed accuracies with Welch's t-interval; None with fewer than two seeds
-    on either side or no spread at all (the interval is undefined)."""
+    on either side (undefined); a point interval when no seed differs from another on either side."""
     a, b = np.asarray(per_seed_a, dtype=float), np.asarray(per_seed_b, dtype=float)
     if a.size < 2 or b.size < 2:
         return None
