@@ -45,13 +45,14 @@ def importance_weights(
     mask = mask_B_T.bool()
     log_ratio_B_T = (old_logprobs_B_T - engine_logprobs_B_T).detach().masked_fill(~mask, 0.0)
     ratio_B_T = log_ratio_B_T.exp()
+    equal_B_T = bitwise_equal(old_logprobs_B_T, engine_logprobs_B_T)
     metrics = {
         "mismatch/k3_kl": masked_mean(ratio_B_T - 1 - log_ratio_B_T, mask).item(),  # KL(engine‖trainer) est.
         "mismatch/max_abs_logratio": log_ratio_B_T.abs().max().item() if mask.any() else 0.0,
         "mismatch/mean_ratio": masked_mean(ratio_B_T, mask).item(),
-        "mismatch/bitwise_frac": masked_mean(bitwise_equal(old_logprobs_B_T, engine_logprobs_B_T).float(), mask).item(),
+        "mismatch/bitwise_frac": masked_mean(equal_B_T.float(), mask).item(),
         # the count behind it: sums over micro-batches and ranks exactly, so a step with none reports 1.0, not 1 - ulp
-        "mismatch/unequal_tokens": float((~bitwise_equal(old_logprobs_B_T, engine_logprobs_B_T) & mask).sum().item()),
+        "mismatch/unequal_tokens": float((~equal_B_T & mask).sum().item()),
     }
     if correction == "none":
         return torch.ones_like(ratio_B_T), metrics | {"is/clipped_frac": 0.0}

@@ -1,6 +1,7 @@
 """Batch-invariant forward ops beside the projections (RMSNorm with residual, rotary, SiLU-and-multiply, causal
-attention, the LM head's logits and log-probs) for the bitwise pairing: reference.py defines them (float64 between named rounding
-points); both the matched engine (epirl/engine/vllm_compat/invariant_layers.py) and the trainer (epirl/model/bitwise.py) call them.
+attention, the LM head's logits and log-probs) for the bitwise pairing: reference.py defines them (float64 between
+named rounding points); both the matched engine (epirl/engine/vllm_compat/invariant_layers.py) and the trainer
+(epirl/model/bitwise.py) call them.
 
 The engine calls them through the custom ops below, which torch.compile keeps whole (a compiler that fused or
 reordered their float64 arithmetic would change bits the trainer's eager forward does not); the trainer calls the
