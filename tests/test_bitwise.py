@@ -147,16 +147,23 @@ def test_engine_attention_without_a_bitwise_path_is_refused_by_name(monkeypatch)
         invariant_layers.install_attention(None)
 
 
-def test_bitwise_engine_on_cuda_runs_without_cuda_graphs(monkeypatch):
-    """On CUDA a bitwise engine asks vLLM for no CUDA graphs, keeps the user's other compilation settings, and refuses
-    a graph mode by its field name."""
+def test_bitwise_engine_on_cuda_runs_piecewise_graphs_or_none(monkeypatch):
+    """On CUDA a bitwise engine asks vLLM for PIECEWISE CUDA graphs (the attention op stays between them) unless told
+    NONE, keeps the user's other compilation settings, and refuses a FULL mode or splitting ops that would capture the
+    attention by its field name."""
     from epirl.config import ConfigError
     from epirl.engine import engine
 
-    assert engine._without_graphs(None) == {"cudagraph_mode": "NONE"}
-    assert engine._without_graphs({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE", "level": 3}
-    with pytest.raises(ConfigError, match=r"compilation_config.cudagraph_mode=PIECEWISE: engine.bitwise runs without"):
-        engine._without_graphs({"cudagraph_mode": "PIECEWISE"})
+    assert engine._bitwise_compilation(None) == {"cudagraph_mode": "PIECEWISE"}
+    assert engine._bitwise_compilation({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE",
+                                                                                   "level": 3}
+    for mode in ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+        with pytest.raises(ConfigError, match=rf"compilation_config.cudagraph_mode={mode}: engine.bitwise runs with"):
+            engine._bitwise_compilation({"cudagraph_mode": mode})
+    with pytest.raises(ConfigError, match=r"compilation_config.splitting_ops: engine.bitwise"):
+        engine._bitwise_compilation({"splitting_ops": ["vllm::mamba_mixer"]})
+    kept = {"splitting_ops": [engine.ATTENTION_OP]}
+    assert engine._bitwise_compilation(kept) == {**kept, "cudagraph_mode": "PIECEWISE"}
 
 
 def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeypatch):

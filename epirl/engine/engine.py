@@ -111,20 +111,28 @@ def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str,
         kwargs["additional_config"] = engine_spec(cfg).additional_config()
     kwargs.update(_extra_llm_kwargs(cfg, model_path, set(kwargs)))
     if getattr(cfg.engine, "bitwise", False) and on_cuda():
-        kwargs["compilation_config"] = _without_graphs(kwargs.get("compilation_config"))
+        kwargs["compilation_config"] = _bitwise_compilation(kwargs.get("compilation_config"))
     return kwargs
 
 
-def _without_graphs(compilation_config: Any) -> dict[str, Any]:
-    """engine.bitwise on CUDA: the model compiled, no CUDA graphs (vLLM's cudagraph_mode NONE). The invariant attention
-    loops over requests in Python, which a full-model graph would not run again on replay; and with graphs captured
-    around it (PIECEWISE) the H100 loop check's bitwise engine served log-probs 4.96 nats rms from the trainer's at
-    its first probe, while the same engine without graphs agreed to KL 2e-9."""
+BITWISE_GRAPH_MODES = ("PIECEWISE", "NONE")  # cudagraph modes of a bitwise engine; the first is its default
+ATTENTION_OP = "vllm::unified_attention_with_output"
+
+
+def _bitwise_compilation(compilation_config: Any) -> dict[str, Any]:
+    """engine.bitwise on CUDA: PIECEWISE CUDA graphs (default) or none. vLLM splits its compiled graph at the
+    attention op and runs that op eagerly between the captured pieces, so the invariant attention may read its
+    metadata on the host; a FULL mode would capture it with one batch's metadata, and splitting ops without the
+    attention op would capture it inside a piece."""
     config = dict(compilation_config or {})
-    mode = str(config.get("cudagraph_mode", "NONE")).upper()
-    if mode != "NONE":
-        raise ConfigError(f"engine.vllm_args.compilation_config.cudagraph_mode={mode}: engine.bitwise runs without CUDA "
-                          "graphs; use NONE")
+    mode = str(config.get("cudagraph_mode") or BITWISE_GRAPH_MODES[0]).upper()
+    if mode not in BITWISE_GRAPH_MODES:
+        raise ConfigError(f"engine.vllm_args.compilation_config.cudagraph_mode={mode}: engine.bitwise runs with "
+                          f"{' or '.join(BITWISE_GRAPH_MODES)}")
+    splitting = config.get("splitting_ops")
+    if mode == "PIECEWISE" and splitting is not None and ATTENTION_OP not in splitting:
+        raise ConfigError(f"engine.vllm_args.compilation_config.splitting_ops: engine.bitwise with PIECEWISE graphs "
+                          f"needs {ATTENTION_OP} among them")
     config["cudagraph_mode"] = mode
     return config
 

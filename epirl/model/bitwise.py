@@ -63,7 +63,7 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
     positions = torch.arange(seq, device=hidden_states.device)
     table = self._epirl_rotary_table
     q, k = invariant.rotary(q, positions, table), invariant.rotary(k, positions, table)
-    out = torch.stack([invariant.attention(q[b], k[b], v[b], self.scaling) for b in range(batch)])
+    out = invariant.attention_batched(q, k, v, self.scaling)
     return self.o_proj(out.reshape(batch, seq, -1)), None
 
 

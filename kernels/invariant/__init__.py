@@ -1,11 +1,13 @@
 """Batch-invariant forward ops beside the projections (RMSNorm with residual, rotary, SiLU-and-multiply, causal
-attention, the LM head's logits and log-probs) for the bitwise pairing: reference.py defines them (float64 between
-named rounding points); both the matched engine (epirl/engine/vllm_compat/invariant_layers.py) and the trainer
-(epirl/model/bitwise.py) call them.
+attention, the LM head's logits and log-probs) for the bitwise pairing. reference.py defines them (float64 between
+named rounding points); triton_rows.py and attention_triton.py are the Triton kernels (fp32, one fixed reduction order
+per op, configs from the op's widths only); ops.py picks one per call by the tensors' device and gives the Triton
+forwards their gradients. Both the matched engine (epirl/engine/vllm_compat/invariant_layers.py) and the trainer
+(epirl/model/bitwise.py) call the functions below, so the two run the same kernels on the same numbers.
 
 The engine calls them through the custom ops below, which torch.compile keeps whole (a compiler that fused or
-reordered their float64 arithmetic would change bits the trainer's eager forward does not); the trainer calls the
-functions directly, so that autograd differentiates them.
+reordered their arithmetic would change bits the trainer's eager forward does not); the trainer calls the functions
+directly, so that autograd differentiates them.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .reference import (attention, decode_attention, log_softmax, logits, rms_norm, rotary, rotary_table, silu_mul,
-                        token_logprobs)
+from .ops import (attention_batched, log_softmax, logits, paged_attention, rms_norm, rotary, silu_mul,
+                  token_logprobs)
+from .reference import attention, decode_attention, rotary_table
 
-__all__ = ["attention", "decode_attention", "log_softmax", "logits", "rms_norm", "rotary", "rotary_table", "silu_mul",
-           "token_logprobs", "reference"]
+__all__ = ["attention", "attention_batched", "decode_attention", "log_softmax", "logits", "paged_attention",
+           "rms_norm", "rotary", "rotary_table", "silu_mul", "token_logprobs", "reference"]
 
 
 @torch.library.custom_op("epirl::invariant_rms_norm", mutates_args=())

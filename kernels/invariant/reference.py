@@ -118,3 +118,40 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     x64 = logits.double()
     lse = torch.logsumexp(x64, dim=-1, keepdim=True)
     return (x64.gather(-1, token_ids.long()) - lse).float()
+
+
+def paged_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, block_table: torch.Tensor,
+                    block_size: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int,
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The engine's layout of `attention`: q `[N, H, D]` packs the rows of R requests (request r owns rows
+    query_start_loc[r] .. query_start_loc[r + 1] - 1, the last positions of its seq_lens[r]-long sequence); the keys
+    and values of request r at position p sit at slot `block_table[r, p // block_size] * block_size + p %
+    block_size` of k_store / v_store `[slots, G, D]`. Writes `out` `[N, H, D]` (new when None) and returns it.
+    One-query requests (a decode step's) go through `decode_attention` together, the others one by one through
+    `attention`, gathered in position order. max_query_len: unused here (the Triton kernel's grid)."""
+    del max_query_len
+    out = torch.empty_like(q) if out is None else out
+    starts, lengths = query_start_loc.tolist(), seq_lens.tolist()
+    decode = [r for r in range(len(lengths)) if starts[r + 1] - starts[r] == 1]
+    if decode:
+        rows = torch.tensor([starts[r] for r in decode], device=q.device)
+        decode_lens = seq_lens[decode].long()
+        positions = torch.arange(max(lengths[r] for r in decode), device=q.device)
+        table = block_table[decode].long()
+        slots = table[:, positions // block_size] * block_size + positions % block_size  # [R, L]; past a length: unread
+        slots = torch.where(positions[None, :] < decode_lens[:, None], slots, 0)
+        out[rows] = decode_attention(q[rows], k_store[slots], v_store[slots], decode_lens, scale)
+    for r, seq_len in enumerate(lengths):
+        first, last = starts[r], starts[r + 1]
+        if last - first <= 1:
+            continue
+        positions = torch.arange(seq_len, device=q.device)
+        slots = block_table[r].long()[positions // block_size] * block_size + positions % block_size
+        out[first:last] = attention(q[first:last], k_store[slots], v_store[slots], scale, q_start=seq_len - (last - first))
+    return out
+
+
+def attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The trainer's layout of `attention`: q `[B, T, H, D]`, k, v `[B, T, G, D]`, right-padded sequences from
+    position 0 -> `[B, T, H, D]`."""
+    return torch.stack([attention(q[b], k[b], v[b], scale) for b in range(q.shape[0])])

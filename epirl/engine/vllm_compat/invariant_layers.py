@@ -8,11 +8,11 @@ the trainer's bit for bit.
   each instance reads the engine's spec (`EngineSpec.bitwise`) once, at construction: off, it is vLLM's own layer.
   `forget_cached_rotary()` empties `get_rope`'s instance cache around a bitwise engine's build.
 - Attention: `install_attention(llm)` replaces each decoder attention layer's backend forward after the engine
-  starts: each request's rows attend its keys at positions 0 .. seq_len - 1, gathered by its block table in position
-  order (`invariant.attention`, the trainer's op over the same values). Implemented for vLLM's CPU backend
-  (CPU_ATTN) and FlashAttention (CUDA), whose forwards take the same metadata; another backend is refused with one
-  line. The forward is Python (prefilling requests one by one), so on CUDA the engine runs without CUDA graphs
-  (`cudagraph_mode: NONE`, which `llm_kwargs` sets for a bitwise engine).
+  starts: each request's rows attend its keys at positions 0 .. seq_len - 1, read through its block table
+  (`invariant.paged_attention`, the kernel the trainer's `attention_batched` runs). Implemented for vLLM's CPU
+  backend (CPU_ATTN) and FlashAttention (CUDA), whose forwards take the same metadata; another backend is refused
+  with one line. vLLM runs the attention op between the pieces of a PIECEWISE CUDA graph, never inside one (it is
+  a splitting op), so the forward may read its metadata on the host; `llm_kwargs` refuses the FULL modes.
 - `check_model(llm)`: every norm, rotary embedding, activation and logits layer of the built model is one of the
   above, or the engine refuses to start.
 The sampler's fp32 log-softmax (after the temperature division) is the same torch call in the trainer
@@ -151,37 +151,22 @@ def _slot_store(impl, kv_cache: torch.Tensor, key: torch.Tensor) -> tuple[torch.
 def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                        output_block_scale=None):
     """The backend's forward for decoder self-attention: this step's keys and values go to their cache slots, then
-    each request's query rows attend its keys at positions 0 .. seq_len - 1, gathered in position order."""
+    each request's query rows attend its keys at positions 0 .. seq_len - 1 (`invariant.paged_attention`: the
+    trainer's kernel, reading the keys through the block table)."""
     if attn_metadata is None:  # vLLM's warm-up pass
         return output
     keys, values = _slot_store(self, kv_cache, key)
-    block_size = self.epirl_block_size
     n = attn_metadata.num_actual_tokens
     slots = attn_metadata.slot_mapping[:n].long()
     keys[slots] = key[:n].reshape(n, self.num_kv_heads, self.head_size)
     values[slots] = value[:n].reshape(n, self.num_kv_heads, self.head_size)
-    starts = attn_metadata.query_start_loc.tolist()
-    seq_lens = attn_metadata.seq_lens.tolist()
-    decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-    if decode:  # one query each: all at once (a decode step's requests)
-        rows = torch.tensor([starts[i] for i in decode], device=key.device)
-        lengths = attn_metadata.seq_lens[decode].long()
-        positions = torch.arange(max(seq_lens[i] for i in decode), device=key.device)
-        table = attn_metadata.block_table[decode].long()
-        slots = table[:, positions // block_size] * block_size + positions % block_size  # [R, L]; past a length: unread
-        slots = torch.where(positions[None, :] < lengths[:, None], slots, 0)
-        q = query[rows].reshape(len(decode), self.num_heads, self.head_size)
-        out = invariant.decode_attention(q, keys[slots], values[slots], lengths, self.scale)
-        output[rows] = out.reshape(len(decode), *output.shape[1:])
-    for i, seq_len in enumerate(seq_lens):
-        first, last = starts[i], starts[i + 1]
-        if last - first <= 1:
-            continue
-        positions = torch.arange(seq_len, device=key.device)
-        seq_slots = attn_metadata.block_table[i].long()[positions // block_size] * block_size + positions % block_size
-        q = query[first:last].reshape(last - first, self.num_heads, self.head_size)
-        out = invariant.attention(q, keys[seq_slots], values[seq_slots], self.scale, q_start=seq_len - (last - first))
-        output[first:last] = out.reshape(output[first:last].shape)
+    max_query_len = getattr(attn_metadata, "max_query_len", None)
+    if max_query_len is None:
+        max_query_len = int(attn_metadata.query_start_loc.diff().max())
+    invariant.paged_attention(query[:n].reshape(n, self.num_heads, self.head_size), keys, values,
+                              attn_metadata.block_table, self.epirl_block_size, attn_metadata.query_start_loc,
+                              attn_metadata.seq_lens, int(max_query_len), self.scale,
+                              out=output[:n].view(n, self.num_heads, self.head_size))
     return output
 
 
