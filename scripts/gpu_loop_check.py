@@ -161,7 +161,7 @@ def pair(values, spec="{:.2f}") -> str:
 
 
 def table(rows: list[dict], bf16_median: float | None) -> str:
-    lines = ["| pairing | steps | probe stop | KL(engine‖trainer) first / median / last | median KL ÷ bf16 | bitwise | "
+    lines = ["| pairing | steps | probe stop | KL(engine‖trainer) first / median / last | median KL ÷ bf16 | bitwise median (lowest) | "
              "resolved vs old / base | β vs old: median (lowest) | plain fit vs old | reliability vs old | "
              "β vs base | accuracy first → last | s |", "|---" * 13 + "|"]
     for r in rows:
@@ -172,7 +172,7 @@ def table(rows: list[dict], bf16_median: float | None) -> str:
         acc = f"{r['acc'][0]:.3f} → {r['acc'][1]:.3f}" if r["acc"] else "–"
         lines.append(f"| {name} | {r['steps']} | {'**yes**' if r['probe_stop'] else 'no'} | "
                      f"{fmt(kl[0] if kl else None)} / {fmt(median)} / {fmt(kl[-1] if kl else None)} | "
-                     f"{fmt(ratio, '{:.2f}')} | {fmt(r.get('bitwise'), '{:.3f}')} | {r['resolved_old']} / {r['resolved_base']} | {pair(r['beta_old'])} | "
+                     f"{fmt(ratio, '{:.2f}')} | {fmt(r.get('bitwise'), '{:.3f}')} ({fmt(r.get('bitwise_min'), '{:.4f}')}) | {r['resolved_old']} / {r['resolved_base']} | {pair(r['beta_old'])} | "
                      f"{pair(r['plain_old'])} | {pair(r['reliability_old'])} | {pair(r['beta_base'])} | {acc} | "
                      f"{r['seconds']:.0f} |")
     return "\n".join(lines)
