@@ -44,8 +44,9 @@ def test_trainer_rows_do_not_depend_on_the_batch_and_stay_near_the_standard_forw
     policy = _policy(tiny_dirs[arch])
     assert policy.bitwise
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 200, (3, 21), generator=gen)
-    targets = torch.randint(3, 200, (3, 21), generator=gen)
+    device = next(policy.model.parameters()).device  # the GPU, where there is one: the Triton kernels' rows
+    ids = torch.randint(3, 200, (3, 21), generator=gen).to(device)
+    targets = torch.randint(3, 200, (3, 21), generator=gen).to(device)
     with torch.no_grad():
         batch, _ = policy.token_logprobs(ids, targets, 1.0, 4096)
         for b, length in ((0, 21), (1, 9), (2, 14)):  # alone and shorter: the row's tokens keep their bits
