@@ -12,11 +12,10 @@ from pathlib import Path
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 os.environ["EPIRL_KERNELS"] = "triton"  # every kernel through Triton on CPU tensors (the interpreter)
 
-from epirl.config import load_config  # noqa: E402
 from epirl.kernels.invariant import attention_triton, triton_rows  # noqa: E402
 from epirl.rl.benchmark import BenchmarkSettings  # noqa: E402
 from epirl.rl.loop import train  # noqa: E402
-from test_benchmark_dummy import RECIPES, tiny_random_config  # noqa: E402
+from test_benchmark_dummy import bitwise_benchmark_config  # noqa: E402
 
 CALLS: dict[str, int] = {}
 
@@ -36,12 +35,7 @@ def main(folder: Path) -> None:
     _count(attention_triton, "attention_batched")
     _count(attention_triton, "paged_attention")
     os.environ["HOME"] = str(folder)
-    cfg = load_config(RECIPES / "smollm2_arith_cpu.yaml", [
-        f"model.path={tiny_random_config(folder / 'c')}", "model.load_format=dummy", f"output_dir={folder}",
-        "name=bench", "rl.prompts_per_step=2", "rl.samples_per_prompt=2", "rl.max_tokens=6", "model.max_model_len=128",
-        "engine.enforce_eager=true", "trainer.micro_batch_size=4", "tracking.wandb=disabled", "engine.probe_tokens=4",
-        "engine.precision=w8a16", "trainer.base=shared", "rl.correction=none", "engine.bitwise=true",
-        "model.dtype=bfloat16"])
+    cfg = bitwise_benchmark_config(folder, samples=2, max_tokens=6)
     run = train(cfg, benchmark=BenchmarkSettings(steps=2, prompt_tokens=16, force_max_tokens=True))
     rows = json.loads((run / "benchmark.json").read_text())["steps"]
     print(json.dumps({"steps": [[r["bitwise_frac"], r["kl_k3"], r["trained_tokens"]] for r in rows], "calls": CALLS}))

@@ -28,6 +28,16 @@ def tiny_random_config(folder: Path) -> Path:
     return folder / "config.json"
 
 
+def bitwise_benchmark_config(folder: Path, samples: int, max_tokens: int):
+    """The bitwise pairing on the tiny random Qwen3 with a shared base, eager, 2 prompts a step."""
+    return load_config(RECIPES / "smollm2_arith_cpu.yaml", [
+        f"model.path={tiny_random_config(folder / 'c')}", "model.load_format=dummy", f"output_dir={folder}",
+        "name=bench", "rl.prompts_per_step=2", f"rl.samples_per_prompt={samples}", f"rl.max_tokens={max_tokens}",
+        "model.max_model_len=128", "engine.enforce_eager=true", f"trainer.micro_batch_size={2 * samples}",
+        "tracking.wandb=disabled", "engine.probe_tokens=4", "engine.precision=w8a16", "trainer.base=shared",
+        "rl.correction=none", "engine.bitwise=true", "model.dtype=bfloat16"])
+
+
 def test_dummy_configs_resolve_without_a_hub(tmp_path, monkeypatch):
     from transformers import AutoConfig
 
@@ -132,12 +142,7 @@ def test_bitwise_benchmark_on_random_weights_is_bit_for_bit(tmp_path, monkeypatc
     from epirl.rl.loop import train
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = load_config(RECIPES / "smollm2_arith_cpu.yaml", [
-        f"model.path={tiny_random_config(tmp_path / 'c')}", "model.load_format=dummy", f"output_dir={tmp_path}",
-        "name=bench", "rl.prompts_per_step=2", "rl.samples_per_prompt=4", "rl.max_tokens=8", "model.max_model_len=128",
-        "engine.enforce_eager=true", "trainer.micro_batch_size=8", "tracking.wandb=disabled", "engine.probe_tokens=4",
-        "engine.precision=w8a16", "trainer.base=shared", "rl.correction=none", "engine.bitwise=true",
-        "model.dtype=bfloat16"])
+    cfg = bitwise_benchmark_config(tmp_path, samples=4, max_tokens=8)
     run = train(cfg, benchmark=BenchmarkSettings(steps=2, prompt_tokens=16, force_max_tokens=True))
     rows = json.loads((run / "benchmark.json").read_text())["steps"]
     assert [(row["bitwise_frac"], row["kl_k3"]) for row in rows] == [(1.0, 0.0), (1.0, 0.0)]

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import sys
-import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
@@ -477,9 +476,6 @@ def case_fused_slices_group_equals_one_call():
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or CASES:
-        try:
-            CASES[name]()
-            print(json.dumps({"case": name, "ok": True}), flush=True)
-        except Exception:
-            print(json.dumps({"case": name, "ok": False, "error": traceback.format_exc()}), flush=True)
+    from case_runner import run_cases
+
+    run_cases(CASES, sys.argv[1:])

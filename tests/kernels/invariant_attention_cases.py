@@ -6,11 +6,9 @@ checks on CUDA at model sizes.
 Bitwise means equal int16 bit patterns (so -0 and +0 differ, as they would not under torch.equal).
 """
 
-import json
 import os
 import random
 import sys
-import traceback
 
 import torch
 
@@ -278,10 +276,7 @@ def case_empty_requests_and_length_one():
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
+    from case_runner import run_cases
+
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    for name in sys.argv[1:] or CASES:
-        try:
-            CASES[name]()
-            print(json.dumps({"case": name, "ok": True}), flush=True)
-        except Exception:
-            print(json.dumps({"case": name, "ok": False, "error": traceback.format_exc()}), flush=True)
+    run_cases(CASES, sys.argv[1:])

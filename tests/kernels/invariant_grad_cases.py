@@ -3,10 +3,8 @@ CPU interpreter: each op's gradient with the Triton forward (backward through th
 autograd through the float64 reference. Run by test_invariant_grad.py in a subprocess with TRITON_INTERPRET=1 (read
 at import); prints one JSON line per case."""
 
-import json
 import os
 import sys
-import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 os.environ["EPIRL_KERNELS"] = "triton"  # the Triton path on CPU tensors (the interpreter)
@@ -84,9 +82,6 @@ def case_head():
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or list(CASES):
-        try:
-            CASES[name]()
-            print(json.dumps({"case": name, "ok": True}))
-        except Exception:
-            print(json.dumps({"case": name, "ok": False, "error": traceback.format_exc()[-3000:]}))
+    from case_runner import run_cases
+
+    run_cases(CASES, sys.argv[1:])

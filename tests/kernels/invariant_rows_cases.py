@@ -10,10 +10,8 @@ here are the GPU's values: the tolerances are the GPU's.
 """
 
 import contextlib
-import json
 import os
 import sys
-import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
@@ -225,15 +223,7 @@ def case_empty_and_tiny():
                                                                                          1e-6)) <= 1.0
 
 
-def main(names):
-    for name in names:
-        try:
-            globals()[f"case_{name}"]()
-            rec = {"case": name, "ok": True}
-        except Exception:  # report every case, keep going
-            rec = {"case": name, "ok": False, "error": traceback.format_exc()[-3000:]}
-        print(json.dumps(rec), flush=True)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from case_runner import run_cases
+
+    run_cases({name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}, sys.argv[1:])
