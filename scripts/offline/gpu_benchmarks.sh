@@ -14,7 +14,8 @@
 #   step      bench_trainer.py on the Qwen3-8B shape: FP8 and bf16 trainer, 2 timed steps, kernel sum   ~5 min
 #   fused     GPU tests of one call per fused layer, then bench_fused_slices.py (decode and training)  ~5 min
 #   loop      gpu_loop_check.py: the SmolLM2 recipe under every engine/trainer pairing + fault injections ~9 min
-#   bitkern   the invariant ops' GPU tests (batch invariance at real sizes, agreement with the references)  ~2 min
+#   bitkern   the invariant ops' GPU tests (batch invariance at real sizes, agreement with the references), then
+#             bench_invariant.py: each kernel vs what the matched pairing runs instead (SDPA, cuBLAS, torch) ~3 min
 #   bitwise   gpu_loop_check.py: the bitwise pairing for 40 steps (`mismatch/bitwise_frac` every step)    ~6 min
 #   bitspeed  the bitwise pairing's cost beside the matched one: engine TPOT at batch 1 / 32 (gpu_engine.py,
 #             Qwen3-8B shape) and the trainer step (bench_trainer.py fp8 vs fp8-bitwise)                 ~9 min
@@ -69,7 +70,8 @@ run_part() {
     loop)     part loop 580 python3 -P scripts/gpu_loop_check.py ;;
     bitkern)  part bitkern 300 python3 -P -m pytest -q -rs -s -m gpu tests/kernels/test_invariant_gpu.py \
                 tests/kernels/test_invariant_triton_rows_gpu.py tests/kernels/test_invariant_attention_triton_gpu.py \
-                -p no:cacheprovider ;;
+                -p no:cacheprovider
+              part bitbench 240 python3 -P scripts/bench_invariant.py --json "$OUT/bench_invariant.json" ;;
     bitwise)  part bitwise 580 python3 -P scripts/gpu_loop_check.py --pairings w8a16-bitwise --faults none --steps 40 ;;
     bitspeed) engine_part bitwise 330 --precisions w8a16,w8a16-bitwise --sections tpot --skip-smollm2
               part bitwise_step 240 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 fp8-bitwise \

@@ -171,6 +171,24 @@ def case_bench_kernels_trainer_row_and_table(tmp):
     assert line.split(" | ")[5:7] == ["1 / 1", "1.00"], line
 
 
+def case_bench_invariant_table(tmp):
+    # every row of bench_invariant.py on a tiny model shape, the invariant kernels in the interpreter, and the table
+    import bench_invariant as bench
+    bench.bench_us = bench.step_us = wall_us
+    bench.SHAPE = dict(heads=4, kv_heads=2, head_dim=16, hidden=64, intermediate=96, vocab=300)
+    os.environ["EPIRL_KERNELS"] = "triton"
+    try:
+        rows = [*bench.attention_rows(2, 20, "cpu"), bench.decode_row(2, 32, "cpu", 3.35),
+                *bench.head_rows([1, 3], "cpu", 3.35), *bench.row_op_rows(3, "cpu")]
+    finally:
+        os.environ.pop("EPIRL_KERNELS")
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        bench.print_table(rows)
+    lines = [line for line in text.getvalue().splitlines() if line.startswith("| ") and not line.startswith("| op |")]
+    assert len(lines) == len(rows) == 9 and all(r["invariant_us"] > 0 for r in rows), text.getvalue()
+
+
 def case_tenants_bench_rows_and_table(tmp):
     # bench_serving_tenants on a tiny two-projection layer (q/k/v slices and one plain), 40 tokens over 1 and 4
     # adapters: every variant runs (epirl's kernels in the interpreter, the vendor GEMM on CPU), matches the

@@ -10,7 +10,8 @@ from conftest import check_interpreter_case, run_interpreter_cases
 pytest.importorskip("triton")
 
 CASES = ["tune_writes_a_bitwise_checked_table", "tune_gluon_only_keeps_the_tables_tiles", "bench_kernels_forward_table",
-         "tenants_bench_rows_and_table", "bench_kernels_trainer_row_and_table", "bench_fused_slices_rows_and_tables"]
+         "tenants_bench_rows_and_table", "bench_kernels_trainer_row_and_table", "bench_fused_slices_rows_and_tables",
+         "bench_invariant_table"]
 
 
 @pytest.fixture(scope="module")
