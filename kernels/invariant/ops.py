@@ -13,6 +13,7 @@ shared with the engine.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -77,28 +78,11 @@ def _run(name: str, triton_module: Callable, differentiable: Callable, *args):
     return kernel(*args)
 
 
-# Differentiable fp32 formulas: the backward's stand-ins for the Triton forwards.
+# The backward's stand-ins for the Triton forwards: the references' formulas in float32, and torch's SDPA.
 
-def _rms_norm_fp32(x, weight, eps, residual=None):
-    if residual is not None:
-        x = (x.float() + residual.float()).to(x.dtype)
-    x32 = x.float()
-    y = (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-    return y if residual is None else (y, x)
-
-
-def _rotary_fp32(x, positions, table):
-    rot = table.shape[1]
-    half = rot // 2
-    cs = table[positions].float()
-    cos, sin = cs[..., None, :half], cs[..., None, half:]
-    x1, x2 = x[..., :half].float(), x[..., half:rot].float()
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-    return rotated if rot == x.shape[-1] else torch.cat([rotated, x[..., rot:]], dim=-1)
-
-
-def _silu_mul_fp32(gate, up):
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+_rms_norm_fp32 = functools.partial(reference.rms_norm, compute=torch.float32)
+_rotary_fp32 = functools.partial(reference.rotary, compute=torch.float32)
+_silu_mul_fp32 = functools.partial(reference.silu_mul, compute=torch.float32)
 
 
 def _attention_sdpa(q, k, v, scale):

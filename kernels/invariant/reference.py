@@ -27,13 +27,15 @@ import functools
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """x `[..., H]` -> y (x.dtype); with residual: (y, x + residual), the sum rounded to x.dtype and normed."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             compute: torch.dtype = torch.float64):
+    """x `[..., H]` -> y (x.dtype); with residual: (y, x + residual), the sum rounded to x.dtype and normed. compute:
+    the arithmetic's dtype (float64 here; ops.py differentiates the same formula in float32)."""
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
-    x64 = x.double()
-    inv = torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
-    y = (x64 * inv * weight.double()).to(x.dtype)
+    xc = x.to(compute)
+    inv = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
+    y = (xc * inv * weight.to(compute)).to(x.dtype)
     return y if residual is None else (y, x)
 
 
@@ -51,21 +53,22 @@ def rotary_table(rotary_dim: int, base: float, positions: int, device) -> torch.
     return _rotary_table_cpu(int(rotary_dim), float(base), int(positions)).to(device)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def rotary(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+           compute: torch.dtype = torch.float64) -> torch.Tensor:
     """x `[T, heads, D]` (or `[..., T, heads, D]` with positions broadcasting over T), rotated Neox-style over its
-    first `table.shape[1]` features; the rest pass through."""
+    first `table.shape[1]` features; the rest pass through. compute: as in `rms_norm`."""
     rot = table.shape[1]
     half = rot // 2
-    cs = table[positions].double()  # [T, rot]
+    cs = table[positions].to(compute)  # [T, rot]
     cos, sin = cs[..., None, :half], cs[..., None, half:]
-    x1, x2 = x[..., :half].double(), x[..., half:rot].double()
+    x1, x2 = x[..., :half].to(compute), x[..., half:rot].to(compute)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     return rotated if rot == x.shape[-1] else torch.cat([rotated, x[..., rot:]], dim=-1)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    g = gate.double()
-    return (g / (1.0 + torch.exp(-g)) * up.double()).to(gate.dtype)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, compute: torch.dtype = torch.float64) -> torch.Tensor:
+    g = gate.to(compute)
+    return (g / (1.0 + torch.exp(-g)) * up.to(compute)).to(gate.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int = 0) -> torch.Tensor:
