@@ -148,23 +148,25 @@ def test_engine_attention_without_a_bitwise_path_is_refused_by_name(monkeypatch)
         invariant_layers.install_attention(None)
 
 
-def test_bitwise_engine_on_cuda_runs_piecewise_graphs_or_none(monkeypatch):
-    """On CUDA a bitwise engine asks vLLM for PIECEWISE CUDA graphs (the attention op stays between them) unless told
-    NONE, keeps the user's other compilation settings, and refuses a FULL mode or splitting ops that would capture the
-    attention by its field name."""
+def test_bitwise_engine_on_cuda_replays_decode_graphs_and_refuses_full_mixed_batches(monkeypatch):
+    """On CUDA a bitwise engine asks vLLM for FULL_AND_PIECEWISE CUDA graphs unless told a decode-only, piecewise or
+    no-graph mode, keeps the user's other compilation settings, and refuses FULL (mixed batches captured whole) or
+    splitting ops that would capture the attention inside a piece, by the field's name."""
     from epirl.config import ConfigError
     from epirl.engine import engine
 
-    assert engine._bitwise_compilation(None) == {"cudagraph_mode": "PIECEWISE"}
+    assert engine._bitwise_compilation(None) == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
     assert engine._bitwise_compilation({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE",
                                                                                    "level": 3}
-    for mode in ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
-        with pytest.raises(ConfigError, match=rf"compilation_config.cudagraph_mode={mode}: engine.bitwise runs with"):
-            engine._bitwise_compilation({"cudagraph_mode": mode})
-    with pytest.raises(ConfigError, match=r"compilation_config.splitting_ops: engine.bitwise"):
-        engine._bitwise_compilation({"splitting_ops": ["vllm::mamba_mixer"]})
+    for mode in ("PIECEWISE", "FULL_DECODE_ONLY"):
+        assert engine._bitwise_compilation({"cudagraph_mode": mode}) == {"cudagraph_mode": mode}
+    with pytest.raises(ConfigError, match=r"compilation_config.cudagraph_mode=FULL: engine.bitwise runs with"):
+        engine._bitwise_compilation({"cudagraph_mode": "FULL"})
+    for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+        with pytest.raises(ConfigError, match=rf"compilation_config.splitting_ops: engine.bitwise with {mode}"):
+            engine._bitwise_compilation({"cudagraph_mode": mode, "splitting_ops": ["vllm::mamba_mixer"]})
     kept = {"splitting_ops": [engine.ATTENTION_OP]}
-    assert engine._bitwise_compilation(kept) == {**kept, "cudagraph_mode": "PIECEWISE"}
+    assert engine._bitwise_compilation(kept) == {**kept, "cudagraph_mode": "FULL_AND_PIECEWISE"}
 
 
 def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeypatch):
@@ -189,3 +191,60 @@ def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeyp
     assert invariant_layers.drop_slot_stores(None) == 2 * 80 * 3 * 8 * 2
     assert impl.epirl_slots is None
     assert not invariant_layers._slot_store(impl, torch.empty(5, 3, 16, 16), key)[0].any()
+
+
+def test_engine_rotary_table_is_a_buffer_built_on_the_model_device(monkeypatch):
+    """The bitwise rotary embedding's table is a non-persistent buffer made where vLLM builds the model (its device
+    context) and moved with the module, never copied lazily in forward: under CUDA graphs a tensor made inside a
+    captured piece lives in the graph's pool and is overwritten by later replays."""
+    pytest.importorskip("vllm")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from epirl.engine import spec
+    from epirl.engine.vllm_compat import invariant_layers
+
+    invariant_layers.register_layers()
+    monkeypatch.setattr(spec, "current", lambda: spec.EngineSpec(bitwise=True))
+    with set_current_vllm_config(VllmConfig()), torch.device("meta"):
+        rope = invariant_layers._REGISTERED["RotaryEmbedding"](8, 8, 32, 10000.0, True, torch.float32)
+    assert rope.epirl_table.device.type == "meta" and "epirl_table" in dict(rope.named_buffers())
+    assert "epirl_table" not in rope.state_dict()  # dummy or real weight loading never touches it
+    rope = rope.to_empty(device="cpu")
+    assert rope.epirl_table.device.type == "cpu"
+
+
+def test_flash_attention_forward_reads_vllms_cache_in_place_with_the_trainers_bits():
+    """The bitwise FlashAttention forward reads the keys vLLM wrote into its own cache (vLLM 0.26's
+    `[blocks, kv_heads, block_size, 2 · head_size]`, unused slots NaN) through the block table, writes nothing of
+    its own, and gives every row the bits of the trainer's attention over the whole sequence."""
+    import types
+
+    from epirl.engine.vllm_compat import invariant_layers
+    from epirl.kernels import invariant
+
+    H, G, D, bs, n_blocks = 4, 2, 8, 16, 6
+    gen = torch.Generator().manual_seed(0)
+    lengths, q_lens, tables = (20, 5), (3, 1), ([4, 1], [2])  # a prefill chunk after 17 cached keys; a decode row
+    seq = [[torch.randn(L, n, D, generator=gen).bfloat16() for n in (H, G, G)] for L in lengths]
+    cache = torch.full((n_blocks, G, bs, 2 * D), float("nan"), dtype=torch.bfloat16)
+    for (_, k, v), table, L in zip(seq, tables, lengths):  # as vLLM's reshape_and_cache_flash lays them out
+        for p in range(L):
+            cache[table[p // bs], :, p % bs] = torch.cat([k[p], v[p]], dim=-1)
+    before = cache.clone()
+    impl = types.SimpleNamespace(num_heads=H, num_kv_heads=G, head_size=D, scale=D ** -0.5, epirl_block_size=bs,
+                                 epirl_reads_cache=True)
+    q = torch.cat([s[0][L - n:] for s, L, n in zip(seq, lengths, q_lens)]).reshape(-1, H * D)
+    meta = types.SimpleNamespace(num_actual_tokens=4, max_query_len=3,
+                                 block_table=torch.tensor([[4, 1], [2, 0]], dtype=torch.int32),
+                                 query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+                                 seq_lens=torch.tensor(lengths, dtype=torch.int32))
+    output = torch.full((6, H * D), float("nan"), dtype=torch.bfloat16)  # padded past the 4 real rows
+    invariant_layers._attention_forward(impl, None, q, None, None, cache, meta, output)
+    assert torch.equal(cache.view(torch.int16), before.view(torch.int16)) and output[4:].isnan().all()
+    at = 0
+    for (qs, k, v), L, n in zip(seq, lengths, q_lens):
+        want = invariant.attention_batched(qs[None], k[None], v[None], D ** -0.5)[0, L - n:]
+        assert torch.equal(output[at:at + n].view(n, H, D), want)
+        at += n
+    with pytest.raises(invariant_layers.BitwiseUnsupported, match=r"KV cache of shape \(6, 3, 16, 16\)"):
+        invariant_layers.paged_cache_views(impl, torch.empty(6, 3, 16, 16))

@@ -129,10 +129,13 @@ def paged_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tenso
     """The engine's layout of `attention`: q `[N, H, D]` packs the rows of R requests (request r owns rows
     query_start_loc[r] .. query_start_loc[r + 1] - 1, the last positions of its seq_lens[r]-long sequence); the keys
     and values of request r at position p sit at slot `block_table[r, p // block_size] * block_size + p %
-    block_size` of k_store / v_store `[slots, G, D]`. Writes `out` `[N, H, D]` (new when None) and returns it.
+    block_size` of k_store / v_store `[slots, G, D]` (or `[num_blocks, block_size, G, D]`, any strides). Writes
+    `out` `[N, H, D]` (new when None) and returns it.
     One-query requests (a decode step's) go through `decode_attention` together, the others one by one through
     `attention`, gathered in position order. max_query_len: unused here (the Triton kernel's grid)."""
     del max_query_len
+    if k_store.dim() == 4:  # a paged cache: block b's offset o is slot b · block_size + o
+        k_store, v_store = (t.reshape(-1, *t.shape[2:]) for t in (k_store, v_store))
     out = torch.empty_like(q) if out is None else out
     starts, lengths = query_start_loc.tolist(), seq_lens.tolist()
     decode = [r for r in range(len(lengths)) if starts[r + 1] - starts[r] == 1]

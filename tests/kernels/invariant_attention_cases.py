@@ -60,10 +60,12 @@ def batched(seqs, scale, order=None, pad=0, seed=1):
 class PagedCache:
     """A paged key / value store for the sequences: each request's blocks a random permutation of the pool, spare
     blocks and table entries past a request's blocks garbage, every slot NaN until written (as the engine writes
-    a step's keys before its attention)."""
+    a step's keys before its attention). layout: "slots" `[slots, G, D]`, "blocks" `[blocks, block_size, G, D]`
+    contiguous, or "flash": vLLM 0.26's FlashAttention cache `[blocks, G, block_size, 2 D]` read through its key
+    and value views (strided, interleaved), as the engine reads it in place."""
 
-    def __init__(self, seqs, block_size, seed=0, layout4d=False):
-        self.seqs, self.bs, self.layout4d = seqs, block_size, layout4d
+    def __init__(self, seqs, block_size, seed=0, layout="slots"):
+        self.seqs, self.bs, self.layout = seqs, block_size, layout
         rng = random.Random(seed)
         need = [-(-q.shape[0] // block_size) for q, _, _ in seqs]
         n_blocks = sum(need) + 3
@@ -77,8 +79,14 @@ class PagedCache:
             at += n
         self.table = self.table.to(device)
         G, D = seqs[0][1].shape[1:]
-        self.k = torch.full((n_blocks * block_size, G, D), float("nan"), dtype=torch.bfloat16, device=device)
-        self.v = self.k.clone()
+        if layout == "flash":
+            cache = torch.full((n_blocks, G, block_size, 2 * D), float("nan"), dtype=torch.bfloat16, device=device)
+            self.k, self.v = cache.transpose(1, 2).split(D, dim=-1)
+        else:
+            self.k = torch.full((n_blocks * block_size, G, D), float("nan"), dtype=torch.bfloat16, device=device)
+            self.v = self.k.clone()
+            if layout == "blocks":
+                self.k, self.v = (t.view(-1, block_size, G, D) for t in (self.k, self.v))
 
     def slots(self, r, start, end):
         p = torch.arange(start, end, device=self.table.device)
@@ -93,7 +101,8 @@ class PagedCache:
         device = self.k.device
         for r, start, end in parts:
             s = self.slots(r, start, end)
-            self.k[s], self.v[s] = self.seqs[r][1][start:end], self.seqs[r][2][start:end]
+            at = (s // self.bs, s % self.bs) if self.k.dim() == 4 else s
+            self.k[at], self.v[at] = self.seqs[r][1][start:end], self.seqs[r][2][start:end]
         rows = [self.seqs[r][0][start:end] for r, start, end in parts]
         n = sum(x.shape[0] for x in rows)
         q = torch.cat(rows + [torch.randn(extra_rows, H, D, device=device).bfloat16()])
@@ -103,8 +112,6 @@ class PagedCache:
         buffer = torch.full((n + extra_rows, H * D + 3), float("nan"), dtype=torch.bfloat16, device=device)
         out = buffer[:, :H * D].view(n + extra_rows, H, D)
         k, v = self.k, self.v
-        if self.layout4d:
-            k, v = k.view(-1, self.bs, *k.shape[1:]), v.view(-1, self.bs, *v.shape[1:])
         max_q = max([e - s for _, s, e in parts] + [0])
         got = paged_attention(q, k, v, table, self.bs, qsl, seq_lens, max_q, scale, out=out)
         assert got.data_ptr() == out.data_ptr()
@@ -148,8 +155,8 @@ def schedule(lengths, rng, chunks, decode_tail=0):
     return steps
 
 
-def run_schedule(seqs, want, block_size, steps, scale, seed=0, layout4d=False):
-    cache = PagedCache(seqs, block_size, seed=seed, layout4d=layout4d)
+def run_schedule(seqs, want, block_size, steps, scale, seed=0, layout="slots"):
+    cache = PagedCache(seqs, block_size, seed=seed, layout=layout)
     seen = set()
     for parts in steps:
         result = cache.step(parts, scale)
@@ -197,10 +204,10 @@ def case_whole_prefill_paged_equals_batched():
         seqs = sequences(LENGTHS, H, G, D, seed=H + 2)
         scale = D ** -0.5
         want = batched(seqs, scale)
-        for block_size, layout4d in ((16, False), (1, False), (5, True)):
+        for block_size, layout in ((16, "slots"), (1, "slots"), (5, "blocks"), (16, "flash")):
             order = [2, 0, 3, 1]
             steps = [[(r, 0, seqs[r][0].shape[0]) for r in order]]
-            run_schedule(seqs, want, block_size, steps, scale, seed=block_size, layout4d=layout4d)
+            run_schedule(seqs, want, block_size, steps, scale, seed=block_size, layout=layout)
 
 
 def case_chunked_prefill_and_decode_mixed():
@@ -219,12 +226,12 @@ def case_chunked_prefill_and_decode_mixed():
 def case_decode_steps():
     # prefill to a few tokens before the end (whole or in chunks), then one token per step for every request
     rng = random.Random(1)
-    for (H, G, D), block_size in zip(CONFIGS, (5, 1, 16)):
+    for (H, G, D), block_size, layout in zip(CONFIGS, (5, 1, 16), ("slots", "blocks", "flash")):
         seqs = sequences(LENGTHS, H, G, D, seed=H + 4)
         scale = D ** -0.5
         want = batched(seqs, scale, order=[3, 2, 1, 0], pad=2)
         steps = schedule([q.shape[0] for q, _, _ in seqs], rng, chunks=(20, 70), decode_tail=6)
-        run_schedule(seqs, want, block_size, steps, scale, seed=D)
+        run_schedule(seqs, want, block_size, steps, scale, seed=D, layout=layout)
 
 
 def case_masked_key_blocks_are_noops():

@@ -47,7 +47,7 @@ def test_whole_prefill_paged_equals_batched(problem):
     seqs, scale, want = problem
     run_schedule(seqs, want, 16, [[(r, 0, seqs[r][0].shape[0]) for r in (2, 0, 3, 1)]], scale)
     run_schedule(seqs, want, 16, [[(r, 0, seqs[r][0].shape[0])] for r in range(len(seqs))], scale, seed=1,
-                 layout4d=True)
+                 layout="blocks")
 
 
 def test_chunked_prefill_and_decode_mixed(problem):
@@ -65,6 +65,7 @@ def test_decode_steps(problem):
         steps.append([(r, max(0, q.shape[0] - t), q.shape[0] - t + 1) for r, (q, _, _) in
                       reversed(list(enumerate(seqs))) if q.shape[0] - t >= 0])
     run_schedule(seqs, want, 16, steps, scale, seed=3)
+    run_schedule(seqs, want, 16, steps, scale, seed=4, layout="flash")  # vLLM's FlashAttention cache, in place
 
 
 def _gqa_sdpa(q, k, v):

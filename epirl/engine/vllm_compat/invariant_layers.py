@@ -11,8 +11,9 @@ the trainer's bit for bit.
   starts: each request's rows attend its keys at positions 0 .. seq_len - 1, read through its block table
   (`invariant.paged_attention`, the kernel the trainer's `attention_batched` runs). Implemented for vLLM's CPU
   backend (CPU_ATTN) and FlashAttention (CUDA), whose forwards take the same metadata; another backend is refused
-  with one line. vLLM runs the attention op between the pieces of a PIECEWISE CUDA graph, never inside one (it is
-  a splitting op), so the forward may read its metadata on the host; `llm_kwargs` refuses the FULL modes.
+  with one line. FlashAttention's cache is read in place, so a decode batch's CUDA graph captures the whole
+  forward; a batch with longer queries runs the attention op between the pieces of a piecewise graph (the kernel's
+  grid comes from the longest query, a host value); `llm_kwargs` refuses FULL, which would capture those too.
 - `check_model(llm)`: every norm, rotary embedding, activation and logits layer of the built model is one of the
   above, or the engine refuses to start.
 The sampler's fp32 log-softmax (after the temperature division) is the same torch call in the trainer
@@ -90,14 +91,16 @@ def register_layers() -> None:
             if self.epirl_bitwise:
                 if not self.is_neox_style:
                     raise BitwiseUnsupported("engine.bitwise: GPT-J-style rotary embedding has no bitwise kernel")
-                self.epirl_table = invariant.rotary_table(self.rotary_dim, self.base, self.max_position_embeddings,
-                                                          "cpu")
+                # a buffer, built where vLLM builds the model (its device context), never moved lazily in forward:
+                # under CUDA graphs a table made inside a captured piece lives in the graph's memory pool, which
+                # later replays overwrite
+                table = invariant.rotary_table(self.rotary_dim, self.base, self.max_position_embeddings,
+                                               torch.get_default_device())
+                self.register_buffer("epirl_table", table, persistent=False)
 
         def forward(self, positions, query, key=None):
             if not self.epirl_bitwise:
                 return super().forward(positions, query, key)
-            if self.epirl_table.device != query.device:
-                self.epirl_table = self.epirl_table.to(query.device)
             return torch.ops.epirl.invariant_rotary(positions.flatten(), query, key, self.epirl_table,
                                                     self.head_size)
 
@@ -134,11 +137,11 @@ BACKENDS = ("CPUAttentionBackendImpl", "FlashAttentionImpl")  # impls whose forw
 
 
 def _slot_store(impl, kv_cache: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This layer's keys and values by cache slot, `[slots, kv_heads, head_size]` each. vLLM's caches are laid out
-    for their kernels (CPU_ATTN's by ISA; FlashAttention's differently from one vLLM release to the next), so the
-    bitwise path keeps the same slots in plain form beside them, written from the same key and value tensors (so
-    prefix-cached blocks hold what vLLM's cache holds). As many slots as vLLM's cache has: its keys and values, each
-    `kv_heads · head_size` wide, in any layout. Dropped with the KV cache (`drop_slot_stores`)."""
+    """This layer's keys and values by cache slot, `[slots, kv_heads, head_size]` each, for a backend whose cache
+    layout the kernel cannot read (CPU_ATTN's is by ISA): the bitwise path keeps the same slots in plain form beside
+    it, written from the same key and value tensors (so prefix-cached blocks hold what vLLM's cache holds). As many
+    slots as vLLM's cache has: its keys and values, each `kv_heads · head_size` wide, in any layout. Dropped with the
+    KV cache (`drop_slot_stores`)."""
     slots = kv_cache.numel() // (2 * impl.num_kv_heads * impl.head_size)
     store = getattr(impl, "epirl_slots", None)
     if store is None or store[0].shape[0] != slots:
@@ -148,18 +151,38 @@ def _slot_store(impl, kv_cache: torch.Tensor, key: torch.Tensor) -> tuple[torch.
     return store
 
 
+def paged_cache_views(impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's FlashAttention cache of one layer as key and value views `[num_blocks, block_size, kv_heads, head_size]`
+    (any strides; the kernel reads them in place). vLLM writes it itself before the forward (the backend's
+    `do_kv_cache_update`: a plain copy of the bf16 keys and values), so nothing is stored twice and a graph replay
+    reads the live cache. Layouts: `[num_blocks, kv_heads, block_size, 2 · head_size]` (vLLM 0.26: keys then values
+    along the last dim) and `[2, num_blocks, block_size, kv_heads, head_size]` (earlier releases)."""
+    G, D = impl.num_kv_heads, impl.head_size
+    if kv_cache.dim() == 4 and kv_cache.shape[1] == G and kv_cache.shape[3] == 2 * D:
+        keys, values = kv_cache.transpose(1, 2).split(D, dim=-1)
+        return keys, values
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and tuple(kv_cache.shape[3:]) == (G, D):
+        return kv_cache[0], kv_cache[1]
+    raise BitwiseUnsupported(f"engine.bitwise: a FlashAttention KV cache of shape {tuple(kv_cache.shape)} "
+                             f"({G} kv heads of {D}) has no known layout")
+
+
 def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                        output_block_scale=None):
-    """The backend's forward for decoder self-attention: this step's keys and values go to their cache slots, then
-    each request's query rows attend its keys at positions 0 .. seq_len - 1 (`invariant.paged_attention`: the
-    trainer's kernel, reading the keys through the block table)."""
+    """The backend's forward for decoder self-attention: each request's query rows attend its keys at positions
+    0 .. seq_len - 1 (`invariant.paged_attention`: the trainer's kernel, reading the keys through the block table).
+    FlashAttention: vLLM has already written this step's keys into its cache, read in place; no host read of device
+    data, so a decode batch's graph replays it. CPU_ATTN: this step's keys go to the plain slot store first."""
     if attn_metadata is None:  # vLLM's warm-up pass
         return output
-    keys, values = _slot_store(self, kv_cache, key)
     n = attn_metadata.num_actual_tokens
-    slots = attn_metadata.slot_mapping[:n].long()
-    keys[slots] = key[:n].reshape(n, self.num_kv_heads, self.head_size)
-    values[slots] = value[:n].reshape(n, self.num_kv_heads, self.head_size)
+    if self.epirl_reads_cache:
+        keys, values = paged_cache_views(self, kv_cache)
+    else:
+        keys, values = _slot_store(self, kv_cache, key)
+        slots = attn_metadata.slot_mapping[:n].long()
+        keys[slots] = key[:n].reshape(n, self.num_kv_heads, self.head_size)
+        values[slots] = value[:n].reshape(n, self.num_kv_heads, self.head_size)
     max_query_len = getattr(attn_metadata, "max_query_len", None)
     if max_query_len is None:
         max_query_len = int(attn_metadata.query_start_loc.diff().max())
@@ -195,6 +218,10 @@ def install_attention(llm, block_size: int | None = None) -> int:
         if unsupported:
             raise BitwiseUnsupported(f"engine.bitwise: {name} uses {unsupported[0]}, which has no bitwise kernel")
         impl.epirl_block_size = block_size or model_runner(llm).cache_config.block_size
+        # FlashAttention's cache is written by vLLM before the forward and read in place; CPU_ATTN's (an ISA layout)
+        # gets a plain slot store beside it
+        impl.epirl_reads_cache = type(impl).__name__ == "FlashAttentionImpl" and not getattr(
+            getattr(module, "attn_backend", None), "forward_includes_kv_cache_update", True)
         impl.forward = types.MethodType(_attention_forward, impl)
         count += 1
     return count
