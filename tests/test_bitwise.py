@@ -148,25 +148,25 @@ def test_engine_attention_without_a_bitwise_path_is_refused_by_name(monkeypatch)
         invariant_layers.install_attention(None)
 
 
-def test_bitwise_engine_on_cuda_replays_decode_graphs_and_refuses_full_mixed_batches(monkeypatch):
-    """On CUDA a bitwise engine asks vLLM for FULL_AND_PIECEWISE CUDA graphs unless told a decode-only, piecewise or
-    no-graph mode, keeps the user's other compilation settings, and refuses FULL (mixed batches captured whole) or
-    splitting ops that would capture the attention inside a piece, by the field's name."""
+def test_bitwise_engine_on_cuda_runs_piecewise_graphs_or_none(monkeypatch):
+    """On CUDA a bitwise engine asks vLLM for PIECEWISE CUDA graphs (the attention op runs between them, so every
+    step calls the invariant attention) unless told NONE, keeps the user's other compilation settings, and refuses a
+    FULL mode (its graphs would replay vLLM's own attention, captured before the engine installs the invariant one)
+    or splitting ops that would capture the attention inside a piece, by the field's name."""
     from epirl.config import ConfigError
     from epirl.engine import engine
 
-    assert engine._bitwise_compilation(None) == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+    assert engine._bitwise_compilation(None) == {"cudagraph_mode": "PIECEWISE"}
     assert engine._bitwise_compilation({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE",
                                                                                    "level": 3}
-    for mode in ("PIECEWISE", "FULL_DECODE_ONLY"):
-        assert engine._bitwise_compilation({"cudagraph_mode": mode}) == {"cudagraph_mode": mode}
-    with pytest.raises(ConfigError, match=r"compilation_config.cudagraph_mode=FULL: engine.bitwise runs with"):
-        engine._bitwise_compilation({"cudagraph_mode": "FULL"})
-    for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
-        with pytest.raises(ConfigError, match=rf"compilation_config.splitting_ops: engine.bitwise with {mode}"):
-            engine._bitwise_compilation({"cudagraph_mode": mode, "splitting_ops": ["vllm::mamba_mixer"]})
+    for mode in ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+        with pytest.raises(ConfigError, match=rf"compilation_config.cudagraph_mode={mode}: engine.bitwise runs with"
+                                              r" PIECEWISE or NONE \(a full graph would replay vLLM's own"):
+            engine._bitwise_compilation({"cudagraph_mode": mode})
+    with pytest.raises(ConfigError, match=r"compilation_config.splitting_ops: engine.bitwise"):
+        engine._bitwise_compilation({"splitting_ops": ["vllm::mamba_mixer"]})
     kept = {"splitting_ops": [engine.ATTENTION_OP]}
-    assert engine._bitwise_compilation(kept) == {**kept, "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    assert engine._bitwise_compilation(kept) == {**kept, "cudagraph_mode": "PIECEWISE"}
 
 
 def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeypatch):

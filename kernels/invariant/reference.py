@@ -67,8 +67,10 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, compute: torch.dtype = torch.float64) -> torch.Tensor:
-    g = gate.to(compute)
-    return (g / (1.0 + torch.exp(-g)) * up.to(compute)).to(gate.dtype)
+    """bf16(silu(gate) · up). torch's silu rather than g / (1 + exp(-g)): as the backward's fp32 stand-in (ops.py),
+    the spelled-out formula keeps three more MLP-wide activations for autograd, which slows the trainer's step and
+    raises its peak memory (BENCHMARKS.md, Bitwise pairing)."""
+    return (torch.nn.functional.silu(gate.to(compute)) * up.to(compute)).to(gate.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int = 0) -> torch.Tensor:

@@ -7,7 +7,7 @@ Sections (each in its own try/except: one failure prints its error and the rest 
   tpot      decode time per output token, batch 1 and 32, 128-token prompts, 256 new tokens, CUDA
             graphs, Qwen3-8B-shaped dummy weights, rank-64 adapter on all 7 projections:
             w8a16 (matched, epirl kernel) vs w8a8 (vLLM fp8 + vLLM LoRA) vs vLLM fp8 without adapter;
-            `--precisions w8a16-bitwise`: the bitwise engine (its default CUDA graphs); one engine per process
+            `--precisions w8a16-bitwise`: the bitwise engine (PIECEWISE CUDA graphs); one engine per process
             (vLLM's sleep-mode allocator serves one instance per process)
   publish   in-memory publish of a rank-64 adapter on the 8B shape (goal <= 50 ms)
   layer     matched engine: a captured qkv_proj / down_proj output vs the kernel recomputed on the

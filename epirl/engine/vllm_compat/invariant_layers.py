@@ -11,9 +11,9 @@ the trainer's bit for bit.
   starts: each request's rows attend its keys at positions 0 .. seq_len - 1, read through its block table
   (`invariant.paged_attention`, the kernel the trainer's `attention_batched` runs). Implemented for vLLM's CPU
   backend (CPU_ATTN) and FlashAttention (CUDA), whose forwards take the same metadata; another backend is refused
-  with one line. FlashAttention's cache is read in place, so a decode batch's CUDA graph captures the whole
-  forward; a batch with longer queries runs the attention op between the pieces of a piecewise graph (the kernel's
-  grid comes from the longest query, a host value); `llm_kwargs` refuses FULL, which would capture those too.
+  with one line. FlashAttention's cache is read in place (vLLM writes it). vLLM runs the attention op between the
+  pieces of a PIECEWISE CUDA graph, never inside one (it is a splitting op), so every step calls this forward;
+  `llm_kwargs` refuses the FULL modes, whose graphs vLLM captures before this forward is installed.
 - `check_model(llm)`: every norm, rotary embedding, activation and logits layer of the built model is one of the
   above, or the engine refuses to start.
 The sampler's fp32 log-softmax (after the temperature division) is the same torch call in the trainer
@@ -171,8 +171,8 @@ def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, 
                        output_block_scale=None):
     """The backend's forward for decoder self-attention: each request's query rows attend its keys at positions
     0 .. seq_len - 1 (`invariant.paged_attention`: the trainer's kernel, reading the keys through the block table).
-    FlashAttention: vLLM has already written this step's keys into its cache, read in place; no host read of device
-    data, so a decode batch's graph replays it. CPU_ATTN: this step's keys go to the plain slot store first."""
+    FlashAttention: vLLM has already written this step's keys into its cache, read in place. CPU_ATTN: this step's
+    keys go to the plain slot store first."""
     if attn_metadata is None:  # vLLM's warm-up pass
         return output
     n = attn_metadata.num_actual_tokens
