@@ -88,7 +88,8 @@ class EngineConfig(Section):
     SiLU-and-multiply and LM head (`epirl.kernels.invariant`) around the matched projections. Needs `precision:
     w8a16`, an FP8 trainer (`trainer.base: fp8` or `shared`) and `model.dtype: bfloat16`; Llama-style models
     (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend or FlashAttention (CUDA: PIECEWISE CUDA graphs by default,
-    or `engine.vllm_args.compilation_config.cudagraph_mode: NONE`; FULL modes are refused). On CUDA the shared ops are
+    `engine.vllm_args.compilation_config.cudagraph_mode: FULL_AND_PIECEWISE` for whole-graph decode steps, or NONE;
+    FULL and FULL_DECODE_ONLY are refused). On CUDA the shared ops are
     Triton kernels (fp32, one fixed reduction order) and the attention reads FlashAttention's KV cache in place; on
     CPU float64 references over a plain copy of the cache's slots (BENCHMARKS.md § Bitwise pairing)."""
     kv_release: bool = True

@@ -55,17 +55,19 @@ def qwen3_8b_dir() -> str:
 
 
 def make_cfg(model_path: str, precision: str, rank: int, max_model_len: int = 1024, eager: bool = False,
-             gpu_util: float = 0.40, max_num_seqs: int = 64):
-    """precision: an engine precision, or `w8a16-bitwise` (the matched engine with `engine.bitwise`)."""
+             gpu_util: float = 0.40, max_num_seqs: int = 64, graphs: str | None = None):
+    """precision: an engine precision, or `w8a16-bitwise` (the matched engine with `engine.bitwise`); graphs: vLLM's
+    cudagraph mode (None: the engine's default)."""
     from epirl.config import EpirlConfig
 
+    vllm_args = {"compilation_config": {"cudagraph_mode": graphs}} if graphs else {}
     return EpirlConfig.model_validate({
         "model": {"path": model_path, "max_model_len": max_model_len, "dtype": "bfloat16"},
         "engine": {"precision": precision.removesuffix("-bitwise"), "bitwise": precision.endswith("-bitwise"),
                    "gpu_memory_utilization": gpu_util, "max_num_seqs": max_num_seqs,
                    "enforce_eager": eager, "kv_release": True, "cpu_kv_cache_gb": 1,
                    # the W8A8 engine a user would pick instead: vLLM's own LoRA kernels (the default, auto, is epirl's)
-                   "serving_kernels": "off"},
+                   "serving_kernels": "off", "vllm_args": vllm_args},
         "lora": {"rank": rank, "alpha": 2.0 * rank},
         **({"trainer": {"base": "fp8"}} if precision.endswith("-bitwise") else {}),  # bitwise: the matched pairing
     })

@@ -405,7 +405,8 @@ def main() -> int:
                         help="each engine's share of the GPU (the runs share it: keep jobs x this < ~0.8)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="each engine's fixed KV cache")
     parser.add_argument("--jobs", type=int, default=0, help="chains run side by side (0: all)")
-    parser.add_argument("--output-dir", default="/tmp/loop_check")
+    parser.add_argument("--output-dir", default="/tmp/loop_check", help="runs folder; its name also names the "
+                        "table files in $OUT (<name>.md, <name>.json)")
     parser.add_argument("--probe-separation", type=float, default=8.0, help="the recipe's engine.probe_separation")
     parser.add_argument("--timeout", type=int, default=540, help="seconds per run")
     parser.add_argument("--diagnose", choices=sorted(PAIRINGS), metavar="PAIRING",
@@ -437,8 +438,9 @@ def main() -> int:
     print("\n".join(f"FAIL: {p}" for p in problems) if problems else "loop check passed")
     out = os.environ.get("OUT")
     if out:
-        Path(out, "loop_check.md").write_text(text + "\n")
-        Path(out, "loop_check.json").write_text(json.dumps(rows, indent=1))
+        stem = Path(args.output_dir).name  # loop_check by default; checks side by side keep their own files
+        Path(out, f"{stem}.md").write_text(text + "\n")
+        Path(out, f"{stem}.json").write_text(json.dumps(rows, indent=1))
     return 1 if problems else 0
 
 

@@ -130,9 +130,10 @@ def test_mismatch_measures_the_bitwise_engine_at_exactly_zero(smollm2_dir):
 
 
 def test_engine_attention_without_a_bitwise_path_is_refused_by_name(monkeypatch):
+    pytest.importorskip("vllm")
     from torch import nn
 
-    from epirl.engine.vllm_compat import invariant_layers
+    from epirl.engine.vllm_compat import invariant_attention
 
     class FlashInferImpl:  # another backend's impl, as vLLM's Attention layer holds it
         kv_cache_dtype = "auto"
@@ -142,29 +143,53 @@ def test_engine_attention_without_a_bitwise_path_is_refused_by_name(monkeypatch)
     model = nn.Module()
     model.add_module("layers", nn.ModuleList([nn.Module()]))
     model.layers[0].add_module("attn", layer)
-    monkeypatch.setattr(invariant_layers, "model_of", lambda llm: model)
-    with pytest.raises(invariant_layers.BitwiseUnsupported,
+    monkeypatch.setattr(invariant_attention, "model_of", lambda llm: model)
+    with pytest.raises(invariant_attention.BitwiseUnsupported,
                        match=r"attention backend FlashInferImpl \(layers.0.attn\) has no bitwise path"):
-        invariant_layers.install_attention(None)
+        invariant_attention.check_attention(None)
 
 
-def test_bitwise_engine_on_cuda_runs_piecewise_graphs_or_none(monkeypatch):
-    """On CUDA a bitwise engine asks vLLM for PIECEWISE CUDA graphs (the attention op runs between them, so every
-    step calls the invariant attention) unless told NONE, keeps the user's other compilation settings, and refuses a
-    FULL mode (its graphs would replay vLLM's own attention, captured before the engine installs the invariant one)
-    or splitting ops that would capture the attention inside a piece, by the field's name."""
+def test_bitwise_attention_backends_replace_vllms_by_name_and_act_only_for_a_bitwise_engine(monkeypatch):
+    """register_layers points vLLM's FLASH_ATTN and CPU_ATTN entries at the invariant subclasses (so vLLM builds them
+    with the model, before it captures CUDA graphs); an impl built for a plain engine is vLLM's own."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from epirl.engine import spec
+    from epirl.engine.vllm_compat import invariant_attention, invariant_layers
+
+    invariant_layers.register_layers()
+    for name, cls in invariant_attention.BACKENDS.items():
+        backend = AttentionBackendEnum[name].get_class()
+        assert backend is getattr(invariant_attention, cls) and backend.get_name() == name
+    impl_cls = AttentionBackendEnum.CPU_ATTN.get_class().get_impl_cls()
+    for bitwise in (True, False):
+        monkeypatch.setattr(spec, "current", lambda: spec.EngineSpec(bitwise=bitwise))
+        impl = impl_cls.__new__(impl_cls)  # what its __init__ adds to vLLM's (the vLLM engine tests build real ones)
+        impl._epirl_init()
+        assert impl.epirl_bitwise is bitwise and not impl.reads_cache
+    assert invariant_attention.InvariantFlashAttentionImpl.reads_cache
+
+
+def test_bitwise_engine_on_cuda_runs_piecewise_graphs_by_default(monkeypatch):
+    """On CUDA a bitwise engine asks vLLM for PIECEWISE CUDA graphs unless told FULL_AND_PIECEWISE or NONE, keeps the
+    user's other compilation settings, and refuses FULL, FULL_DECODE_ONLY or splitting ops that would capture the
+    attention inside a piece, by the field's name."""
     from epirl.config import ConfigError
     from epirl.engine import engine
 
     assert engine._bitwise_compilation(None) == {"cudagraph_mode": "PIECEWISE"}
     assert engine._bitwise_compilation({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE",
                                                                                    "level": 3}
-    for mode in ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+    assert engine._bitwise_compilation({"cudagraph_mode": "FULL_AND_PIECEWISE"}) == {
+        "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    for mode in ("FULL", "FULL_DECODE_ONLY"):
         with pytest.raises(ConfigError, match=rf"compilation_config.cudagraph_mode={mode}: engine.bitwise runs with"
-                                              r" PIECEWISE or NONE \(a full graph would replay vLLM's own"):
+                                              r" PIECEWISE, FULL_AND_PIECEWISE or NONE"):
             engine._bitwise_compilation({"cudagraph_mode": mode})
-    with pytest.raises(ConfigError, match=r"compilation_config.splitting_ops: engine.bitwise"):
-        engine._bitwise_compilation({"splitting_ops": ["vllm::mamba_mixer"]})
+    for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+        with pytest.raises(ConfigError, match=rf"compilation_config.splitting_ops: engine.bitwise with {mode}"):
+            engine._bitwise_compilation({"cudagraph_mode": mode, "splitting_ops": ["vllm::mamba_mixer"]})
     kept = {"splitting_ops": [engine.ATTENTION_OP]}
     assert engine._bitwise_compilation(kept) == {**kept, "cudagraph_mode": "PIECEWISE"}
 
@@ -174,7 +199,8 @@ def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeyp
     it (KV release) frees its bytes and the next forward starts from a zeroed store."""
     from torch import nn
 
-    from epirl.engine.vllm_compat import invariant_layers
+    pytest.importorskip("vllm")
+    from epirl.engine.vllm_compat import invariant_attention
 
     class FlashAttentionImpl:
         num_kv_heads, head_size = 3, 8
@@ -182,15 +208,15 @@ def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeyp
     impl = FlashAttentionImpl()
     key = torch.zeros(1, 3, 8, dtype=torch.bfloat16)
     for cache in (torch.empty(5, 3, 16, 2 * 8), torch.empty(2, 5, 16, 3, 8)):  # CPU_ATTN / FlashAttention (older)
-        keys, values = invariant_layers._slot_store(impl, cache, key)
+        keys, values = invariant_attention._slot_store(impl, cache, key)
         assert keys.shape == values.shape == (80, 3, 8)
     keys.fill_(1.0)
     layer = nn.Module()
     layer.impl = impl
-    monkeypatch.setattr(invariant_layers, "model_of", lambda llm: layer)
-    assert invariant_layers.drop_slot_stores(None) == 2 * 80 * 3 * 8 * 2
+    monkeypatch.setattr(invariant_attention, "model_of", lambda llm: layer)
+    assert invariant_attention.drop_slot_stores(None) == 2 * 80 * 3 * 8 * 2
     assert impl.epirl_slots is None
-    assert not invariant_layers._slot_store(impl, torch.empty(5, 3, 16, 16), key)[0].any()
+    assert not invariant_attention._slot_store(impl, torch.empty(5, 3, 16, 16), key)[0].any()
 
 
 def test_engine_rotary_table_is_a_buffer_built_on_the_model_device(monkeypatch):
@@ -219,7 +245,8 @@ def test_flash_attention_forward_reads_vllms_cache_in_place_with_the_trainers_bi
     its own, and gives every row the bits of the trainer's attention over the whole sequence."""
     import types
 
-    from epirl.engine.vllm_compat import invariant_layers
+    pytest.importorskip("vllm")
+    from epirl.engine.vllm_compat import invariant_attention
     from epirl.kernels import invariant
 
     H, G, D, bs, n_blocks = 4, 2, 8, 16, 6
@@ -231,20 +258,19 @@ def test_flash_attention_forward_reads_vllms_cache_in_place_with_the_trainers_bi
         for p in range(L):
             cache[table[p // bs], :, p % bs] = torch.cat([k[p], v[p]], dim=-1)
     before = cache.clone()
-    impl = types.SimpleNamespace(num_heads=H, num_kv_heads=G, head_size=D, scale=D ** -0.5, epirl_block_size=bs,
-                                 epirl_reads_cache=True)
+    impl = types.SimpleNamespace(num_heads=H, num_kv_heads=G, head_size=D, scale=D ** -0.5, reads_cache=True)
     q = torch.cat([s[0][L - n:] for s, L, n in zip(seq, lengths, q_lens)]).reshape(-1, H * D)
     meta = types.SimpleNamespace(num_actual_tokens=4, max_query_len=3,
                                  block_table=torch.tensor([[4, 1], [2, 0]], dtype=torch.int32),
                                  query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
                                  seq_lens=torch.tensor(lengths, dtype=torch.int32))
     output = torch.full((6, H * D), float("nan"), dtype=torch.bfloat16)  # padded past the 4 real rows
-    invariant_layers._attention_forward(impl, None, q, None, None, cache, meta, output)
+    invariant_attention.attention_forward(impl, q, None, None, cache, meta, output)
     assert torch.equal(cache.view(torch.int16), before.view(torch.int16)) and output[4:].isnan().all()
     at = 0
     for (qs, k, v), L, n in zip(seq, lengths, q_lens):
         want = invariant.attention_batched(qs[None], k[None], v[None], D ** -0.5)[0, L - n:]
         assert torch.equal(output[at:at + n].view(n, H, D), want)
         at += n
-    with pytest.raises(invariant_layers.BitwiseUnsupported, match=r"KV cache of shape \(6, 3, 16, 16\)"):
-        invariant_layers.paged_cache_views(impl, torch.empty(6, 3, 16, 16))
+    with pytest.raises(invariant_attention.BitwiseUnsupported, match=r"KV cache of shape \(6, 3, 16, 16\)"):
+        invariant_attention.paged_cache_views(impl, torch.empty(6, 3, 16, 16))

@@ -115,24 +115,26 @@ def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str,
     return kwargs
 
 
-BITWISE_GRAPH_MODES = ("PIECEWISE", "NONE")  # cudagraph modes of a bitwise engine; the first is its default
+# cudagraph modes of a bitwise engine; the first is its default (the one its loop table was measured with)
+BITWISE_GRAPH_MODES = ("PIECEWISE", "FULL_AND_PIECEWISE", "NONE")
 ATTENTION_OP = "vllm::unified_attention_with_output"
 
 
 def _bitwise_compilation(compilation_config: Any) -> dict[str, Any]:
-    """engine.bitwise on CUDA: PIECEWISE CUDA graphs (default) or none. vLLM splits its compiled graph at the
-    attention op and runs that op eagerly between the captured pieces, so every step calls the invariant attention,
-    which the engine installs after vLLM has captured its graphs. A FULL mode would replay decode steps with the
-    attention captured before that, vLLM's own FlashAttention (measured: 45 % of sampled tokens bitwise, KL 4e-4);
-    splitting ops without the attention op would capture it inside a piece."""
+    """engine.bitwise on CUDA: PIECEWISE CUDA graphs (default; vLLM runs the attention op eagerly between the
+    captured pieces), FULL_AND_PIECEWISE (decode batches, every query one row, replay one graph of the whole
+    forward; the invariant attention is vLLM's backend impl, built before the capture, and reads its cache in place)
+    or none. FULL would capture batches with longer queries too, whose kernel grid comes from the longest query (a
+    host value a replay cannot change); FULL_DECODE_ONLY has no piecewise pass to run the attention kernel before
+    its first capture. Splitting ops without the attention op would capture it inside a piece."""
     config = dict(compilation_config or {})
     mode = str(config.get("cudagraph_mode") or BITWISE_GRAPH_MODES[0]).upper()
     if mode not in BITWISE_GRAPH_MODES:
         raise ConfigError(f"engine.vllm_args.compilation_config.cudagraph_mode={mode}: engine.bitwise runs with "
-                          f"{' or '.join(BITWISE_GRAPH_MODES)} (a full graph would replay vLLM's own attention)")
+                          f"{', '.join(BITWISE_GRAPH_MODES[:-1])} or {BITWISE_GRAPH_MODES[-1]}")
     splitting = config.get("splitting_ops")
-    if mode == "PIECEWISE" and splitting is not None and ATTENTION_OP not in splitting:
-        raise ConfigError(f"engine.vllm_args.compilation_config.splitting_ops: engine.bitwise with PIECEWISE graphs "
+    if "PIECEWISE" in mode and splitting is not None and ATTENTION_OP not in splitting:
+        raise ConfigError(f"engine.vllm_args.compilation_config.splitting_ops: engine.bitwise with {mode} graphs "
                           f"needs {ATTENTION_OP} among them")
     config["cudagraph_mode"] = mode
     return config
@@ -229,7 +231,9 @@ class RolloutEngine:
         if getattr(cfg.engine, "bitwise", False):
             invariant_layers.forget_cached_rotary()
             try:
-                invariant_layers.install_attention(self.llm)
+                from epirl.engine.vllm_compat import invariant_attention  # imports vLLM's backends
+
+                invariant_attention.check_attention(self.llm)
                 invariant_layers.check_model(self.llm)
                 self._undo_sampler = invariant_sampler.install(self.llm)
             except invariant_layers.BitwiseUnsupported as exc:  # one line, and the engine's memory given back
@@ -347,7 +351,9 @@ class RolloutEngine:
             return {"engine/kv_released_bytes": 0.0, "engine/kv_release_s": 0.0}
         metrics = kv_cache.release_kv(self.llm)
         if getattr(self.cfg.engine, "bitwise", False):  # the invariant attention's slot stores go with the cache
-            metrics["engine/kv_released_bytes"] += invariant_layers.drop_slot_stores(self.llm)
+            from epirl.engine.vllm_compat import invariant_attention
+
+            metrics["engine/kv_released_bytes"] += invariant_attention.drop_slot_stores(self.llm)
         self._kv_released = True
         self._kv_released_bytes = int(metrics["engine/kv_released_bytes"])
         log.info("released KV cache (%s): %.2f GiB in %.3f s", mode,

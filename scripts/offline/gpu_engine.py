@@ -7,8 +7,8 @@ Sections (each in its own try/except: one failure prints its error and the rest 
   tpot      decode time per output token, batch 1 and 32, 128-token prompts, 256 new tokens, CUDA
             graphs, Qwen3-8B-shaped dummy weights, rank-64 adapter on all 7 projections:
             w8a16 (matched, epirl kernel) vs w8a8 (vLLM fp8 + vLLM LoRA) vs vLLM fp8 without adapter;
-            `--precisions w8a16-bitwise`: the bitwise engine (PIECEWISE CUDA graphs); one engine per process
-            (vLLM's sleep-mode allocator serves one instance per process)
+            `--precisions w8a16-bitwise`: the bitwise engine (`--graphs`: its cudagraph mode); one engine per
+            process (vLLM's sleep-mode allocator serves one instance per process)
   publish   in-memory publish of a rank-64 adapter on the 8B shape (goal <= 50 ms)
   layer     matched engine: a captured qkv_proj / down_proj output vs the kernel recomputed on the
             same input with the trainer's tensors (torch.equal), on the 8B shape
@@ -56,8 +56,8 @@ def section_8b(args, model_dir: str, precision: str) -> None:
     from epirl.engine import RolloutEngine
 
     try:
-        engine = RolloutEngine(make_cfg(model_dir, precision, rank=64, eager=args.eager), load_format="dummy",
-                               skip_tokenizer_init=True)
+        engine = RolloutEngine(make_cfg(model_dir, precision, rank=64, eager=args.eager, graphs=args.graphs),
+                               load_format="dummy", skip_tokenizer_init=True)
     except Exception as e:  # e.g. torch.compile / graph capture of the plugin op: keep the evidence coming
         row(precision, "ERROR starting with CUDA graphs (retrying eager)", f"{type(e).__name__}: {str(e)[:200]}")
         traceback.print_exc()
@@ -250,6 +250,7 @@ def main() -> None:
                              "poison the CUDA context for everything after it")
     parser.add_argument("--tag", default="main", help="suffix of $OUT/gpu_engine_<tag>.json")
     parser.add_argument("--eager", action="store_true", help="engines without CUDA graphs (faster start)")
+    parser.add_argument("--graphs", help="vLLM's cudagraph mode for the 8B-shape engines (default: the engine's own)")
     args = parser.parse_args()
     ensure_epirl_kernels()
     import torch

@@ -21,6 +21,7 @@ outside this package imports a private vLLM name (`tests/test_vllm_compat.py` gr
 | `quantization` | the out-of-tree quantization plugin API and vLLM's embedding classes |
 | `cpu_lora_ops` | the CPU punica ops (grouped per-slot matmuls instead of a per-token gather) |
 | `shutdown` | engine-core shutdown and the distributed/memory cleanup after `LLM` |
-| `invariant_layers` | out-of-tree RMSNorm / RotaryEmbedding / SiluAndMul / LogitsProcessor and the CPU attention backend's forward (`engine.bitwise`) |
+| `invariant_layers` | out-of-tree RMSNorm / RotaryEmbedding / SiluAndMul / LogitsProcessor (`engine.bitwise`) |
+| `invariant_attention` | the FlashAttention and CPU_ATTN backends with the invariant forward, through the backend registry (`engine.bitwise`) |
 | `invariant_sampler` | the V1 sampler's `compute_logprobs` / top-k-top-p `forward`, V2's `compute_token_logprobs` / `apply_temperature` (`engine.bitwise`) |
 """
