@@ -66,3 +66,9 @@ class EngineSpec:
 def current() -> EngineSpec | None:
     """The spec of the vLLM config in effect (while vLLM builds a model), else None."""
     return EngineSpec.from_additional_config(engine_args.current_additional_config())
+
+
+def bitwise_now() -> bool:
+    """Whether the spec in effect (while vLLM builds a model) asks for the bitwise layers (`EngineSpec.bitwise`)."""
+    spec = current()
+    return bool(spec is not None and spec.bitwise)

@@ -28,17 +28,12 @@ import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
+from epirl.engine import spec as engine_spec
 from epirl.engine.vllm_compat.model_access import model as model_of
 from epirl.kernels import invariant
 from epirl.model.bitwise import BitwiseUnsupported  # one error for both sides of the pairing
 
 BACKENDS = {"FLASH_ATTN": "InvariantFlashAttentionBackend", "CPU_ATTN": "InvariantCPUAttentionBackend"}
-
-
-def _bitwise_now() -> bool:
-    from epirl.engine.vllm_compat.invariant_layers import bitwise_now
-
-    return bitwise_now()
 
 
 def register_backends() -> None:
@@ -58,7 +53,7 @@ class _InvariantForward:
     reads_cache = False  # True: vLLM's own cache is read in place; False: a plain slot store beside it
 
     def _epirl_init(self) -> None:
-        self.epirl_bitwise = _bitwise_now()
+        self.epirl_bitwise = engine_spec.bitwise_now()
         self.epirl_slots = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):

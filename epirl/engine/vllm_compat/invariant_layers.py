@@ -45,12 +45,6 @@ def forget_cached_rotary() -> None:
     rotary_embedding._ROPE_DICT.clear()
 
 
-def bitwise_now() -> bool:
-    """Whether the engine spec in effect (while vLLM builds a model) asks for the bitwise layers."""
-    spec = engine_spec.current()
-    return bool(spec is not None and spec.bitwise)
-
-
 def register_layers() -> None:
     """Register the invariant subclasses of vLLM's RMSNorm, RotaryEmbedding, SiluAndMul and LogitsProcessor, and its
     attention backends' (`invariant_attention`), once per process; vLLM builds them wherever a model asks for the
@@ -69,7 +63,7 @@ def register_layers() -> None:
     class InvariantRMSNorm(RMSNorm):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.epirl_bitwise = bitwise_now()
+            self.epirl_bitwise = engine_spec.bitwise_now()
 
         def forward(self, x, residual=None):
             if not self.epirl_bitwise:
@@ -83,7 +77,7 @@ def register_layers() -> None:
     class InvariantRotaryEmbedding(RotaryEmbedding):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.epirl_bitwise = bitwise_now()
+            self.epirl_bitwise = engine_spec.bitwise_now()
             if self.epirl_bitwise:
                 if not self.is_neox_style:
                     raise BitwiseUnsupported("engine.bitwise: GPT-J-style rotary embedding has no bitwise kernel")
@@ -103,7 +97,7 @@ def register_layers() -> None:
     class InvariantSiluAndMul(SiluAndMul):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.epirl_bitwise = bitwise_now()
+            self.epirl_bitwise = engine_spec.bitwise_now()
 
         def forward(self, x):
             return torch.ops.epirl.invariant_silu_mul(x) if self.epirl_bitwise else super().forward(x)
@@ -111,7 +105,7 @@ def register_layers() -> None:
     class InvariantLogitsProcessor(LogitsProcessor):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.epirl_bitwise = bitwise_now()
+            self.epirl_bitwise = engine_spec.bitwise_now()
 
         def _apply_head(self, lm_head, hidden_states, embedding_bias):
             if not self.epirl_bitwise:
