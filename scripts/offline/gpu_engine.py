@@ -1,14 +1,15 @@
 """GPU evidence for the rollout engine, in one run on an H200 with vLLM 0.26 staged.
 
     source ~/vllm-env.sh && python scripts/offline/gpu_engine.py            # ~6-8 min
-    python scripts/offline/gpu_engine.py --skip-smollm2 --skip-tpot           # quicker subsets
+    python scripts/offline/gpu_engine.py --precisions w8a8 --skip-smollm2     # another engine, its own process
 
-Sections (each in its own try/except: one failure prints its error and the rest still run):
+One 8B-shape engine per process (`--precisions`: vLLM's sleep-mode allocator serves one instance per process);
+gpu_benchmarks.sh runs one process per engine. Sections (each in its own try/except: one failure prints its error and
+the rest still run):
   tpot      decode time per output token, batch 1 and 32, 128-token prompts, 256 new tokens, CUDA
-            graphs, Qwen3-8B-shaped dummy weights, rank-64 adapter on all 7 projections:
-            w8a16 (matched, epirl kernel) vs w8a8 (vLLM fp8 + vLLM LoRA) vs vLLM fp8 without adapter;
-            `--precisions w8a16-bitwise`: the bitwise engine (`--graphs`: its cudagraph mode); one engine per
-            process (vLLM's sleep-mode allocator serves one instance per process)
+            graphs, Qwen3-8B-shaped dummy weights, rank-64 adapter on all 7 projections: w8a16 (matched,
+            epirl kernel), w8a8 (vLLM fp8 + vLLM LoRA; also vLLM fp8 without adapter) or w8a16-bitwise
+            (`--graphs`: its cudagraph mode)
   publish   in-memory publish of a rank-64 adapter on the 8B shape (goal <= 50 ms)
   layer     matched engine: a captured qkv_proj / down_proj output vs the kernel recomputed on the
             same input with the trainer's tensors (torch.equal), on the 8B shape
@@ -244,7 +245,8 @@ def main() -> None:
     parser.add_argument("--skip-tpot", action="store_true")
     parser.add_argument("--skip-smollm2", action="store_true")
     parser.add_argument("--kv-all", action="store_true", help="KV cycles on the w8a8 engine too")
-    parser.add_argument("--precisions", default="w8a16,w8a8", help="8B-shape engines; `none`: SmolLM2 section only")
+    parser.add_argument("--precisions", default="w8a16", help="the 8B-shape engine (w8a16, w8a8, w8a16-bitwise; one "
+                        "per process); `none`: SmolLM2 section only")
     parser.add_argument("--sections", default="publish,tpot,layer,shared,kv",
                         help="8B-shape sections to run; run `kv` in its own process: a failed KV re-map can "
                              "poison the CUDA context for everything after it")
@@ -252,6 +254,9 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="engines without CUDA graphs (faster start)")
     parser.add_argument("--graphs", help="vLLM's cudagraph mode for the 8B-shape engines (default: the engine's own)")
     args = parser.parse_args()
+    precisions = [p for p in args.precisions.split(",") if p not in ("", "none")]
+    if len(precisions) > 1:  # a second sleep-mode engine in one process fails in vLLM's CuMem allocator
+        parser.error(f"--precisions {args.precisions}: one 8B-shape engine per process; run once per precision")
     ensure_epirl_kernels()
     import torch
     import vllm
@@ -259,7 +264,7 @@ def main() -> None:
     row("env", "vllm / torch / gpu", f"{vllm.__version__} / {torch.__version__} / {torch.cuda.get_device_name()}")
     model_dir = qwen3_8b_dir()
     t0 = time.perf_counter()
-    for precision in [p for p in args.precisions.split(",") if p not in ("", "none")]:
+    for precision in precisions:
         _guard(f"{precision}/engine", lambda: section_8b(args, model_dir, precision))
     if not args.skip_smollm2:
         _guard("smollm2", section_smollm2)
