@@ -182,7 +182,9 @@ def test_bitwise_engine_on_cuda_runs_piecewise_graphs_by_default(monkeypatch):
     assert engine._bitwise_compilation({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE",
                                                                                    "level": 3}
     assert engine._bitwise_compilation({"cudagraph_mode": "FULL_AND_PIECEWISE"}) == {
-        "cudagraph_mode": "FULL_AND_PIECEWISE"}
+        "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_num_of_warmups": 1}  # the kernel compiles before capture
+    assert engine._bitwise_compilation({"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_num_of_warmups": 3})[
+        "cudagraph_num_of_warmups"] == 3
     for mode in ("FULL", "FULL_DECODE_ONLY"):
         with pytest.raises(ConfigError, match=rf"compilation_config.cudagraph_mode={mode}: engine.bitwise runs with"
                                               r" PIECEWISE, FULL_AND_PIECEWISE or NONE"):

@@ -125,8 +125,9 @@ def _bitwise_compilation(compilation_config: Any) -> dict[str, Any]:
     captured pieces), FULL_AND_PIECEWISE (decode batches, every query one row, replay one graph of the whole
     forward; the invariant attention is vLLM's backend impl, built before the capture, and reads its cache in place)
     or none. FULL would capture batches with longer queries too, whose kernel grid comes from the longest query (a
-    host value a replay cannot change); FULL_DECODE_ONLY has no piecewise pass to run the attention kernel before
-    its first capture. Splitting ops without the attention op would capture it inside a piece."""
+    host value a replay cannot change); FULL_DECODE_ONLY has no piecewise pass. Splitting ops without the attention
+    op would capture it inside a piece. Full graphs get one eager warm-up run with attention before each capture
+    (`cudagraph_num_of_warmups`, unless set): the attention kernel compiles there, not inside a capture."""
     config = dict(compilation_config or {})
     mode = str(config.get("cudagraph_mode") or BITWISE_GRAPH_MODES[0]).upper()
     if mode not in BITWISE_GRAPH_MODES:
@@ -137,6 +138,8 @@ def _bitwise_compilation(compilation_config: Any) -> dict[str, Any]:
         raise ConfigError(f"engine.vllm_args.compilation_config.splitting_ops: engine.bitwise with {mode} graphs "
                           f"needs {ATTENTION_OP} among them")
     config["cudagraph_mode"] = mode
+    if mode.startswith("FULL"):
+        config.setdefault("cudagraph_num_of_warmups", 1)
     return config
 
 
