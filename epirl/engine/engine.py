@@ -125,9 +125,10 @@ def _bitwise_compilation(compilation_config: Any) -> dict[str, Any]:
     captured pieces), FULL_AND_PIECEWISE (decode batches, every query one row, replay one graph of the whole
     forward; the invariant attention is vLLM's backend impl, built before the capture, and reads its cache in place)
     or none. FULL would capture batches with longer queries too, whose kernel grid comes from the longest query (a
-    host value a replay cannot change); FULL_DECODE_ONLY has no piecewise pass. Splitting ops without the attention
-    op would capture it inside a piece. Full graphs get one eager warm-up run with attention before each capture
-    (`cudagraph_num_of_warmups`, unless set): the attention kernel compiles there, not inside a capture."""
+    host value a replay cannot change); FULL_DECODE_ONLY (prefill without graphs) would only be slower than
+    FULL_AND_PIECEWISE. Splitting ops without the attention op would capture it inside a piece. Full graphs get one
+    eager warm-up run with attention before each capture (`cudagraph_num_of_warmups`, unless set): the attention
+    kernel compiles there, not inside a capture."""
     config = dict(compilation_config or {})
     mode = str(config.get("cudagraph_mode") or BITWISE_GRAPH_MODES[0]).upper()
     if mode not in BITWISE_GRAPH_MODES:
