@@ -89,9 +89,9 @@ class EngineConfig(Section):
     w8a16`, an FP8 trainer (`trainer.base: fp8` or `shared`) and `model.dtype: bfloat16`; Llama-style models
     (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend or FlashAttention (CUDA: PIECEWISE CUDA graphs by default,
     `engine.vllm_args.compilation_config.cudagraph_mode: FULL_AND_PIECEWISE` for whole-graph decode steps, or NONE;
-    FULL and FULL_DECODE_ONLY are refused). On CUDA the shared ops are
-    Triton kernels (fp32, one fixed reduction order) and the attention reads FlashAttention's KV cache in place; on
-    CPU float64 references over a plain copy of the cache's slots (BENCHMARKS.md § Bitwise pairing)."""
+    FULL and FULL_DECODE_ONLY are refused). On CUDA the shared ops are Triton kernels (fp32, one fixed reduction
+    order) and the attention reads FlashAttention's KV cache in place; on CPU float64 references over a plain copy of
+    the cache's slots (BENCHMARKS.md § Bitwise pairing)."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""
