@@ -269,6 +269,9 @@ def test_flash_attention_forward_reads_vllms_cache_in_place_with_the_trainers_bi
     output = torch.full((6, H * D), float("nan"), dtype=torch.bfloat16)  # padded past the 4 real rows
     invariant_attention.attention_forward(impl, q, None, None, cache, meta, output)
     assert torch.equal(cache.view(torch.int16), before.view(torch.int16)) and output[4:].isnan().all()
+    views = impl.epirl_views  # made once per cache tensor, reused by the next step
+    invariant_attention.attention_forward(impl, q, None, None, cache, meta, output)
+    assert impl.epirl_views is views and views[0] is cache
     at = 0
     for (qs, k, v), L, n in zip(seq, lengths, q_lens):
         want = invariant.attention_batched(qs[None], k[None], v[None], D ** -0.5)[0, L - n:]

@@ -55,6 +55,7 @@ class _InvariantForward:
     def _epirl_init(self) -> None:
         self.epirl_bitwise = engine_spec.bitwise_now()
         self.epirl_slots = None
+        self.epirl_views = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if not self.epirl_bitwise:
@@ -102,6 +103,15 @@ def paged_cache_views(impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch
                              f"({G} kv heads of {D}) has no known layout")
 
 
+def _cache_views(impl, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_cache_views`, made once per cache tensor: vLLM hands every step the same one (a new one after a KV
+    re-acquire that re-creates it), and the eager attention of a piecewise graph pays its Python per layer and step."""
+    cached = getattr(impl, "epirl_views", None)
+    if cached is None or cached[0] is not kv_cache:
+        cached = impl.epirl_views = (kv_cache, *paged_cache_views(impl, kv_cache))
+    return cached[1], cached[2]
+
+
 def _slot_store(impl, kv_cache: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """This layer's keys and values by cache slot, `[slots, kv_heads, head_size]` each, beside a cache the kernel
     cannot read (CPU_ATTN's): as many slots as vLLM's cache has (its keys and values, each `kv_heads · head_size`
@@ -123,7 +133,7 @@ def attention_forward(impl, query, key, value, kv_cache, attn_metadata, output):
         return output
     n = attn_metadata.num_actual_tokens
     if impl.reads_cache:
-        keys, values = paged_cache_views(impl, kv_cache)
+        keys, values = _cache_views(impl, kv_cache)
     else:
         keys, values = _slot_store(impl, kv_cache, key)
         slots = attn_metadata.slot_mapping[:n].long()
