@@ -87,11 +87,11 @@ class EngineConfig(Section):
     exactly, `mismatch/bitwise_frac` = 1). Both sides run epirl's batch-invariant norms, rotary embedding, attention,
     SiLU-and-multiply and LM head (`epirl.kernels.invariant`) around the matched projections. Needs `precision:
     w8a16`, an FP8 trainer (`trainer.base: fp8` or `shared`) and `model.dtype: bfloat16`; Llama-style models
-    (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend or FlashAttention (CUDA: PIECEWISE CUDA graphs by default,
-    `engine.vllm_args.compilation_config.cudagraph_mode: FULL_AND_PIECEWISE` for whole-graph decode steps, or NONE;
-    FULL and FULL_DECODE_ONLY are refused). On CUDA the shared ops are Triton kernels (fp32, one fixed reduction
-    order) and the attention reads FlashAttention's KV cache in place; on CPU float64 references over a plain copy of
-    the cache's slots (BENCHMARKS.md § Bitwise pairing)."""
+    (SmolLM2, Llama, Qwen3); vLLM's CPU attention backend or FlashAttention (CUDA: FULL_AND_PIECEWISE CUDA graphs
+    by default, whole-graph decode steps; `engine.vllm_args.compilation_config.cudagraph_mode: PIECEWISE` or NONE
+    run the attention eagerly, with the same bits and slower; FULL and FULL_DECODE_ONLY are refused). On CUDA the
+    shared ops are Triton kernels (fp32, one fixed reduction order) and the attention reads FlashAttention's KV cache
+    in place; on CPU float64 references over a plain copy of the cache's slots (BENCHMARKS.md § Bitwise pairing)."""
     kv_release: bool = True
     """Release the KV cache while the trainer runs and re-acquire it after the adapter publish (CUDA only;
     a logged no-op on CPU)."""

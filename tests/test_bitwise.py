@@ -171,29 +171,30 @@ def test_bitwise_attention_backends_replace_vllms_by_name_and_act_only_for_a_bit
     assert invariant_attention.InvariantFlashAttentionImpl.reads_cache
 
 
-def test_bitwise_engine_on_cuda_runs_piecewise_graphs_by_default(monkeypatch):
-    """On CUDA a bitwise engine asks vLLM for PIECEWISE CUDA graphs unless told FULL_AND_PIECEWISE or NONE, keeps the
-    user's other compilation settings, and refuses FULL, FULL_DECODE_ONLY or splitting ops that would capture the
-    attention inside a piece, by the field's name."""
+def test_bitwise_engine_on_cuda_runs_full_and_piecewise_graphs_by_default(monkeypatch):
+    """On CUDA a bitwise engine asks vLLM for FULL_AND_PIECEWISE CUDA graphs (with an eager warm-up before each
+    capture) unless told PIECEWISE or NONE, keeps the user's other compilation settings, and refuses FULL,
+    FULL_DECODE_ONLY or splitting ops that would capture the attention inside a piece, by the field's name."""
     from epirl.config import ConfigError
     from epirl.engine import engine
 
-    assert engine._bitwise_compilation(None) == {"cudagraph_mode": "PIECEWISE"}
-    assert engine._bitwise_compilation({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE",
-                                                                                   "level": 3}
-    assert engine._bitwise_compilation({"cudagraph_mode": "FULL_AND_PIECEWISE"}) == {
-        "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_num_of_warmups": 1}  # the kernel compiles before capture
+    full = {"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_num_of_warmups": 1}  # the kernel compiles before capture
+    assert engine._bitwise_compilation(None) == full
+    assert engine._bitwise_compilation({"cudagraph_mode": "full_and_piecewise"}) == full
     assert engine._bitwise_compilation({"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_num_of_warmups": 3})[
         "cudagraph_num_of_warmups"] == 3
+    assert engine._bitwise_compilation({"cudagraph_mode": "none", "level": 3}) == {"cudagraph_mode": "NONE",
+                                                                                   "level": 3}
+    assert engine._bitwise_compilation({"cudagraph_mode": "PIECEWISE"}) == {"cudagraph_mode": "PIECEWISE"}
     for mode in ("FULL", "FULL_DECODE_ONLY"):
         with pytest.raises(ConfigError, match=rf"compilation_config.cudagraph_mode={mode}: engine.bitwise runs with"
-                                              r" PIECEWISE, FULL_AND_PIECEWISE or NONE"):
+                                              r" FULL_AND_PIECEWISE, PIECEWISE or NONE"):
             engine._bitwise_compilation({"cudagraph_mode": mode})
     for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
         with pytest.raises(ConfigError, match=rf"compilation_config.splitting_ops: engine.bitwise with {mode}"):
             engine._bitwise_compilation({"cudagraph_mode": mode, "splitting_ops": ["vllm::mamba_mixer"]})
     kept = {"splitting_ops": [engine.ATTENTION_OP]}
-    assert engine._bitwise_compilation(kept) == {**kept, "cudagraph_mode": "PIECEWISE"}
+    assert engine._bitwise_compilation(kept) == {**kept, **full}
 
 
 def test_slot_stores_size_from_any_cache_layout_and_go_with_the_kv_cache(monkeypatch):

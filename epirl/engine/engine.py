@@ -115,20 +115,21 @@ def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str,
     return kwargs
 
 
-# cudagraph modes of a bitwise engine; the first is its default (the one its loop table was measured with)
-BITWISE_GRAPH_MODES = ("PIECEWISE", "FULL_AND_PIECEWISE", "NONE")
+# cudagraph modes of a bitwise engine; the first is its default (bitwise over 40 loop steps under both graph modes,
+# and the faster: PIECEWISE's TPOT is 2.5-2.7x: BENCHMARKS.md § Bitwise pairing)
+BITWISE_GRAPH_MODES = ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE")
 ATTENTION_OP = "vllm::unified_attention_with_output"
 
 
 def _bitwise_compilation(compilation_config: Any) -> dict[str, Any]:
-    """engine.bitwise on CUDA: PIECEWISE CUDA graphs (default; vLLM runs the attention op eagerly between the
-    captured pieces), FULL_AND_PIECEWISE (decode batches, every query one row, replay one graph of the whole
-    forward; the invariant attention is vLLM's backend impl, built before the capture, and reads its cache in place)
-    or none. FULL would capture batches with longer queries too, whose kernel grid comes from the longest query (a
-    host value a replay cannot change); FULL_DECODE_ONLY (prefill without graphs) would only be slower than
-    FULL_AND_PIECEWISE. Splitting ops without the attention op would capture it inside a piece. Full graphs get one
-    eager warm-up run with attention before each capture (`cudagraph_num_of_warmups`, unless set): the attention
-    kernel compiles there, not inside a capture."""
+    """engine.bitwise on CUDA: FULL_AND_PIECEWISE CUDA graphs (default: decode batches, every query one row, replay
+    one graph of the whole forward; the invariant attention is vLLM's backend impl, built before the capture, and
+    reads its cache in place), PIECEWISE (vLLM runs the attention op eagerly between the captured pieces: the same
+    bits, 2.5x the TPOT) or none. FULL would capture batches with longer queries too, whose kernel grid comes from
+    the longest query (a host value a replay cannot change); FULL_DECODE_ONLY (prefill without graphs) would only be
+    slower than FULL_AND_PIECEWISE. Splitting ops without the attention op would capture it inside a piece. Full
+    graphs get one eager warm-up run with attention before each capture (`cudagraph_num_of_warmups`, unless set): the
+    attention kernel compiles there, not inside a capture."""
     config = dict(compilation_config or {})
     mode = str(config.get("cudagraph_mode") or BITWISE_GRAPH_MODES[0]).upper()
     if mode not in BITWISE_GRAPH_MODES:

@@ -17,9 +17,9 @@
 #   bitkern   the invariant ops' GPU tests (batch invariance at real sizes, agreement with the references), then
 #             bench_invariant.py: each kernel vs what the matched pairing runs instead (SDPA, cuBLAS, torch) ~3 min
 #   bitwise   gpu_loop_check.py: the bitwise pairing for 40 steps (`mismatch/bitwise_frac` every step), under
-#             PIECEWISE and FULL_AND_PIECEWISE CUDA graphs side by side                                    ~4 min
+#             FULL_AND_PIECEWISE (the default) and PIECEWISE CUDA graphs side by side                       ~6 min
 #   bitspeed  the bitwise pairing's cost beside the matched one: engine TPOT at batch 1 / 32 (gpu_engine.py,
-#             Qwen3-8B shape, one engine per process; bitwise under PIECEWISE and FULL_AND_PIECEWISE graphs)
+#             Qwen3-8B shape, one engine per process; bitwise under FULL_AND_PIECEWISE and PIECEWISE graphs)
 #             and the trainer step (bench_trainer.py fp8 vs fp8-bitwise)                                 ~12 min
 #   compare   `epirl compare` on the SmolLM2 recipe: bf16, w8a16, w8a8, w8a16-bitwise, w8a8-notis x 3 seeds x
 #             40 steps (COMPARE_PAIRINGS), 8 runs beside each other on the GPU (COMPARE_RUNS_PER_GPU),
@@ -77,13 +77,13 @@ run_part() {
     bitwise)  # both graph modes of the bitwise engine, side by side
               part bitwise 580 python3 -P scripts/gpu_loop_check.py --pairings w8a16-bitwise --faults none --steps 40 \
                 --output-dir /tmp/loop_bitwise &
-              part bitwise_full 580 python3 -P scripts/gpu_loop_check.py --pairings w8a16-bitwise --faults none \
-                --steps 40 --output-dir /tmp/loop_bitwise_full \
-                engine.vllm_args.compilation_config.cudagraph_mode=FULL_AND_PIECEWISE &
+              part bitwise_piecewise 580 python3 -P scripts/gpu_loop_check.py --pairings w8a16-bitwise --faults none \
+                --steps 40 --output-dir /tmp/loop_bitwise_piecewise \
+                engine.vllm_args.compilation_config.cudagraph_mode=PIECEWISE &
               wait ;;
     bitspeed) engine_part bitwise 300 --precisions w8a16-bitwise --sections tpot --skip-smollm2
-              engine_part bitwise_full 300 --precisions w8a16-bitwise --sections tpot --skip-smollm2 \
-                --graphs FULL_AND_PIECEWISE
+              engine_part bitwise_piecewise 300 --precisions w8a16-bitwise --sections tpot --skip-smollm2 \
+                --graphs PIECEWISE
               engine_part matched 300 --precisions w8a16 --sections tpot --skip-smollm2  # own process: one sleep-mode engine each
               part bitwise_step 240 python3 -P scripts/bench_trainer.py --shapes qwen3-8b --bases fp8 fp8-bitwise \
                 --steps 2 --json "$OUT/bench_step_bitwise.json" ;;

@@ -9,11 +9,13 @@
 #   q35       Qwen3.5-9B   W8A8 + TIS                    shared              ~9 min (~7)
 #   q3        Qwen3-8B     W8A8 + TIS                    shared              ~6 min
 #   q3w8a16   Qwen3-8B     matched W8A16, none           shared              ~7 min
-#   q3bitwise Qwen3-8B     matched W8A16 + engine.bitwise shared (KL and bitwise columns: 1.0 every step)
+#   q3bitwise Qwen3-8B     matched W8A16 + engine.bitwise shared              ~7 min (KL 0, bitwise 1.0 every step)
 #   bf16      Qwen3-8B     W8A8 + TIS                    bf16 (own copy)     ~5 min
 #   q35bf16   Qwen3.5-9B   W8A8 + TIS                    bf16                ~8.5 min (~6.5)
 #   q35w8a16  Qwen3.5-9B   matched W8A16, none           shared              ~9.5 min (use STEPS=2)
 #   bash scripts/offline/gpu_main_recipe.sh q3
+#   bash scripts/offline/gpu_main_recipe.sh q3bitwise engine.vllm_args.compilation_config.cudagraph_mode=PIECEWISE
+# (key=value arguments after the part override the recipe).
 #
 # Qwen3.5 on the fla kit does not fit 3 steps in 10 minutes from a cold machine (engine + trainer start
 # 366 s, step 1 188 s): run it in the background, one start and then waits back to back
@@ -58,7 +60,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -P -c "import importlib.util as u, importlib.metadata as m, triton
 fla = m.version('flash-linear-attention') if u.find_spec('fla') else 'not installed'
 print(f'[$part] triton {triton.__version__} ({triton.__file__.rsplit(\"/\", 2)[0]}), fla {fla}')" 2>&1 | tail -n 1
-timeout "${TIMEOUT:-570}" python3 -P -m epirl.cli train "${args[@]}" "${COMMON[@]}" name=main_$part \
+timeout "${TIMEOUT:-570}" python3 -P -m epirl.cli train "${args[@]}" "${COMMON[@]}" "${@:2}" name=main_$part \
     --benchmark "$STEPS" --prompt-tokens 256 --force-max-tokens --benchmark-out "$json" > "$log" 2>&1
 rc=$?
 echo "[$part] exit $rc after $(( $(date +%s) - t0 )) s (engine: $(grep -o 'started in [0-9.]* s' "$log" | head -1))"
