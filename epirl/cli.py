@@ -12,18 +12,24 @@ console of epirl.console (plan, progress, results on the terminal; what librarie
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from rich.console import Console
 
-from epirl.compare_cli import add_compare_args
 from epirl.console import error_line
-from epirl.eval_cli import add_eval_args
-from epirl.kernels_cli import add_kernels_args
-from epirl.mismatch.cli import add_mismatch_args
-from epirl.train_cli import add_train_args
 
 console = Console(stderr=True)
+
+# subcommand -> (module, the function that adds its parser). Only the module of the command asked for is imported
+# (each pulls in torch, vLLM or scipy: seconds); `epirl --help` and a mistyped command import them all.
+SUBCOMMANDS = {
+    "train": ("epirl.train_cli", "add_train_args"),
+    "mismatch": ("epirl.mismatch.cli", "add_mismatch_args"),
+    "eval": ("epirl.eval_cli", "add_eval_args"),
+    "compare": ("epirl.compare_cli", "add_compare_args"),
+    "kernels": ("epirl.kernels_cli", "add_kernels_args"),
+}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -35,23 +41,27 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands=tuple(SUBCOMMANDS)) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="epirl", description="RL post-training of LoRA adapters on one FP8 base.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="library logs on the terminal too (the same as a command's --verbose)")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    add_train_args(sub)
-    add_mismatch_args(sub)
-    add_eval_args(sub)
-    add_compare_args(sub)
-    add_kernels_args(sub)
+    for name in commands:
+        module, add_args = SUBCOMMANDS[name]
+        getattr(importlib.import_module(module), add_args)(sub)
     parser.set_defaults(command_parsers=sub.choices)  # a subcommand's own usage errors name it
     return parser
 
 
+def _asked_command(argv: list[str]) -> tuple[str, ...]:
+    """The subcommand named on the command line (after global options), else every one."""
+    first = next((item for item in argv if not item.startswith("-")), None)
+    return (first,) if first in SUBCOMMANDS else tuple(SUBCOMMANDS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_asked_command(argv))
     args, extra = parser.parse_known_args(argv)
     if extra:  # `train RECIPE --dry-run rl.steps=2`: overrides after an option are still overrides
         if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):

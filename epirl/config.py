@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -414,6 +413,7 @@ def concrete_dtype(name: str, device_type: str) -> str:
 
 def resolve_runtime(cfg: EpirlConfig) -> torch.device:
     """Pick the trainer device and make `model.dtype: auto` concrete, identically for engine and trainer."""
+    import torch  # here, not at import: reading and checking a recipe stays free of torch's seconds of import
     use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but CUDA is not available")

@@ -23,14 +23,16 @@ import re
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+# Only what reading a recipe needs is imported here: a bad key, `--help` or `--print-config` answers in under a
+# second. torch, vLLM, the model and the loop are imported by the functions that use them (seconds of import).
 from epirl import hub
-from epirl.checkpoint import latest_checkpoint, read_state, resumable_checkpoint
 from epirl.config import (ConfigError, EpirlConfig, describe_fields, first_line, load_config, resolve_model_path,
                           resolve_runtime)
 from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, error_line, first_missing,
@@ -38,17 +40,9 @@ from epirl.console import (DefaultsHelpFormatter, RunOutput, add_verbose_arg, er
                            show_failure, verbose_requested)
 from epirl.cpu_threads import apply_thread_plan, plan_threads
 from epirl.data import DataError
-from epirl.engine import plugin
-from epirl.engine.engine import llm_kwargs, quantization_method
-from epirl.engine.vllm_compat import engine_args
-from epirl.model.dummy import SHIPPED_CONFIGS, shipped_config_dir
-from epirl.model.dummy import prepare as prepare_random_weights
-from epirl.model.memory import PreflightError, preflight_beside_engine
-from epirl.plan import plan_lines
-from epirl.progress import RunProgress
-from epirl.rl.distributed import launched_world
-from epirl.rl.benchmark import BenchmarkSettings, format_table
-from epirl.rl.loop import check_inputs, train
+
+if TYPE_CHECKING:
+    from epirl.rl.benchmark import BenchmarkSettings
 
 log = logging.getLogger("epirl.train")
 
@@ -103,15 +97,8 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
-    rank, world, _ = launched_world()
-    if args.nproc is not None and (args.nproc < 1 or (world > 1 and args.nproc != world)):
-        error_line(console, f"--nproc {args.nproc}: must be at least 1 and, inside a torchrun job, its rank count {world}")
-        return 2
-    if args.nproc not in (None, 1) and world == 1:
-        command = torchrun_command(args.nproc, sys.argv[1:])
-        os.execv(command[0], command)  # torchrun replaces this process: its exit status is the job's
     verbose = verbose_requested(args)
-    try:
+    try:  # the recipe first: a bad key is one line before torchrun starts N ranks that would each print it
         recipe, cfg = _recipe_and_config(args)
         if args.help_config:
             print_config_reference(cfg if recipe is not None else None)
@@ -119,6 +106,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.print_config:
             sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             return 0
+    except InputError as exc:
+        error_line(console, str(exc))
+        return 2
+    from epirl.rl.distributed import launched_world
+
+    rank, world, _ = launched_world()
+    if args.nproc is not None and (args.nproc < 1 or (world > 1 and args.nproc != world)):
+        error_line(console, f"--nproc {args.nproc}: must be at least 1 and, inside a torchrun job, its rank count {world}")
+        return 2
+    if args.nproc not in (None, 1) and world == 1:
+        command = torchrun_command(args.nproc, sys.argv[1:])
+        os.execv(command[0], command)  # torchrun replaces this process: its exit status is the job's
+    try:
         start_step, resume_note = _resume_step(args.resume)
         benchmark = _benchmark_settings(args, cfg)
     except InputError as exc:
@@ -142,6 +142,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _benchmark_settings(args, cfg) -> BenchmarkSettings | None:
     """`--benchmark N`: the real loop on synthetic prompts, in its own `<name>-benchmark` folder."""
+    from epirl.rl.benchmark import BenchmarkSettings
+
     if args.benchmark is None:
         return None
     if args.benchmark < 1 or args.resume is not None:
@@ -178,6 +180,8 @@ def _resume_step(resume: str | None) -> tuple[int, str | None]:
     """(the step `--resume` continues after, a one-line warning naming damaged newer checkpoints or None).
 
     Every file of a checkpoint is checked before it is used; none whole is an InputError (one line)."""
+    from epirl.checkpoint import read_state, resumable_checkpoint
+
     if resume is None:
         return 0, None
     checkpoint, damaged = resumable_checkpoint(Path(resume))
@@ -198,6 +202,11 @@ def _check_and_plan(cfg, run_dir: Path, console: Console, benchmark=None, dry_ru
     Random weights (`model.load_format=dummy`) are set up and checked by `train` itself (it rewrites
     model.path first): then only the threads and the config's source are checked here, and None is returned.
     A dry run sets them up here instead, so that it checks and plans what the run would."""
+    from epirl.model.dummy import prepare as prepare_random_weights
+    from epirl.model.memory import PreflightError, preflight_beside_engine
+    from epirl.plan import plan_lines
+    from epirl.rl.loop import check_inputs
+
     threads = plan_threads()
     try:
         device = resolve_runtime(cfg)
@@ -227,6 +236,8 @@ def _check_random_weights_source(cfg) -> None:
     """Random weights need only the architecture's config.json: a hub id without a config shipped under
     recipes/configs/ is fetched from the hub, so an unreachable hub is one line that names the shipped configs
     (one check, where the hub client would retry for a minute)."""
+    from epirl.model.dummy import SHIPPED_CONFIGS, shipped_config_dir
+
     path = resolve_model_path(cfg.model.path)
     if hub.local_path(path) is not None or shipped_config_dir(path) is not None:
         return
@@ -263,6 +274,10 @@ def _dry_run(cfg, run_dir: Path, verbose: bool, level: str, benchmark: Benchmark
 
 def _check_engine_config(cfg) -> None:
     """vLLM's own validation of the engine arguments (EngineArgs → VllmConfig), without loading weights."""
+    from epirl.engine import plugin
+    from epirl.engine.engine import llm_kwargs, quantization_method
+    from epirl.engine.vllm_compat import engine_args
+
     library_records: list[logging.LogRecord] = []
     try:
         engine_args.set_process_env(cfg.engine.cpu_kv_cache_gb)  # read by vLLM when it is imported (next)
@@ -319,6 +334,10 @@ def _exception_chain(exc: BaseException) -> list[BaseException]:
 # ------------------------------------------------------------------------------------------ the run
 def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | None, resume: bool,
          benchmark: BenchmarkSettings | None = None, rank: int = 0) -> int:
+    from epirl.progress import RunProgress
+    from epirl.rl.benchmark import format_table
+    from epirl.rl.loop import train
+
     console = out.console
     total = benchmark.steps if benchmark else cfg.rl.steps
     observer = RunProgress(console, run_dir, total, start_step, cfg.rl.samples_per_prompt)
@@ -335,7 +354,7 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
         return 130
     except Exception as exc:  # noqa: BLE001 - reported below: one line, or the end of train.log
         observer.stop()
-        if isinstance(exc, BAD_INPUT) and not observer.session_rows:
+        if isinstance(exc, bad_input_errors()) and not observer.session_rows:
             return _bad_input(out, exc, run_dir, created)
         log.exception("training failed", extra={"terminal": False})
         out.restore()
@@ -352,7 +371,11 @@ def _run(cfg, run_dir: Path, start_step: int, out: RunOutput, created: Path | No
     return 0
 
 
-BAD_INPUT = (ConfigError, DataError, PreflightError, InputError)
+def bad_input_errors() -> tuple[type[Exception], ...]:
+    """The errors that are bad input (one line, exit 2) when raised before step 1."""
+    from epirl.model.memory import PreflightError
+
+    return ConfigError, DataError, PreflightError, InputError
 
 
 def _bad_input(out: RunOutput, exc: Exception, run_dir: Path, created: Path | None) -> int:
@@ -371,6 +394,8 @@ def interrupted_state(run_dir: Path, kept: Path, benchmark: bool) -> str:
         return f"before step 1; nothing to resume; log in {kept / 'train.log'}"
     if benchmark:
         return f"a benchmark writes no checkpoints; log in {run_dir / 'train.log'}"
+    from epirl.checkpoint import latest_checkpoint, read_state
+
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return (f"no complete checkpoint under {run_dir / 'checkpoints'}, so there is nothing to resume; "

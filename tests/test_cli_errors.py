@@ -222,3 +222,25 @@ def test_project_license_is_an_spdx_string_without_setuptools_deprecation():
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["[]", "Apache-2.0"], proc.stdout + proc.stderr
+
+
+def test_a_bad_recipe_key_or_help_answers_without_importing_torch_or_vllm():
+    """Reading and checking a recipe needs neither torch nor vLLM (seconds of import): `epirl train` with a bad
+    override, `--print-config` and `train --help` answer from pydantic alone, in a fresh interpreter."""
+    probe = ("import sys; from epirl.cli import main\n"
+             "for argv in {argvs!r}:\n"
+             "    try:\n"
+             "        code = main(argv)\n"
+             "    except SystemExit as exit:\n"
+             "        code = exit.code\n"
+             "    print('code', code, file=sys.stderr)\n"
+             "print(sorted(name for name in ('torch', 'vllm', 'scipy', 'transformers') if name in sys.modules),"
+             " file=sys.stderr)\n")
+    argvs = [["train", RECIPE, "rl.clip_low=3"], ["train", RECIPE, "rl.stepz=3"], ["train", RECIPE, "--print-config"],
+             ["train", "--help"]]
+    result = subprocess.run([sys.executable, "-c", probe.format(argvs=argvs)], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    lines = result.stderr.strip().splitlines()
+    assert [line for line in lines if line.startswith("code")] == ["code 2", "code 2", "code 0", "code 0"], lines
+    assert lines[-1] == "[]", f"imported for a recipe check: {lines[-1]}"
+    assert "error: override rl.clip_low=3: Input should be less than or equal to 1" in result.stderr

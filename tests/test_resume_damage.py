@@ -113,7 +113,7 @@ def _interrupt_training(monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_cli, "train", interrupted)
+    monkeypatch.setattr("epirl.rl.loop.train", interrupted)  # train_cli imports it when the run starts
 
 
 def test_interrupt_without_a_checkpoint_does_not_offer_a_resume(run_dir, monkeypatch, capfd):

@@ -116,7 +116,7 @@ def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str,
 
 
 # cudagraph modes of a bitwise engine; the first is its default (bitwise over 40 loop steps under both graph modes,
-# and the faster: PIECEWISE's TPOT is 2.5-2.7x: BENCHMARKS.md § Bitwise pairing)
+# and the faster: PIECEWISE's TPOT is 2.4x its own, BENCHMARKS.md § Bitwise pairing)
 BITWISE_GRAPH_MODES = ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE")
 ATTENTION_OP = "vllm::unified_attention_with_output"
 
@@ -125,7 +125,7 @@ def _bitwise_compilation(compilation_config: Any) -> dict[str, Any]:
     """engine.bitwise on CUDA: FULL_AND_PIECEWISE CUDA graphs (default: decode batches, every query one row, replay
     one graph of the whole forward; the invariant attention is vLLM's backend impl, built before the capture, and
     reads its cache in place), PIECEWISE (vLLM runs the attention op eagerly between the captured pieces: the same
-    bits, 2.5x the TPOT) or none. FULL would capture batches with longer queries too, whose kernel grid comes from
+    bits, 2.4x the TPOT) or none. FULL would capture batches with longer queries too, whose kernel grid comes from
     the longest query (a host value a replay cannot change); FULL_DECODE_ONLY (prefill without graphs) would only be
     slower than FULL_AND_PIECEWISE. Splitting ops without the attention op would capture it inside a piece. Full
     graphs get one eager warm-up run with attention before each capture (`cudagraph_num_of_warmups`, unless set): the
