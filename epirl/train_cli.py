@@ -142,10 +142,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _benchmark_settings(args, cfg) -> BenchmarkSettings | None:
     """`--benchmark N`: the real loop on synthetic prompts, in its own `<name>-benchmark` folder."""
-    from epirl.rl.benchmark import BenchmarkSettings
-
     if args.benchmark is None:
         return None
+    from epirl.rl.benchmark import BenchmarkSettings
+
     if args.benchmark < 1 or args.resume is not None:
         raise InputError("--benchmark N needs N >= 1 and no --resume")
     cfg.name = f"{cfg.name}-benchmark"  # never the folder of a real run
@@ -180,10 +180,10 @@ def _resume_step(resume: str | None) -> tuple[int, str | None]:
     """(the step `--resume` continues after, a one-line warning naming damaged newer checkpoints or None).
 
     Every file of a checkpoint is checked before it is used; none whole is an InputError (one line)."""
-    from epirl.checkpoint import read_state, resumable_checkpoint
-
     if resume is None:
         return 0, None
+    from epirl.checkpoint import read_state, resumable_checkpoint
+
     checkpoint, damaged = resumable_checkpoint(Path(resume))
     found = ", ".join(f"{folder.name} ({reason})" for folder, reason in damaged)
     if checkpoint is None:

@@ -115,8 +115,8 @@ def llm_kwargs(cfg: Any, model_path: str, quantization: str | None) -> dict[str,
     return kwargs
 
 
-# cudagraph modes of a bitwise engine; the first is its default (bitwise over 40 loop steps under both graph modes,
-# and the faster: PIECEWISE's TPOT is 2.4x its own, BENCHMARKS.md § Bitwise pairing)
+# cudagraph modes of a bitwise engine, its default first: both graph modes are bitwise over 40 loop steps, and
+# PIECEWISE's TPOT is 2.4x FULL_AND_PIECEWISE's (BENCHMARKS.md § Bitwise pairing)
 BITWISE_GRAPH_MODES = ("FULL_AND_PIECEWISE", "PIECEWISE", "NONE")
 ATTENTION_OP = "vllm::unified_attention_with_output"
 
